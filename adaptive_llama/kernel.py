@@ -1,0 +1,219 @@
+r"""The adaptive-decoding kernel: how many candidates to keep at one step.
+
+Adaptive decoding (Zhu et al., "Improving Open-Ended Text Generation via Adaptive Decoding",
+ICML 2024, https://arxiv.org/abs/2402.18223, section 4 and Algorithm 1). Sort the next-token
+probabilities :math:`p_1 \ge p_2 \ge \dots \ge p_V`, let :math:`c_k = p_1 + \dots + p_k` and
+:math:`R_k = 1 - c_k` (the mass not yet placed). With natural logarithms::
+
+    dConf_k = [ p_k ln(p_k (V-k) / R_k)  +  R_{k-1} ln( (R_k/(V-k)) / (R_{k-1}/(V-k+1)) ) ] / ln V
+
+    k* = max(1, the last k with dConf_k > epsilon)
+
+dConf_k is the rise in confidence, Conf = 1 - H / ln V, of the estimated distribution that
+knows p_1..p_k and spreads R_k uniformly over the other V - k tokens, when token k becomes
+known. The kept set is the prefix p_1..p_{k*}, as in Algorithm 1, even when some dConf before
+k* dips below epsilon (the authors' scripts use a mask instead).
+
+Edge semantics:
+
+- V is the length of the logits, masked (``-inf``) tokens included.
+- A token with p = 0 never counts (its dConf is not above epsilon).
+- Where the tail mass R_k is exactly 0 (every later token masked, and at k = V), dConf_k takes
+  its continuous limit ``p_k ln(V-k+1) / ln V``.
+- V = 1 gives k* = 1. At a tie on the boundary any prefix of the sorted order is fine: tied
+  tokens have equal p, so every order gives the same dConf sequence.
+
+Normalisation: the paper's Conf is base-free (entropy over log V with one base), so natural
+logarithms throughout. The authors' first script, ``adaptive.py``, divides natural-log terms
+by log2 V: its dConf is the paper's times ln 2, so its epsilon 0.001 is the paper's (and
+this module's) 0.00144. Their later transformers warper uses ln V, as here.
+
+Why the fast kernels are O(V) and exact: dConf_k ln V is the drop in estimated entropy when
+token k becomes known, R_{k-1} KL(q || uniform over V-k+1 tokens) with q = (p_k/R_{k-1}, rest
+uniform). Since p_k is at least the mean of the remaining tokens this is at most
+p_k ln(p_k/u) with u = R_{k-1}/(V-k+1) >= p_k/(V-k+1), hence::
+
+    dConf_k <= p_k ln(V-k+1) / ln V <= p_k
+
+so no token with p <= epsilon can be the last index above epsilon. The kernels compute the
+max logit, the softmax normaliser, collect the fewer than 1/epsilon tokens with p > epsilon,
+sort only those and scan them; the tail masses R_k are float64 sums of the tail itself, never
+``1 - c_k`` (which cancels catastrophically once c_k is near 1).
+
+Backends: the C library built from ``native/adaptive.c`` when it is present, else a numba JIT
+kernel; chosen once at import, logged at debug level, and a missing C library is reported once
+as a warning. ``ADAPTIVE_LLAMA_BACKEND=numba`` (or ``c``) forces one.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+from dataclasses import dataclass
+
+import numpy as np
+
+from . import _native
+
+log = logging.getLogger(__name__)
+
+__all__ = [
+    "AdaptiveStats",
+    "BACKEND",
+    "adaptive_k",
+    "adaptive_k_reference",
+    "adaptive_stats",
+    "dconf_reference",
+    "validate_epsilon",
+]
+
+
+@dataclass(frozen=True)
+class AdaptiveStats:
+    """The per-step figures of the paper's ablation (section 6, threshold study).
+
+    ``k``: candidate-set size k*; ``kept_mass``: c_{k*}, the probability of the kept set;
+    ``conf``: 1 - H / ln V of the whole distribution (NaN for V = 1); ``entropy``: H in nats.
+    """
+
+    k: int
+    kept_mass: float
+    conf: float
+    entropy: float
+
+
+def validate_epsilon(epsilon: float) -> float:
+    """epsilon as a float, or ValueError: it has to be a finite number in (0, 1)."""
+    try:
+        value = float(epsilon)
+    except (TypeError, ValueError):
+        raise ValueError(f"`epsilon` has to be a number in (0, 1), but is {epsilon!r}") from None
+    if not (0.0 < value < 1.0):  # also rejects NaN
+        raise ValueError(f"`epsilon` has to be in (0, 1), but is {epsilon!r}")
+    return value
+
+
+def _validated_logits(logits) -> np.ndarray:
+    x = np.asarray(logits)
+    if x.ndim != 1:
+        raise ValueError(f"`logits` has to be a 1-D array, but has shape {x.shape}")
+    if x.shape[0] == 0:
+        raise ValueError("`logits` is empty: it needs one entry per vocabulary token")
+    if x.dtype not in (np.float32, np.float64):
+        if not np.issubdtype(x.dtype, np.number):
+            raise ValueError(f"`logits` has to be float32 or float64, but is {x.dtype}")
+        x = x.astype(np.float64)
+    if np.isnan(x).any():
+        raise ValueError(f"`logits` contains NaN at index {int(np.flatnonzero(np.isnan(x))[0])}")
+    if np.isposinf(x).any():
+        raise ValueError(f"`logits` contains +inf at index {int(np.flatnonzero(np.isposinf(x))[0])}")
+    if np.isneginf(x).all():
+        raise ValueError("every logit is -inf: at least one token has to be possible")
+    return np.ascontiguousarray(x)
+
+
+# ---- float64 reference: the documented formula over the fully sorted vocabulary ----
+
+
+def dconf_reference(logits) -> np.ndarray:
+    """dConf_1..dConf_V in float64, straight from the module docstring's formula.
+
+    Slow (full sort) and exact; the fast kernels are tested against it.
+    """
+    x = np.sort(np.asarray(logits, dtype=np.float64))[::-1]
+    V = x.shape[0]
+    e = np.exp(x - x[0])
+    p = e / e.sum()
+    R = np.append(np.cumsum(p[::-1])[::-1][1:], 0.0)  # R_k = sum_{j>k} p_j, summed directly
+    R_prev = np.concatenate(([1.0], R[:-1]))
+    k = np.arange(1, V + 1, dtype=np.float64)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        formula = (
+            p * np.log(p * (V - k) / R)
+            + R_prev * np.log((R / (V - k)) / (R_prev / (V - k + 1)))
+        ) / np.log(V)
+        limit = p * np.log(V - k + 1) / np.log(V)  # R_k = 0: every later token masked, or k = V
+    dconf = np.where(R > 0, formula, limit)
+    return np.where(p > 0, dconf, -np.inf)  # a token with p = 0 never counts
+
+
+def adaptive_k_reference(logits, epsilon: float) -> int:
+    """k* = max(1, last k with dConf_k > epsilon), from :func:`dconf_reference`."""
+    epsilon = validate_epsilon(epsilon)
+    x = _validated_logits(logits)
+    if x.shape[0] == 1:
+        return 1
+    above = np.flatnonzero(dconf_reference(x) > epsilon)
+    return int(above[-1]) + 1 if above.size else 1
+
+
+# ---- backend selection: once, at import ----
+
+
+def _choose_backend():
+    forced = os.environ.get("ADAPTIVE_LLAMA_BACKEND", "").strip().lower()
+    if forced not in ("", "c", "numba"):
+        raise ImportError(
+            f"ADAPTIVE_LLAMA_BACKEND has to be 'c' or 'numba', but is {forced!r}"
+        )
+    lib, why = _native.load()
+    if forced != "numba" and lib is not None:
+        log.debug("adaptive kernel backend: C (native/adaptive.c)")
+        return "c", lambda x, eps, stats: _native.adaptive_native(lib, x, eps, stats)
+    if forced == "c":
+        raise ImportError(f"ADAPTIVE_LLAMA_BACKEND=c, but {why}")
+    from ._numba_kernel import adaptive_numba
+
+    if forced == "numba":
+        log.debug("adaptive kernel backend: numba (forced by ADAPTIVE_LLAMA_BACKEND)")
+    else:
+        log.warning("adaptive kernel backend: numba, because %s; reinstall with a C compiler "
+                    "for the faster C kernel", why)
+    return "numba", adaptive_numba
+
+
+BACKEND, _kernel = _choose_backend()
+
+
+def adaptive_k(logits, epsilon: float) -> int:
+    """The candidate-set size k* of adaptive decoding (formula in the module docstring).
+
+    Args:
+        logits: 1-D float32 or float64 array over the whole vocabulary; ``-inf`` marks a
+            masked token. Not modified.
+        epsilon: the threshold on the confidence gain, in (0, 1). The paper recommends
+            0.0005 for open-ended text (about 1e-4 to 1e-3); larger keeps fewer tokens.
+
+    Returns:
+        k* in [1, number of finite logits].
+
+    Raises:
+        ValueError: NaN or +inf in ``logits``, an empty or non-1-D array, every logit
+            ``-inf``, or ``epsilon`` not a finite number in (0, 1).
+
+    Cost: O(V) (three passes over the logits) plus a sort of the < 1/epsilon tokens with
+    p > epsilon; runs on :data:`BACKEND`.
+    """
+    epsilon = validate_epsilon(epsilon)
+    x = _validated_logits(logits)
+    if x.shape[0] == 1:
+        return 1
+    return int(_kernel(x, epsilon, False)[0])
+
+
+def adaptive_stats(logits, epsilon: float) -> AdaptiveStats:
+    """k*, kept probability mass, Conf and entropy of one step (see :class:`AdaptiveStats`).
+
+    Same arguments, validation and cost as :func:`adaptive_k`, plus one multiply-add per token
+    for the entropy.
+    """
+    epsilon = validate_epsilon(epsilon)
+    x = _validated_logits(logits)
+    if x.shape[0] == 1:
+        return AdaptiveStats(k=1, kept_mass=1.0, conf=math.nan, entropy=0.0)
+    k, kept, entropy = _kernel(x, epsilon, True)
+    return AdaptiveStats(
+        k=int(k), kept_mass=float(kept), conf=1.0 - entropy / math.log(x.shape[0]),
+        entropy=float(entropy),
+    )

@@ -1,0 +1,559 @@
+/*
+ * adaptive-llama native kernels: adaptive decoding and eta-sampling as llama.cpp samplers.
+ *
+ * Adaptive decoding: Zhu et al., "Improving Open-Ended Text Generation via Adaptive
+ * Decoding", ICML 2024, section 4 and Algorithm 1.  With the next-token probabilities
+ * sorted p_1 >= ... >= p_V, c_k = p_1 + ... + p_k and R_k = 1 - c_k (natural logs):
+ *
+ *   dConf_k = [ p_k ln(p_k (V-k) / R_k) + R_{k-1} ln( (R_k/(V-k)) / (R_{k-1}/(V-k+1)) ) ] / ln V
+ *   k*      = max(1, the last k with dConf_k > epsilon)
+ *
+ * Terms: where R_k = 0 (k = V, or every later token masked) dConf_k takes its continuous
+ * limit p_k ln(V-k+1) / ln V; a token with p = 0 never counts; V = 1 gives k* = 1.
+ *
+ * Why O(V) is exact: dConf_k <= p_k (see adaptive_llama/kernel.py), so the last index above
+ * epsilon has p > epsilon.  Passes: (1) max logit, (2) w_i = exp(x_i - max) and their sum,
+ * (3) collect the tokens with p > epsilon (fewer than 1/epsilon) and sum the rest directly,
+ * then sort only the candidates and scan them.  Tail masses are float64 suffix sums, never
+ * 1 - c_k, which cancels catastrophically once c_k is near 1.
+ *
+ * Eta-sampling: Hewitt et al., "Truncation Sampling as Language Model Desmoothing", 2022:
+ * keep the tokens with p > min(eps, sqrt(eps) * exp(-H)), H the entropy in nats.
+ *
+ * The passes are plain loops written for GCC's vectoriser: compiled with -O3 -ffast-math,
+ * expf/exp become calls to glibc's vector math library (libmvec).  Infinite logits are
+ * handled without isinf (which -ffast-math would fold away): exponents are clamped at
+ * EXP_ARG_MIN, where exp() is already 0 in float32.
+ */
+#include <math.h>
+#include <stdbool.h>
+#include <stddef.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#define AL_EXPORT __attribute__((visibility("default")))
+
+/* ---- mirrors of llama.h (llama-cpp-python 0.3.36); layouts checked from Python ---- */
+
+typedef struct { int32_t id; float logit; float p; } al_token_data;
+
+typedef struct {
+    al_token_data *data;
+    size_t size;
+    int64_t selected;
+    bool sorted;
+} al_token_data_array;
+
+struct llama_sampler;
+
+typedef struct {
+    const char *(*name)(const struct llama_sampler *smpl);
+    void (*accept)(struct llama_sampler *smpl, int32_t token);
+    void (*apply)(struct llama_sampler *smpl, al_token_data_array *cur_p);
+    void (*reset)(struct llama_sampler *smpl);
+    struct llama_sampler *(*clone)(const struct llama_sampler *smpl);
+    void (*free)(struct llama_sampler *smpl);
+    void *backend_hooks[6]; /* llama.cpp's experimental backend sampling: not used, NULL */
+} al_sampler_iface;
+
+struct llama_sampler { const al_sampler_iface *iface; void *ctx; };
+
+typedef struct llama_sampler *(*al_sampler_init_fn)(const al_sampler_iface *iface, void *ctx);
+
+/* ---- results and reusable buffers ---- */
+
+typedef struct {
+    int32_t k;          /* candidate-set size k* */
+    int32_t token;      /* chosen token id (sampler only), -1 otherwise */
+    double kept_mass;   /* c_{k*}: probability mass of the kept set */
+    double entropy;     /* H of the whole distribution, nats (NaN unless asked for) */
+    double conf;        /* 1 - H / ln V (NaN unless asked for) */
+    double p_chosen;    /* probability of the chosen token in the whole distribution */
+    int64_t n_tokens;   /* tokens recorded since the sampler was created or reset */
+} al_stats;
+
+typedef struct { double w; int32_t idx; } al_cand;
+
+typedef struct {
+    float *w;       size_t cap_w;     /* exp(x_i - max) in float32, one per token */
+    float *x;       size_t cap_x;     /* contiguous copy of a sampler's logits */
+    al_cand *cand;  al_cand *tmp;     size_t cap_c;  /* candidates, merge-sort buffer */
+    double *tail;   size_t cap_t;     /* suffix sums: tail[j] = mass after candidate j */
+    al_token_data *kept; size_t cap_k;  /* kept entries while they move to the front */
+    unsigned char *mark; size_t cap_m;  /* which front slots already hold a kept entry */
+} al_workspace;
+
+#define EXP_ARG_MIN (-104.0f)  /* expf(-104) underflows to 0: masked tokens weigh nothing */
+#define CHUNK 64               /* candidate search: test a chunk's max before looking inside */
+#define CANDIDATE_SLACK 0.99   /* collect p > 0.99 eps: the float32 sum only estimates S */
+
+static int grow(void **buf, size_t *cap, size_t need, size_t elem) {
+    if (need <= *cap) return 1;
+    void *p = realloc(*buf, need * elem);
+    if (!p) return 0;
+    *buf = p;
+    *cap = need;
+    return 1;
+}
+
+AL_EXPORT al_workspace *al_workspace_new(void) { return calloc(1, sizeof(al_workspace)); }
+
+AL_EXPORT void al_workspace_free(al_workspace *ws) {
+    if (!ws) return;
+    free(ws->w); free(ws->x); free(ws->cand); free(ws->tmp); free(ws->tail);
+    free(ws->kept); free(ws->mark);
+    free(ws);
+}
+
+static int reserve(al_workspace *ws, size_t n) {
+    return grow((void **)&ws->w, &ws->cap_w, n, sizeof(float));
+}
+
+static int reserve_candidates(al_workspace *ws, size_t n) {
+    size_t cap = ws->cap_c;
+    if (!grow((void **)&ws->cand, &cap, n, sizeof(al_cand))) return 0;
+    cap = ws->cap_c;
+    if (!grow((void **)&ws->tmp, &cap, n, sizeof(al_cand))) return 0;
+    ws->cap_c = cap;
+    return grow((void **)&ws->tail, &ws->cap_t, n + 1, sizeof(double));
+}
+
+/* ---- pass 1 and 2: max, weights, normaliser (and optionally the entropy sum) ---- */
+
+#define DEFINE_PASSES(T, SUFFIX, EXPF)                                                      \
+    static T max_##SUFFIX(const T *x, size_t n) {                                         \
+        T m = x[0];                                                                          \
+        for (size_t i = 1; i < n; i++) m = x[i] > m ? x[i] : m;                              \
+        return m;                                                                            \
+    }                                                                                        \
+    /* w_i = exp(x_i - m) stored in float32; returns sum w_i. A float32 sum is enough: S  \
+     * only places the candidate threshold, which has slack; the tail is summed again. */  \
+    static double weights_##SUFFIX(const T *x, size_t n, T m, float *w) {                  \
+        float s = 0.0f;                                                                      \
+        for (size_t i = 0; i < n; i++) {                                                     \
+            T d = x[i] - m;                                                                  \
+            d = d < (T)EXP_ARG_MIN ? (T)EXP_ARG_MIN : d;                                     \
+            float v = (float)EXPF(d);                                                        \
+            w[i] = v;                                                                        \
+            s += v;                                                                          \
+        }                                                                                    \
+        return (double)s;                                                                    \
+    }                                                                                        \
+    /* As weights_, and *wd = sum w_i (x_i - m), so H = ln S - wd / S. */                   \
+    static double weights_entropy_##SUFFIX(const T *x, size_t n, T m, float *w, double *wd) { \
+        double s = 0.0, sd = 0.0;                                                            \
+        for (size_t i = 0; i < n; i++) {                                                     \
+            T d = x[i] - m;                                                                  \
+            d = d < (T)EXP_ARG_MIN ? (T)EXP_ARG_MIN : d;                                     \
+            float v = (float)EXPF(d);                                                        \
+            w[i] = v;                                                                        \
+            s += (double)v;                                                                  \
+            sd += (double)v * (double)d;                                                     \
+        }                                                                                    \
+        *wd = sd;                                                                            \
+        return s;                                                                            \
+    }
+
+DEFINE_PASSES(float, f32, expf)
+DEFINE_PASSES(double, f64, exp)
+
+/* ---- pass 3: candidates (w > threshold) and the directly summed rest ---- */
+
+static float chunk_max(const float *w, size_t len) {
+    float m = 0.0f;
+    for (size_t j = 0; j < len; j++) m = w[j] > m ? w[j] : m;
+    return m;
+}
+
+static size_t collect(const float *w, size_t n, float threshold, al_cand *cand, double *rest) {
+    size_t nc = 0;
+    double tail = 0.0;
+    for (size_t i0 = 0; i0 < n; i0 += CHUNK) {
+        size_t len = n - i0 < CHUNK ? n - i0 : CHUNK;
+        const float *c = w + i0;
+        float cmax = 0.0f, csum = 0.0f; /* a float32 sum over 64 terms, then float64 */
+        for (size_t j = 0; j < len; j++) {
+            cmax = c[j] > cmax ? c[j] : cmax;
+            csum += c[j];
+        }
+        if (cmax <= threshold) {
+            tail += (double)csum;
+            continue;
+        }
+        for (size_t j = 0; j < len; j++) {
+            if (c[j] > threshold) cand[nc++].idx = (int32_t)(i0 + j);
+            else tail += (double)c[j];
+        }
+    }
+    *rest = tail;
+    return nc;
+}
+
+/* Stable merge sort by weight, descending: nc < 1/epsilon, so this is cheap; no callbacks. */
+static void sort_desc(al_cand *a, al_cand *tmp, size_t n) {
+    for (size_t width = 1; width < n; width *= 2) {
+        for (size_t lo = 0; lo < n; lo += 2 * width) {
+            size_t mid = lo + width < n ? lo + width : n;
+            size_t hi = lo + 2 * width < n ? lo + 2 * width : n;
+            size_t i = lo, j = mid, o = lo;
+            while (i < mid && j < hi) tmp[o++] = a[j].w > a[i].w ? a[j++] : a[i++];
+            while (i < mid) tmp[o++] = a[i++];
+            while (j < hi) tmp[o++] = a[j++];
+        }
+        memcpy(a, tmp, n * sizeof(al_cand));
+    }
+}
+
+/*
+ * Algorithm 1 over the sorted candidates.  tail[j] holds S * R_j (mass after the j-th
+ * candidate; tail[0] = S); returns k* >= 1 (0 when there is no candidate).
+ */
+static int32_t scan(const al_cand *cand, const double *tail, size_t nc, size_t V, double eps) {
+    const double S = tail[0];
+    const double lnV = log((double)V);
+    int32_t kstar = 0;
+    for (size_t k = 1; k <= nc; k++) {
+        const double p = cand[k - 1].w / S;
+        const double R = tail[k] / S, R_prev = tail[k - 1] / S;
+        const double n_after = (double)(V - k); /* V - k */
+        double gain;                            /* dConf_k * ln V */
+        if (k == V || R <= 0.0) {
+            gain = p * log(n_after + 1.0);      /* the limit R_k -> 0 */
+        } else {
+            /* p_k ln(p_k (V-k)/R_k) + R_{k-1} ln((R_k/(V-k)) / (R_{k-1}/(V-k+1))); the second
+             * log is ln(R_k/R_{k-1}) + ln((V-k+1)/(V-k)), written with log1p because both
+             * ratios are near 1 (R_k = R_{k-1} - p_k). */
+            gain = p * log(p * n_after / R)
+                 + R_prev * (log1p(-p / R_prev) + log1p(1.0 / n_after));
+        }
+        if (gain > eps * lnV) kstar = (int32_t)k;
+    }
+    return kstar;
+}
+
+/*
+ * The kernel shared by the array API and the sampler.  w must hold the weights from pass 2,
+ * S their sum.  Leaves the sorted candidates in ws->cand (exact float64 weights) and, when
+ * there are none, the argmax in ws->cand[0].  Returns k* and fills the kept mass.
+ */
+#define DEFINE_SELECT(T, SUFFIX, EXP)                                                       \
+    static int32_t select_##SUFFIX(const T *x, size_t n, T m, double S, double eps,          \
+                                   al_workspace *ws, size_t *n_cand, double *kept_mass) {    \
+        size_t cap = (size_t)(1.0 / (eps * CANDIDATE_SLACK)) + 2;                            \
+        cap = cap < n ? cap : n;                                                             \
+        if (!reserve_candidates(ws, cap)) return -1;                                         \
+        double rest;                                                                          \
+        float threshold = (float)(eps * CANDIDATE_SLACK * S);                                \
+        size_t nc = collect(ws->w, n, threshold, ws->cand, &rest);                          \
+        if (nc == 0) { /* p_max <= eps: k* = 1, the argmax */                                \
+            size_t i = 0;                                                                    \
+            while (x[i] != m) i++;                                                           \
+            ws->cand[0].idx = (int32_t)i;                                                    \
+            ws->cand[0].w = 1.0;                                                             \
+            *n_cand = 1;                                                                     \
+            *kept_mass = 1.0 / S;                                                            \
+            return 1;                                                                        \
+        }                                                                                    \
+        for (size_t j = 0; j < nc; j++) /* exact weights for the tokens that decide k* */   \
+            ws->cand[j].w = EXP((double)x[ws->cand[j].idx] - (double)m);                     \
+        sort_desc(ws->cand, ws->tmp, nc);                                                    \
+        ws->tail[nc] = rest;                                                                  \
+        for (size_t j = nc; j > 0; j--) ws->tail[j - 1] = ws->tail[j] + ws->cand[j - 1].w;   \
+        int32_t k = scan(ws->cand, ws->tail, nc, n, eps);                                    \
+        if (k < 1) k = 1;                                                                    \
+        double kept = 0.0;                                                                   \
+        for (int32_t j = 0; j < k; j++) kept += ws->cand[j].w;                               \
+        *n_cand = nc;                                                                        \
+        *kept_mass = kept / ws->tail[0];                                                     \
+        return k;                                                                            \
+    }
+
+DEFINE_SELECT(float, f32, exp)
+DEFINE_SELECT(double, f64, exp)
+
+/* ---- array API (adaptive_llama.adaptive_k / adaptive_stats) ---- */
+
+#define DEFINE_ARRAY_API(T, SUFFIX)                                                         \
+    AL_EXPORT int32_t al_adaptive_##SUFFIX(const T *x, size_t n, double eps,                \
+                                           al_workspace *ws, al_stats *out) {               \
+        if (n == 1) {                                                                         \
+            if (out) { out->k = 1; out->kept_mass = 1.0; out->entropy = 0.0; out->conf = NAN; } \
+            return 1;                                                                        \
+        }                                                                                    \
+        if (!reserve(ws, n)) return -1;                                                      \
+        T m = max_##SUFFIX(x, n);                                                            \
+        double wd = 0.0;                                                                     \
+        double S = out ? weights_entropy_##SUFFIX(x, n, m, ws->w, &wd)                       \
+                       : weights_##SUFFIX(x, n, m, ws->w);                                   \
+        size_t nc;                                                                           \
+        double kept;                                                                         \
+        int32_t k = select_##SUFFIX(x, n, m, S, eps, ws, &nc, &kept);                        \
+        if (out && k > 0) {                                                                  \
+            out->k = k;                                                                      \
+            out->token = -1;                                                                 \
+            out->kept_mass = kept;                                                           \
+            out->entropy = log(S) - wd / S;                                                  \
+            out->conf = 1.0 - out->entropy / log((double)n);                                 \
+            out->p_chosen = NAN;                                                             \
+        }                                                                                    \
+        return k;                                                                            \
+    }
+
+DEFINE_ARRAY_API(float, f32)
+DEFINE_ARRAY_API(double, f64)
+
+/* ---- samplers ---- */
+
+static al_sampler_init_fn sampler_init; /* llama_sampler_init from libllama, set once */
+
+AL_EXPORT void al_set_sampler_init(al_sampler_init_fn fn) { sampler_init = fn; }
+
+/* splitmix64: a small, seedable, well-mixed generator; same seed, same tokens. */
+static double next_uniform(uint64_t *state) {
+    uint64_t z = (*state += 0x9E3779B97F4A7C15ull);
+    z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
+    z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
+    z ^= z >> 31;
+    return (double)(z >> 11) * 0x1.0p-53;
+}
+
+typedef struct {
+    double eps;
+    int uniform;        /* sample uniformly inside the kept set (the paper's "random") */
+    uint64_t seed, rng;
+    int record;         /* compute entropy and Conf for the statistics */
+    al_stats last;
+    al_workspace *ws;
+} al_adaptive_ctx;
+
+/* Gather the logits into a contiguous buffer so the passes vectorise (the array is AoS). */
+static float *gather_logits(al_workspace *ws, const al_token_data_array *cur) {
+    if (!grow((void **)&ws->x, &ws->cap_x, cur->size, sizeof(float))) return NULL;
+    for (size_t i = 0; i < cur->size; i++) ws->x[i] = cur->data[i].logit;
+    return ws->x;
+}
+
+/*
+ * Move the entries at positions pos[0..k) to the front, in that order, keeping every
+ * other entry somewhere in the array (llama.cpp's truncating samplers are permutations).
+ */
+static int move_to_front(al_workspace *ws, al_token_data *data, const al_cand *pos, size_t k) {
+    if (!grow((void **)&ws->kept, &ws->cap_k, k, sizeof(al_token_data)) ||
+        !grow((void **)&ws->mark, &ws->cap_m, k, 1))
+        return 0;
+    unsigned char *mark = ws->mark;
+    memset(mark, 0, k);
+    for (size_t j = 0; j < k; j++) {
+        ws->kept[j] = data[pos[j].idx];
+        if ((size_t)pos[j].idx < k) mark[pos[j].idx] = 1;
+    }
+    size_t front = 0; /* next front slot whose entry is not kept and must move out */
+    for (size_t j = 0; j < k; j++) {
+        if ((size_t)pos[j].idx < k) continue;
+        while (mark[front]) front++;
+        data[pos[j].idx] = data[front++];
+    }
+    memcpy(data, ws->kept, k * sizeof(al_token_data));
+    return 1;
+}
+
+static const char *adaptive_name(const struct llama_sampler *smpl) {
+    (void)smpl;
+    return "adaptive";
+}
+
+static void adaptive_apply(struct llama_sampler *smpl, al_token_data_array *cur) {
+    al_adaptive_ctx *c = smpl->ctx;
+    al_workspace *ws = c->ws;
+    size_t n = cur->size;
+    if (n == 1) { /* nothing to choose */
+        cur->selected = 0;
+        return;
+    }
+    const float *x = gather_logits(ws, cur);
+    if (!x || !reserve(ws, n)) return; /* out of memory: leave the array to the next sampler */
+    float m = max_f32(x, n);
+    double wd = 0.0;
+    double S = c->record ? weights_entropy_f32(x, n, m, ws->w, &wd) : weights_f32(x, n, m, ws->w);
+    size_t nc;
+    double kept_mass;
+    int32_t k = select_f32(x, n, m, S, c->eps, ws, &nc, &kept_mass);
+    if (k < 1 || !move_to_front(ws, cur->data, ws->cand, (size_t)k)) return;
+
+    double kept_w = 0.0;
+    for (int32_t j = 0; j < k; j++) kept_w += ws->cand[j].w;
+    for (int32_t j = 0; j < k; j++)
+        cur->data[j].p = c->uniform ? (float)(1.0 / k) : (float)(ws->cand[j].w / kept_w);
+    cur->size = (size_t)k;
+    cur->sorted = true;
+
+    double u = next_uniform(&c->rng);
+    int32_t chosen = 0;
+    if (c->uniform) {
+        chosen = (int32_t)(u * k);
+        if (chosen >= k) chosen = k - 1;
+    } else {
+        double target = u * kept_w, acc = 0.0;
+        for (chosen = 0; chosen < k - 1; chosen++) {
+            acc += ws->cand[chosen].w;
+            if (acc > target) break;
+        }
+    }
+    cur->selected = chosen;
+
+    al_stats *s = &c->last;
+    s->k = k;
+    s->token = cur->data[chosen].id;
+    s->kept_mass = kept_mass;
+    s->p_chosen = ws->cand[chosen].w * kept_mass / kept_w;
+    if (c->record) {
+        s->entropy = log(S) - wd / S;
+        s->conf = 1.0 - s->entropy / log((double)n);
+    }
+    s->n_tokens++;
+}
+
+static void adaptive_reset(struct llama_sampler *smpl) {
+    al_adaptive_ctx *c = smpl->ctx;
+    c->rng = c->seed;
+    c->last.n_tokens = 0;
+}
+
+static void adaptive_free(struct llama_sampler *smpl) {
+    al_adaptive_ctx *c = smpl->ctx;
+    if (!c) return;
+    al_workspace_free(c->ws);
+    free(c);
+}
+
+static al_adaptive_ctx *adaptive_ctx_new(double eps, int uniform, uint64_t seed, int record) {
+    al_adaptive_ctx *c = calloc(1, sizeof(al_adaptive_ctx));
+    if (!c) return NULL;
+    c->ws = al_workspace_new();
+    if (!c->ws) { free(c); return NULL; }
+    c->eps = eps;
+    c->uniform = uniform;
+    c->seed = c->rng = seed;
+    c->record = record;
+    c->last.entropy = c->last.conf = NAN;
+    return c;
+}
+
+static struct llama_sampler *adaptive_clone(const struct llama_sampler *smpl);
+
+static const al_sampler_iface adaptive_iface = {
+    .name = adaptive_name,
+    .accept = NULL,
+    .apply = adaptive_apply,
+    .reset = adaptive_reset,
+    .clone = adaptive_clone,
+    .free = adaptive_free,
+};
+
+static struct llama_sampler *adaptive_clone(const struct llama_sampler *smpl) {
+    const al_adaptive_ctx *c = smpl->ctx;
+    al_adaptive_ctx *copy = adaptive_ctx_new(c->eps, c->uniform, c->seed, c->record);
+    if (!copy || !sampler_init) return NULL;
+    copy->rng = c->rng;
+    return sampler_init(&adaptive_iface, copy);
+}
+
+/* A new adaptive sampler owned by the caller (or by the chain it is added to). */
+AL_EXPORT struct llama_sampler *al_adaptive_sampler_new(double eps, int uniform, uint64_t seed,
+                                                        int record) {
+    if (!sampler_init) return NULL;
+    al_adaptive_ctx *c = adaptive_ctx_new(eps, uniform, seed, record);
+    return c ? sampler_init(&adaptive_iface, c) : NULL;
+}
+
+/* The statistics of the last token the sampler chose: valid while the sampler lives. */
+AL_EXPORT const al_stats *al_adaptive_sampler_stats(const struct llama_sampler *smpl) {
+    return &((const al_adaptive_ctx *)smpl->ctx)->last;
+}
+
+/* Eta-sampling (truncation only; a dist sampler after it samples). */
+
+typedef struct {
+    double eps;
+    al_workspace *ws;
+} al_eta_ctx;
+
+static const char *eta_name(const struct llama_sampler *smpl) {
+    (void)smpl;
+    return "eta";
+}
+
+static void eta_apply(struct llama_sampler *smpl, al_token_data_array *cur) {
+    al_eta_ctx *c = smpl->ctx;
+    al_workspace *ws = c->ws;
+    size_t n = cur->size;
+    const float *x = gather_logits(ws, cur);
+    if (n < 2 || !x || !reserve(ws, n)) return;
+    float m = max_f32(x, n);
+    double wd;
+    double S = weights_entropy_f32(x, n, m, ws->w, &wd);
+    double H = log(S) - wd / S;
+    double cut = fmin(c->eps, sqrt(c->eps) * exp(-H)); /* keep p > min(eps, sqrt(eps) e^-H) */
+    float threshold = (float)(cut * S);
+    size_t kept = 0;
+    for (size_t i0 = 0; i0 < n; i0 += CHUNK) {
+        size_t len = n - i0 < CHUNK ? n - i0 : CHUNK;
+        if (chunk_max(ws->w + i0, len) <= threshold) continue;
+        for (size_t i = i0; i < i0 + len; i++) {
+            if (ws->w[i] > threshold) { /* swap into the kept prefix: a permutation */
+                al_token_data t = cur->data[i];
+                cur->data[i] = cur->data[kept];
+                cur->data[kept++] = t;
+            }
+        }
+    }
+    if (kept == 0) { /* every p <= cut: keep the most likely token, as transformers does */
+        size_t i = 0;
+        while (x[i] != m) i++;
+        al_token_data t = cur->data[i];
+        cur->data[i] = cur->data[0];
+        cur->data[0] = t;
+        kept = 1;
+    }
+    cur->size = kept;
+    cur->sorted = false;
+}
+
+static void eta_free(struct llama_sampler *smpl) {
+    al_eta_ctx *c = smpl->ctx;
+    if (!c) return;
+    al_workspace_free(c->ws);
+    free(c);
+}
+
+static struct llama_sampler *eta_clone(const struct llama_sampler *smpl);
+
+static const al_sampler_iface eta_iface = {
+    .name = eta_name,
+    .accept = NULL,
+    .apply = eta_apply,
+    .reset = NULL,
+    .clone = eta_clone,
+    .free = eta_free,
+};
+
+AL_EXPORT struct llama_sampler *al_eta_sampler_new(double eps) {
+    if (!sampler_init) return NULL;
+    al_eta_ctx *c = calloc(1, sizeof(al_eta_ctx));
+    if (!c) return NULL;
+    c->eps = eps;
+    c->ws = al_workspace_new();
+    if (!c->ws) { free(c); return NULL; }
+    return sampler_init(&eta_iface, c);
+}
+
+static struct llama_sampler *eta_clone(const struct llama_sampler *smpl) {
+    return al_eta_sampler_new(((const al_eta_ctx *)smpl->ctx)->eps);
+}
+
+/* Layout facts Python compares with llama-cpp-python's ctypes structs at import. */
+AL_EXPORT size_t al_sizeof_token_data(void) { return sizeof(al_token_data); }
+AL_EXPORT size_t al_sizeof_token_data_array(void) { return sizeof(al_token_data_array); }
+AL_EXPORT size_t al_sizeof_sampler_iface(void) { return sizeof(al_sampler_iface); }
+AL_EXPORT size_t al_sizeof_stats(void) { return sizeof(al_stats); }
