@@ -1,0 +1,144 @@
+"""The ``adaptive-llama`` command: models, generate, run (the chat REPL).
+
+User errors (a bad model file, a bad sampler spec, an over-long prompt) print one line,
+``Error: ...``, and exit with status 2; no traceback.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import sys
+
+import click
+
+from .models import ModelError, describe_models
+from .specs import SpecError, parse_spec, valid_specs
+
+USER_ERRORS = (ModelError, SpecError, ValueError)
+
+
+def fail(message: str) -> None:
+    click.echo(f"Error: {message}", err=True)
+    raise SystemExit(2)
+
+
+def user_errors(fn):
+    """Turn the package's user errors into one line and exit status 2."""
+
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        try:
+            return fn(*args, **kwargs)
+        except USER_ERRORS as exc:
+            fail(str(exc))
+
+    return wrapper
+
+
+def _spec(ctx, param, value):
+    try:
+        return parse_spec(value)
+    except SpecError as exc:
+        fail(f"--sampler: {exc}")
+
+
+def model_options(fn):
+    for option in reversed([
+        click.option("--n-gpu-layers", type=int, default=0, show_default=True,
+                     help="Layers to offload to the GPU (CUDA build; -1: all)."),
+        click.option("--ctx", "n_ctx", type=click.IntRange(min=0), default=2048,
+                     show_default=True, help="Context window in tokens (0: the model's)."),
+        click.option("--threads", type=click.IntRange(min=1), default=None,
+                     help="CPU threads (default: llama.cpp's choice)."),
+        click.option("--seed", type=int, default=0, show_default=True, help="Random seed."),
+        click.option("--verbose", is_flag=True, help="Show llama.cpp's own log."),
+    ]):
+        fn = option(fn)
+    return fn
+
+
+def load_engine(model, n_gpu_layers, n_ctx, threads, seed, verbose, show_progress=False):
+    from .engine import Engine  # llama.cpp loads only for commands that need it
+
+    if show_progress:
+        click.echo(f"loading {model or 'smollm2 (bundled)'} ...", err=True)
+    return Engine(model, n_gpu_layers=n_gpu_layers, n_ctx=n_ctx, n_threads=threads,
+                  seed=seed, verbose=verbose)
+
+
+@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+@click.version_option(package_name="adaptive-llama")
+def main():
+    """Adaptive decoding for GGUF models on llama.cpp: chat, generate, compare samplers."""
+
+
+@main.command()
+@click.option("--json", "as_json", is_flag=True, help="Print JSON.")
+def models(as_json):
+    """List the bundled models: path, vocabulary, chat template, installed."""
+    rows = describe_models()
+    if as_json:
+        click.echo(json.dumps(rows, indent=2))
+        return
+    for r in rows:
+        state = r.get("path") or f"not installed: {r.get('install', r.get('problem'))}"
+        click.echo(f"{r['name']:<12} vocab {r['vocab_size']:>7,}  chat template: "
+                   f"{'yes' if r['chat_template'] else 'no ':<3}  start eps {r['start_eps']:g}"
+                   f"  {r['description']}\n{'':<12} {state}")
+
+
+@main.command()
+@click.argument("model")
+@click.option("--prompt", default=None, help="Prompt text (default: read stdin).")
+@click.option("--sampler", default="adaptive", callback=_spec, show_default=True,
+              help=f"Sampler spec: {valid_specs()}")
+@click.option("--max-tokens", type=click.IntRange(min=1), default=128, show_default=True)
+@click.option("--chat", is_flag=True, help="Wrap the prompt in the model's chat template.")
+@click.option("--stop", multiple=True, help="Stop string (repeatable).")
+@click.option("--json", "as_json", is_flag=True, help="Print one JSON object with the figures.")
+@model_options
+@user_errors
+def generate(model, prompt, sampler, max_tokens, chat, stop, as_json, n_gpu_layers, n_ctx,
+             threads, seed, verbose):
+    """Generate a continuation (or, with --chat, a reply) of a prompt."""
+    if prompt is None:
+        prompt = sys.stdin.read()
+    engine = load_engine(model, n_gpu_layers, n_ctx, threads, seed, verbose)
+    tokens = (engine.chat_prompt_tokens([{"role": "user", "content": prompt}]) if chat
+              else engine.tokenize(prompt))
+    stream = engine.stream(tokens, sampler=sampler, max_tokens=max_tokens, seed=seed,
+                           stop=list(stop))
+    try:
+        for piece in stream:
+            if not as_json:
+                click.echo(piece, nl=False)
+    except KeyboardInterrupt:
+        pass
+    if as_json:
+        click.echo(json.dumps(stream.result.as_dict()))
+    else:
+        click.echo()
+
+
+@main.command()
+@click.argument("model", required=False)
+@click.option("--sampler", default="adaptive", callback=_spec, show_default=True,
+              help="Sampler spec (see generate --help).")
+@click.option("--system", default=None, help="System prompt.")
+@click.option("--max-tokens", type=click.IntRange(min=1), default=256, show_default=True)
+@model_options
+@user_errors
+def run(model, sampler, system, max_tokens, n_gpu_layers, n_ctx, threads, seed, verbose):
+    """Chat with MODEL (default: the bundled SmolLM2-135M-Instruct). /help inside."""
+    from .repl import Repl
+
+    interactive = sys.stdin.isatty() and sys.stdout.isatty()
+    engine = load_engine(model, n_gpu_layers, n_ctx, threads, seed, verbose,
+                         show_progress=interactive)
+    Repl(engine, sampler=sampler, system=system, max_tokens=max_tokens, seed=seed,
+         interactive=interactive).loop()
+
+
+if __name__ == "__main__":
+    main()

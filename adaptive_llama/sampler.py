@@ -1,0 +1,231 @@
+"""The llama.cpp binding: sampler chains built from specs, with native adaptive and eta samplers.
+
+The adaptive and eta samplers are real ``llama_sampler`` objects whose ``apply`` is the C code
+in ``native/adaptive.c``: no Python runs per token. A chain is ``[grammar] -> [temp] ->
+truncation -> final choice``; it holds exactly the samplers its spec names (llama-cpp-python's
+default top_k 40 / top_p 0.95 / min_p 0.05 never run behind a spec that did not ask for them).
+Temperature comes first for every sampler, as in the paper's (transformers) setting, so that
+adaptive decoding sees the distribution it will sample from.
+
+Two ways in:
+
+- :class:`SamplerChain` for code that drives llama.cpp itself (the engine does);
+- :func:`use_sampler` for a ``llama_cpp.Llama`` you already hold: its ``create_completion``,
+  ``create_chat_completion`` and ``generate`` then sample with the spec.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import logging
+from dataclasses import dataclass
+
+import llama_cpp
+from llama_cpp import _internals
+
+from . import _native
+from .specs import SamplerSpec, parse_spec
+
+log = logging.getLogger(__name__)
+
+
+class NativeSamplersUnavailable(RuntimeError):
+    """The C library with the adaptive and eta samplers is missing."""
+
+
+def _native_lib() -> ctypes.CDLL:
+    lib, why = _native.load()
+    if lib is None:
+        raise NativeSamplersUnavailable(
+            f"the adaptive and eta samplers need the C library, but {why}; reinstall "
+            "adaptive-llama on a machine with a C compiler (gcc or clang)"
+        )
+    if not getattr(_native_lib, "checked", False):
+        _check_layouts(lib)
+        init = ctypes.cast(llama_cpp.llama_cpp._lib.llama_sampler_init, ctypes.c_void_p).value
+        lib.al_set_sampler_init(init)
+        _native_lib.checked = True
+    return lib
+
+
+def _check_layouts(lib: ctypes.CDLL) -> None:
+    """native/adaptive.c mirrors llama.h structs: refuse to run if llama-cpp-python's differ."""
+    pairs = {
+        "llama_token_data": (lib.al_sizeof_token_data(), ctypes.sizeof(llama_cpp.llama_token_data)),
+        "llama_token_data_array": (lib.al_sizeof_token_data_array(),
+                                   ctypes.sizeof(llama_cpp.llama_token_data_array)),
+        "llama_sampler_i": (lib.al_sizeof_sampler_iface(), ctypes.sizeof(llama_cpp.llama_sampler_i)),
+    }
+    wrong = [f"{name} ({ours} vs {theirs} bytes)" for name, (ours, theirs) in pairs.items()
+             if ours != theirs]
+    if wrong:
+        raise NativeSamplersUnavailable(
+            "this llama-cpp-python's structs differ from the ones native/adaptive.c was "
+            f"written for: {', '.join(wrong)}"
+        )
+
+
+@dataclass(frozen=True)
+class TokenStats:
+    """What the adaptive sampler decided for one token."""
+
+    k: int
+    token: int
+    kept_mass: float
+    entropy: float  # NaN unless the chain was built with record_stats=True
+    conf: float     # 1 - entropy / ln V; NaN likewise
+    p_chosen: float
+
+
+class SamplerChain:
+    """A llama.cpp sampler chain for one spec and seed; owns its samplers.
+
+    Args:
+        spec: a sampler spec string or :class:`SamplerSpec`.
+        seed: the random seed; the same seed and prompt give the same tokens.
+        n_vocab: the model's vocabulary size (mirostat v1 needs it).
+        grammar: an optional ``llama_cpp.LlamaGrammar`` applied before everything else.
+        model: the ``llama_cpp.Llama`` the grammar is for (needed with a grammar).
+        record_stats: let the adaptive sampler compute entropy and Conf for every token
+            (one extra multiply-add per vocabulary entry); k, kept mass and the chosen
+            token's probability are always recorded.
+    """
+
+    def __init__(self, spec, seed: int, n_vocab: int, grammar=None, model=None,
+                 record_stats: bool = False):
+        self.spec: SamplerSpec = parse_spec(spec)
+        self.seed = int(seed) & 0xFFFFFFFF
+        self._chain = _internals.LlamaSampler()
+        self._adaptive = None
+        if grammar is not None:
+            self._chain.add_grammar(model._model, grammar)
+        self._add_samplers(n_vocab, record_stats)
+
+    def _add_native(self, address: int | None) -> int:
+        """Hand a sampler made by the C library to the chain, which frees it with itself."""
+        if not address:
+            raise MemoryError("llama.cpp could not create the sampler")
+        pointer = ctypes.cast(address, llama_cpp.llama_sampler_p_ctypes)
+        llama_cpp.llama_sampler_chain_add(self._chain.sampler, pointer)
+        return address
+
+    def _add_samplers(self, n_vocab: int, record_stats: bool) -> None:
+        s, p, chain = self.spec, self.spec.params, self._chain
+        if s.name == "greedy":
+            chain.add_greedy()
+            return
+        if s.temp != 1.0:
+            chain.add_temp(s.temp)
+        if s.name == "top-k":
+            chain.add_top_k(p["k"])
+        elif s.name == "top-p":
+            chain.add_top_p(p["p"], 1)
+        elif s.name == "typical":
+            chain.add_typical(p["p"], 1)
+        elif s.name == "min-p":
+            chain.add_min_p(p["p"], 1)
+        elif s.name == "mirostat":
+            chain.add_mirostat_v2(self.seed, p["tau"], p["eta"])
+            return
+        elif s.name == "mirostat1":
+            chain.add_mirostat(n_vocab, self.seed, p["tau"], p["eta"], p["m"])
+            return
+        elif s.name == "eta":
+            lib = _native_lib()
+            self._add_native(lib.al_eta_sampler_new(p["eps"]))
+        elif s.name == "adaptive":
+            lib = _native_lib()
+            uniform = 1 if p["mode"] == "uniform" else 0
+            self._adaptive = self._add_native(
+                lib.al_adaptive_sampler_new(p["eps"], uniform, self.seed, int(record_stats)))
+            self._stats = lib.al_adaptive_sampler_stats(self._adaptive).contents
+            return  # the adaptive sampler chooses the token itself
+        chain.add_dist(self.seed)
+
+    @property
+    def pointer(self):
+        """The ``llama_sampler *`` of the chain, for llama.cpp calls."""
+        return self._chain.sampler
+
+    def names(self) -> list[str]:
+        """The samplers in the chain, in order, as llama.cpp names them."""
+        n = llama_cpp.llama_sampler_chain_n(self.pointer)
+        return [llama_cpp.llama_sampler_name(llama_cpp.llama_sampler_chain_get(self.pointer, i))
+                .decode() for i in range(n)]
+
+    def sample(self, ctx, idx: int = -1) -> int:
+        """Sample the next token from the logits of ``ctx`` (a ``llama_context *``)."""
+        return llama_cpp.llama_sampler_sample(self.pointer, ctx, idx)
+
+    def last_stats(self) -> TokenStats | None:
+        """The adaptive sampler's record of its last token (None for other samplers)."""
+        if self._adaptive is None:
+            return None
+        s = self._stats
+        return TokenStats(k=s.k, token=s.token, kept_mass=s.kept_mass, entropy=s.entropy,
+                          conf=s.conf, p_chosen=s.p_chosen)
+
+    def reset(self) -> None:
+        llama_cpp.llama_sampler_reset(self.pointer)
+
+    def close(self) -> None:
+        self._adaptive = None
+        self._chain.close()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+
+class _LlamaSamplerShim:
+    """What ``llama_cpp.Llama.generate`` expects of ``self._sampler``, over a SamplerChain."""
+
+    def __init__(self, chain: SamplerChain):
+        self.chain = chain
+
+    def sample(self, ctx, idx: int = -1) -> int:
+        return self.chain.sample(ctx.ctx, idx)
+
+    def reset(self) -> None:
+        self.chain.reset()
+
+    def close(self) -> None:
+        self.chain.close()
+
+
+@contextlib.contextmanager
+def use_sampler(llama: "llama_cpp.Llama", spec, seed: int | None = None,
+                record_stats: bool = False):
+    """Make a ``llama_cpp.Llama`` you hold sample with ``spec`` inside the ``with`` block.
+
+    ``create_completion``, ``create_chat_completion`` and ``generate`` then build their chain
+    from the spec (plus the call's ``grammar``, if any), ignoring the call's top_k / top_p /
+    min_p / temperature / mirostat arguments. Yields a list that receives each generation's
+    :class:`SamplerChain`, so the adaptive sampler's :meth:`SamplerChain.last_stats` can be read.
+
+    >>> with use_sampler(llm, "adaptive:eps=0.0005", seed=1) as chains:
+    ...     out = llm.create_completion("Once upon a time", max_tokens=32)
+    """
+    parsed = parse_spec(spec)
+    chains: list[SamplerChain] = []
+    base_seed = llama._seed if seed is None else seed
+
+    def init_sampler(*, grammar=None, logits_processor=None, **_ignored):
+        if logits_processor is not None:
+            raise ValueError("use_sampler does not run logits_processor callbacks")
+        chain = SamplerChain(parsed, base_seed, llama.n_vocab(), grammar=grammar, model=llama,
+                             record_stats=record_stats)
+        chains.append(chain)
+        return _LlamaSamplerShim(chain)
+
+    llama._init_sampler = init_sampler  # instance attribute shadows Llama._init_sampler
+    try:
+        yield chains
+    finally:
+        del llama._init_sampler
+        llama._sampler = None
+        for chain in chains:
+            chain.close()
