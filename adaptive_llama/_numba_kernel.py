@@ -130,10 +130,13 @@ def _scan(weights, tail, V, eps):
             gain = p * math.log(n_after + 1.0)  # the limit R_k -> 0
         else:
             # p_k ln(p_k (V-k)/R_k) + R_{k-1} ln((R_k/(V-k)) / (R_{k-1}/(V-k+1))), the second
-            # log split into log1p terms because both of its ratios are near 1.
+            # log split in two, each ratio by log1p when it is near 1 (see native/adaptive.c).
+            if r < 0.5 * r_prev:
+                tail_ratio_log = math.log(r / r_prev)
+            else:
+                tail_ratio_log = math.log1p(-p / r_prev)
             gain = p * math.log(p * n_after / r) + r_prev * (
-                math.log1p(-p / r_prev) + math.log1p(1.0 / n_after)
-            )
+                tail_ratio_log + math.log1p(1.0 / n_after))
         if gain > eps * ln_v:
             kstar = k
     return kstar

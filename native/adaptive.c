@@ -222,10 +222,10 @@ static int32_t scan(const al_cand *cand, const double *tail, size_t nc, size_t V
             gain = p * log(n_after + 1.0);      /* the limit R_k -> 0 */
         } else {
             /* p_k ln(p_k (V-k)/R_k) + R_{k-1} ln((R_k/(V-k)) / (R_{k-1}/(V-k+1))); the second
-             * log is ln(R_k/R_{k-1}) + ln((V-k+1)/(V-k)), written with log1p because both
-             * ratios are near 1 (R_k = R_{k-1} - p_k). */
-            gain = p * log(p * n_after / R)
-                 + R_prev * (log1p(-p / R_prev) + log1p(1.0 / n_after));
+             * log is ln(R_k/R_{k-1}) + ln((V-k+1)/(V-k)), each ratio taken by log1p when it is
+             * near 1 (R_k = R_{k-1} - p_k), where a plain log would lose its digits. */
+            double tail_ratio_log = R < 0.5 * R_prev ? log(R / R_prev) : log1p(-p / R_prev);
+            gain = p * log(p * n_after / R) + R_prev * (tail_ratio_log + log1p(1.0 / n_after));
         }
         if (gain > eps * lnV) kstar = (int32_t)k;
     }

@@ -1,0 +1,36 @@
+# Quick start: `make chat` (set up, then chat with the bundled model) and `make test`.
+# Both create .venv when missing and install what they need; the first install compiles
+# llama.cpp from source (about 8 minutes on 2 cores; pip caches the wheel afterwards).
+
+SHELL := /bin/bash
+.SHELLFLAGS := -o pipefail -ec
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+DEPS := pyproject.toml setup.py native/adaptive.c
+# Show the llama.cpp build's progress ([n/193] lines) instead of minutes of silence.
+PROGRESS := grep --line-buffered -E '^\s*\[[0-9]+/[0-9]+\]|Successfully installed|rror' | cut -c1-110
+
+.PHONY: chat test bench clean
+
+$(PY):
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet --upgrade pip
+
+$(VENV)/.installed-%: $(DEPS) | $(PY)
+	@echo "Installing adaptive-llama[$*] into $(VENV). A first install compiles llama.cpp (about 8 minutes on 2 cores)..."
+	$(PY) -m pip install -v -e ".[$*]" 2>&1 | $(PROGRESS)
+	touch $@
+
+chat: $(VENV)/.installed-default-model
+	$(VENV)/bin/adaptive-llama run
+
+test: $(VENV)/.installed-test
+	$(PY) -m pytest -q
+
+bench: $(VENV)/.installed-bench
+	$(PY) benchmarks/bench_kernel.py
+	$(PY) benchmarks/bench_e2e.py
+
+clean:
+	rm -rf $(VENV) build *.egg-info adaptive_llama/*.so
