@@ -21,6 +21,7 @@ import ctypes
 import logging
 import math
 import statistics
+import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -44,7 +45,7 @@ class ContextOverflow(ValueError):
 def _quiet_log(level, text, user_data):
     """llama.cpp's log, dropped unless the engine is verbose (then: stderr)."""
     if _quiet_log.verbose:
-        print(text.decode("utf-8", "replace"), end="", flush=True, file=__import__("sys").stderr)
+        print(text.decode("utf-8", "replace"), end="", flush=True, file=sys.stderr)
 
 
 _quiet_log.verbose = False

@@ -275,7 +275,7 @@ class Repl:
             self.note(str(exc))
             return
         # The conversation up to the last prompt, replayed with the other sampler.
-        history = [m for m in self.chat.messages]
+        history = self.chat.messages
         cut = max(i for i, m in enumerate(history) if m["role"] == "user")
         probe = Chat(self.engine, system=self.chat.system, sampler=other,
                      max_tokens=self.chat.max_tokens, seed=self.chat.seed)
