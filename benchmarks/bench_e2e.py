@@ -2,9 +2,16 @@
 
 For each model: every sampler generates the same prompt, rounds interleaved (greedy, adaptive,
 ..., greedy, adaptive, ...) so that machine load hits them alike; medians of decode tokens/s
-(prompt evaluation excluded) and the ratio to greedy. Also the sampler-only cost per token
-(the chain applied to real logits, no decode), and RSS before and after a long generation.
-Prints one JSON object.
+(prompt evaluation excluded) and the ratio to greedy. Two families, each with its own greedy:
+
+- ``engine``: our Engine, every spec a native llama.cpp chain (what adaptive-llama runs);
+- ``llama_cpp_python``: plain ``Llama.create_completion(stream=True)``: its default chain
+  (top_k 40, top_p .95, min_p .05, temp .8), top-p 0.95 with top_k 0, and the paper's
+  algorithm ported naively (float64 numpy, full sort) as a Python ``logits_processor``.
+  Tokens/s there is (chunks - 1) / (last chunk - first chunk), so prompt evaluation is out.
+
+Also the sampler-only cost per token (the chain applied to real logits, no decode), and RSS
+before and after a long generation. Progress goes to stderr; prints one JSON object.
 
     python benchmarks/bench_e2e.py [--models smollm2 gemma3-270m] [--rounds 5] [--tokens 128]
 """
@@ -17,13 +24,53 @@ import resource
 import statistics
 import time
 
+import sys
+
 import llama_cpp
+import numpy as np
 
 from adaptive_llama import Engine
+from adaptive_llama.kernel import adaptive_k_reference
 from adaptive_llama.sampler import SamplerChain
 
 SAMPLERS = ["greedy", "adaptive:eps=0.0005", "min-p:p=0.05", "top-p:p=0.95", "eta:eps=0.0009"]
 PROMPT = "The history of the printing press begins in"
+NAIVE = "naive_python_adaptive:eps=0.0005"
+# create_completion keyword arguments for each llama-cpp-python configuration.
+LLAMA_CPP_PYTHON = {
+    "greedy": dict(temperature=0.0),
+    "default_chain": dict(),  # top_k 40, top_p 0.95, min_p 0.05, temperature 0.8
+    "top-p:p=0.95,top_k=0": dict(temperature=1.0, top_k=0, top_p=0.95, min_p=0.0),
+    NAIVE: dict(temperature=1.0, top_k=0, top_p=1.0, min_p=0.0),
+}
+
+
+def progress(message: str) -> None:
+    print(message, file=sys.stderr, flush=True)
+
+
+def naive_adaptive_processor(epsilon: float):
+    """The paper's algorithm as people first port it: float64 numpy, full sort, per token."""
+    def process(input_ids, scores):
+        k = adaptive_k_reference(scores, epsilon)
+        order = np.argsort(scores)[::-1]
+        scores = scores.copy()
+        scores[order[k:]] = -np.inf
+        return scores
+    return process
+
+
+def llama_cpp_python_speed(engine, name, tokens, seed):
+    kwargs = dict(LLAMA_CPP_PYTHON[name])
+    if name == NAIVE:
+        kwargs["logits_processor"] = llama_cpp.LogitsProcessorList(
+            [naive_adaptive_processor(0.0005)])
+    engine.llama.reset()  # no prefix reuse across configurations
+    stamps = [time.perf_counter() for _ in engine.llama.create_completion(
+        PROMPT, max_tokens=tokens, seed=seed, stream=True, **kwargs)]
+    if len(stamps) < 2:
+        return 0.0
+    return (len(stamps) - 1) / (stamps[-1] - stamps[0])
 
 
 def llama_cpp_python_default_chain(engine):
@@ -57,23 +104,33 @@ def sampler_cost_us(engine, make_chain, rounds=200):
     return statistics.median(times)
 
 
+def medians_and_ratios(samples: dict) -> dict:
+    med = {s: statistics.median(v) for s, v in samples.items()}
+    return {"decode_tokens_per_s_median": {s: round(v, 2) for s, v in med.items()},
+            "ratio_to_greedy": {s: round(v / med["greedy"], 3) for s, v in med.items()}}
+
+
 def bench_model(name, rounds, tokens, soak_tokens):
     engine = Engine(name, seed=1, n_ctx=1024)
     out = {"model": name, "n_vocab": engine.n_vocab, "tokens_per_run": tokens}
     samples = {s: [] for s in SAMPLERS}
+    baseline_samples = {s: [] for s in LLAMA_CPP_PYTHON}
     mean_k = []
     decode_speed(engine, "greedy", 8)  # warm up
-    for _ in range(rounds):
+    for r in range(rounds):
+        progress(f"{name}: round {r + 1}/{rounds}")
         for spec in SAMPLERS:
             speed, n, k = decode_speed(engine, spec, tokens)
             samples[spec].append(speed)
             if k is not None:
                 mean_k.append(k)
-    med = {s: statistics.median(v) for s, v in samples.items()}
-    out["decode_tokens_per_s_median"] = {s: round(v, 2) for s, v in med.items()}
-    out["ratio_to_greedy"] = {s: round(v / med["greedy"], 3) for s, v in med.items()}
+        for config in LLAMA_CPP_PYTHON:
+            baseline_samples[config].append(llama_cpp_python_speed(engine, config, tokens, r))
+    out["engine"] = medians_and_ratios(samples)
+    out["llama_cpp_python"] = medians_and_ratios(baseline_samples)
     out["adaptive_mean_k"] = round(statistics.fmean(mean_k), 2) if mean_k else None
-    out["adaptive_target_met_0.97x_greedy"] = out["ratio_to_greedy"]["adaptive:eps=0.0005"] >= 0.97
+    ratio = out["engine"]["ratio_to_greedy"]["adaptive:eps=0.0005"]
+    out["adaptive_target_met_0.97x_greedy"] = ratio >= 0.97
     out["sampler_us_per_token_median"] = {
         "adaptive:eps=0.0005": round(sampler_cost_us(
             engine, lambda: SamplerChain("adaptive:eps=0.0005", 1, engine.n_vocab)), 1),
@@ -83,11 +140,13 @@ def bench_model(name, rounds, tokens, soak_tokens):
             engine, lambda: llama_cpp_python_default_chain(engine)), 1),
     }
     if soak_tokens:
+        progress(f"{name}: soak, {soak_tokens} tokens")
         before = rss_mb()
-        done = 0
+        done = runs = 0
         while done < soak_tokens:
+            runs += 1  # a new seed every run, even one that ends at once
             r = engine.generate(PROMPT, sampler="adaptive:eps=0.0005", max_tokens=500,
-                                seed=done)
+                                seed=runs)
             done += r.completion_tokens
         out["soak"] = {"tokens": done, "rss_mb_before": round(before, 1),
                        "rss_mb_after": round(rss_mb(), 1)}
