@@ -7,7 +7,9 @@ User errors (a bad model file, a bad sampler spec, an over-long prompt) print on
 from __future__ import annotations
 
 import functools
+import ipaddress
 import json
+import socket
 import sys
 
 import click
@@ -138,6 +140,63 @@ def run(model, sampler, system, max_tokens, n_gpu_layers, n_ctx, threads, seed, 
                          show_progress=interactive)
     Repl(engine, sampler=sampler, system=system, max_tokens=max_tokens, seed=seed,
          interactive=interactive).loop()
+
+
+def _is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def _check_port_free(host: str, port: int) -> None:
+    try:
+        with socket.create_server((host, port)):
+            pass
+    except OSError as exc:
+        fail(f"cannot listen on {host}:{port} ({exc.strerror}): choose another --port")
+
+
+@main.command()
+@click.argument("model", required=False)
+@click.option("--host", default="127.0.0.1", show_default=True,
+              help="Address to bind; other than loopback needs --allow-remote.")
+@click.option("--port", type=click.IntRange(0, 65535), default=8080, show_default=True)
+@click.option("--allow-remote", is_flag=True,
+              help="Allow a non-loopback --host: anyone who reaches it can use the model.")
+@click.option("--api-key", envvar="ADAPTIVE_LLAMA_API_KEY", default=None,
+              help="Require 'Authorization: Bearer KEY' on every request "
+                   "(or set ADAPTIVE_LLAMA_API_KEY).")
+@click.option("--sampler", default="adaptive", callback=_spec, show_default=True,
+              help="Default sampler spec; a request's body field `sampler` overrides it.")
+@click.option("--max-queue", type=click.IntRange(min=0), default=8, show_default=True,
+              help="Requests that may wait for the model; one more gets 503.")
+@model_options
+@user_errors
+def serve(model, host, port, allow_remote, api_key, sampler, max_queue, n_gpu_layers, n_ctx,
+          threads, seed, verbose):
+    """Serve MODEL over the OpenAI API (/v1/chat/completions, /v1/completions, /v1/models)."""
+    try:
+        import uvicorn
+
+        from .server import create_app
+    except ImportError as exc:
+        fail(f"`serve` needs the server extra ({exc.name} is missing): "
+             "pip install 'adaptive-llama[server]'")
+    if not _is_loopback(host):
+        if not allow_remote:
+            fail(f"--host {host} is reachable from other machines; add --allow-remote "
+                 "to mean it (and consider --api-key)")
+        click.echo(f"Warning: serving on {host}, reachable from other machines"
+                   f"{'' if api_key else ' with no --api-key'}.", err=True)
+    _check_port_free(host, port)
+    engine = load_engine(model, n_gpu_layers, n_ctx, threads, seed, verbose)
+    app = create_app(engine, sampler, api_key=api_key, max_queue=max_queue)
+    click.echo(f"Serving {engine.name} at http://{host}:{port}/v1 (default sampler {sampler}); "
+               "Ctrl-C stops.", err=True)
+    uvicorn.run(app, host=host, port=port, log_level="info" if verbose else "warning")
 
 
 if __name__ == "__main__":

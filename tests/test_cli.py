@@ -98,3 +98,21 @@ def test_bad_sampler_spec(spec):
 def test_bad_sampler_lists_valid_ones():
     result = run_cli("generate", "smollm2", "--prompt", "x", "--sampler", "nucleus")
     assert "valid: greedy, top-k:k=40" in result.stderr
+
+
+def test_serve_refuses_a_non_loopback_host_without_allow_remote(smollm2_path):
+    result = run_cli("serve", str(smollm2_path), "--host", "0.0.0.0")
+    assert_one_line_error(result, "--host 0.0.0.0", "--allow-remote")
+
+
+def test_serve_on_a_port_in_use_says_so(smollm2_path):
+    import socket
+
+    with socket.create_server(("127.0.0.1", 0)) as busy:
+        port = busy.getsockname()[1]
+        result = run_cli("serve", str(smollm2_path), "--port", str(port))
+    assert_one_line_error(result, f"127.0.0.1:{port}", "--port")
+
+
+def test_serve_with_a_bad_default_sampler_fails_before_loading(smollm2_path):
+    assert_one_line_error(run_cli("serve", "--sampler", "top-p:p=7"), "--sampler", "`p`")

@@ -1,0 +1,434 @@
+"""An OpenAI-compatible HTTP server: adaptive decoding for any chat-completions client.
+
+``adaptive-llama serve`` puts one model, with one llama.cpp context, behind
+``GET /v1/models``, ``POST /v1/chat/completions`` and ``POST /v1/completions`` (streaming as
+server-sent events ending with ``data: [DONE]``, or one JSON object), plus ``GET /health``.
+
+Sampling: the body field ``sampler`` takes a spec (``adaptive:eps=0.001``, ``min-p:p=0.05``,
+...); without it the server's default (adaptive) runs. OpenAI fields map onto the spec:
+``temperature`` sets its ``temp=`` (0 means greedy), and ``top_p`` below 1 without a
+``sampler`` field asks for nucleus sampling, ``top-p:p=TOP_P``. Every response carries
+``sampler_stats`` (the spec, and for adaptive the mean and spread of k).
+
+Scheduling: generations run one at a time on a single worker thread, in arrival order. At
+most ``max_queue`` requests wait; one more gets 503 with ``Retry-After``. A client that
+disconnects stops its generation at the next token, and its slot goes to the next request.
+
+Errors follow OpenAI's shape, ``{"error": {"message", "type", "param", "code"}}``: malformed
+JSON, an unknown spec, a bad field, a prompt longer than the context are 400s, and the server
+keeps serving.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hmac
+import itertools
+import json
+import logging
+import queue
+import secrets
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Literal
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from sse_starlette.sse import EventSourceResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from .engine import Engine, GenerationResult
+from .specs import SamplerSpec, SpecError, parse_spec
+
+log = logging.getLogger(__name__)
+
+RETRY_AFTER_S = 5
+# finish reasons of the engine -> OpenAI's ("interrupted" only reaches a client that left).
+FINISH_REASONS = {"stop": "stop", "stop_string": "stop", "length": "length",
+                  "interrupted": "stop"}
+
+
+class APIError(Exception):
+    """An error the client caused (or a busy server), answered in OpenAI's error shape."""
+
+    def __init__(self, status: int, message: str, *, type: str = "invalid_request_error",
+                 param: str | None = None, code: str | None = None, headers=None):
+        super().__init__(message)
+        self.status, self.message, self.type = status, message, type
+        self.param, self.code, self.headers = param, code, headers
+
+    def response(self) -> JSONResponse:
+        body = {"error": {"message": self.message, "type": self.type,
+                          "param": self.param, "code": self.code}}
+        return JSONResponse(body, status_code=self.status, headers=self.headers)
+
+
+# ---- request bodies ----
+
+class _Body(BaseModel):
+    # Unknown OpenAI fields (logit_bias, user, ...) are accepted and ignored, as most local
+    # servers do, so that clients sending their full default set keep working.
+    model_config = ConfigDict(extra="ignore")
+
+    model: str | None = None
+    max_tokens: int | None = Field(None, ge=1)
+    temperature: float | None = Field(None, ge=0, le=2)
+    top_p: float | None = Field(None, gt=0, le=1)
+    stop: str | list[str] | None = None
+    seed: int | None = None
+    n: int = Field(1, ge=1, le=1)  # one context, one choice
+    stream: bool = False
+    stream_options: dict | None = None
+    sampler: str | None = None
+
+
+class TextPart(BaseModel):
+    type: Literal["text"]
+    text: str
+
+
+class Message(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    role: Literal["system", "developer", "user", "assistant"]
+    content: str | list[TextPart] | None = None
+
+    def as_template_message(self) -> dict:
+        content = self.content or ""
+        if not isinstance(content, str):
+            content = "".join(part.text for part in content)
+        # Chat templates know "system"; OpenAI's newer "developer" role means the same.
+        role = "system" if self.role == "developer" else self.role
+        return {"role": role, "content": content}
+
+
+class ChatBody(_Body):
+    messages: list[Message] = Field(min_length=1)
+    max_completion_tokens: int | None = Field(None, ge=1)
+
+
+class CompletionBody(_Body):
+    prompt: str | list[str]
+
+
+# ---- one generation, queued ----
+
+@dataclass
+class Job:
+    """A generation waiting for, or holding, the model; events flow back to the event loop."""
+
+    prompt_tokens: list[int]
+    sampler: SamplerSpec
+    max_tokens: int
+    seed: int
+    stop: list[str]
+    loop: asyncio.AbstractEventLoop
+    events: asyncio.Queue = field(default_factory=asyncio.Queue)
+    cancelled: threading.Event = field(default_factory=threading.Event)
+
+    def emit(self, kind: str, value) -> None:
+        self.loop.call_soon_threadsafe(self.events.put_nowait, (kind, value))
+
+
+class Scheduler:
+    """Runs jobs on the engine one at a time, in arrival order, on one worker thread."""
+
+    def __init__(self, engine: Engine, max_queue: int):
+        self.engine = engine
+        self.max_queue = max_queue
+        self._jobs: queue.Queue[Job | None] = queue.Queue()
+        self._lock = threading.Lock()
+        self.waiting = 0
+        self.running = False
+        self.counts = {"completed": 0, "cancelled": 0}
+        self._thread = threading.Thread(target=self._work, name="adaptive-llama-worker",
+                                        daemon=True)
+        self._thread.start()
+
+    def submit(self, job: Job) -> None:
+        with self._lock:
+            if self.waiting >= self.max_queue:
+                raise APIError(503, f"the server is busy: {self.waiting} requests are "
+                               f"waiting; retry in {RETRY_AFTER_S} s", type="server_busy",
+                               code="queue_full", headers={"Retry-After": str(RETRY_AFTER_S)})
+            self.waiting += 1
+        self._jobs.put(job)
+
+    def stop(self) -> None:
+        self._jobs.put(None)
+        self._thread.join(timeout=30)
+
+    def _work(self) -> None:
+        while (job := self._jobs.get()) is not None:
+            with self._lock:
+                self.waiting -= 1
+                self.running = True
+            try:
+                self._run(job)
+            finally:
+                with self._lock:
+                    self.running = False
+
+    def _run(self, job: Job) -> None:
+        if job.cancelled.is_set():  # the client left while waiting
+            self.counts["cancelled"] += 1
+            return
+        try:
+            stream = self.engine.stream(job.prompt_tokens, sampler=job.sampler,
+                                        max_tokens=job.max_tokens, seed=job.seed,
+                                        stop=job.stop)
+            for piece in stream:
+                if job.cancelled.is_set():
+                    stream.cancel()  # the engine keeps its state consistent
+                    break
+                job.emit("piece", piece)
+        except Exception as exc:  # reported to the client; the worker keeps serving
+            log.exception("generation failed")
+            job.emit("error", exc)
+            return
+        key = "cancelled" if stream.result.finish_reason == "interrupted" else "completed"
+        self.counts[key] += 1
+        job.emit("done", stream.result)
+
+
+# ---- the application ----
+
+def _sampler_for(default: SamplerSpec, body: _Body) -> SamplerSpec:
+    try:
+        spec = parse_spec(body.sampler) if body.sampler is not None else default
+        if body.sampler is None and body.top_p is not None and body.top_p < 1:
+            spec = parse_spec(f"top-p:p={body.top_p}").with_param("temp", spec.temp)
+        if body.temperature == 0:
+            return parse_spec("greedy")
+        if body.temperature is not None:
+            spec = spec.with_param("temp", body.temperature)
+        return spec
+    except SpecError as exc:
+        raise APIError(400, f"sampler: {exc}", param="sampler", code="invalid_sampler") from None
+
+
+def _stats(result: GenerationResult) -> dict:
+    stats = {"sampler": result.sampler, "seed": result.seed,
+             "decode_tokens_per_s": round(result.decode_tokens_per_s, 2)}
+    if result.token_stats:
+        stats.update(mean_k=result.mean_k, stdev_k=result.stdev_k, mean_conf=result.mean_conf)
+    return stats
+
+
+def _usage(result: GenerationResult) -> dict:
+    return {"prompt_tokens": result.prompt_tokens,
+            "completion_tokens": result.completion_tokens,
+            "total_tokens": result.prompt_tokens + result.completion_tokens}
+
+
+class Server:
+    """The routes' shared state: the engine, its scheduler, the default sampler, the key."""
+
+    def __init__(self, engine: Engine, sampler: SamplerSpec, api_key: str | None,
+                 max_queue: int, model_id: str | None = None):
+        self.engine = engine
+        self.sampler = sampler
+        self.api_key = api_key
+        self.model_id = model_id or engine.name
+        self.scheduler = Scheduler(engine, max_queue)
+        self._ids = itertools.count(1)
+
+    def check_key(self, request: Request) -> None:
+        if self.api_key is None:
+            return
+        given = request.headers.get("authorization", "")
+        scheme, _, token = given.partition(" ")
+        if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(),
+                                                                 self.api_key.encode()):
+            raise APIError(401, "invalid or missing API key: send the header "
+                           "'Authorization: Bearer KEY'", code="invalid_api_key")
+
+    def job(self, prompt_tokens: list[int], body: _Body, max_tokens: int | None,
+            prompt_field: str) -> Job:
+        room = self.engine.n_ctx - len(prompt_tokens)
+        if room < 1:
+            raise APIError(400, f"the prompt has {len(prompt_tokens)} tokens, but the "
+                           f"context window holds {self.engine.n_ctx}: shorten it",
+                           param=prompt_field, code="context_length_exceeded")
+        stop = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
+        return Job(prompt_tokens=prompt_tokens, sampler=_sampler_for(self.sampler, body),
+                   max_tokens=min(max_tokens or room, room),
+                   seed=body.seed if body.seed is not None else secrets.randbits(31),
+                   stop=stop, loop=asyncio.get_running_loop())
+
+    async def respond(self, request: Request, job: Job, body: _Body, kind: str):
+        """Queue the job; answer with an SSE stream or one JSON object."""
+        self.scheduler.submit(job)
+        head = {"id": f"{'chatcmpl' if kind == 'chat' else 'cmpl'}-{next(self._ids)}",
+                "created": int(time.time()), "model": self.model_id}
+        if body.stream:
+            usage = bool((body.stream_options or {}).get("include_usage"))
+            return EventSourceResponse(self._events(job, head, kind, usage),
+                                       ping=15, sep="\n")
+        return await self._whole(request, job, head, kind)
+
+    async def _whole(self, request: Request, job: Job, head: dict, kind: str):
+        text = []
+        try:
+            while True:
+                try:
+                    what, value = await asyncio.wait_for(job.events.get(), timeout=0.5)
+                except asyncio.TimeoutError:
+                    if await request.is_disconnected():
+                        job.cancelled.set()
+                        return JSONResponse({}, status_code=499)
+                    continue
+                if what == "piece":
+                    text.append(value)
+                elif what == "error":
+                    raise APIError(500, f"generation failed: {value}", type="server_error")
+                else:
+                    return self._final(value, "".join(text), head, kind)
+        finally:
+            job.cancelled.set()  # no-op once done; stops the generation if we were cancelled
+
+    @staticmethod
+    def _final(result: GenerationResult, text: str, head: dict, kind: str) -> dict:
+        reason = FINISH_REASONS[result.finish_reason]
+        if kind == "chat":
+            choice = {"index": 0, "message": {"role": "assistant", "content": text},
+                      "logprobs": None, "finish_reason": reason}
+            obj = "chat.completion"
+        else:
+            choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": reason}
+            obj = "text_completion"
+        return {**head, "object": obj, "choices": [choice], "usage": _usage(result),
+                "sampler_stats": _stats(result)}
+
+    async def _events(self, job: Job, head: dict, kind: str, include_usage: bool):
+        obj = "chat.completion.chunk" if kind == "chat" else "text_completion"
+
+        def chunk(delta_text: str | None, reason: str | None = None, **extra) -> str:
+            if kind == "chat":
+                delta = {} if delta_text is None else {"content": delta_text}
+                choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": reason}
+            else:
+                choice = {"index": 0, "text": delta_text or "", "logprobs": None,
+                          "finish_reason": reason}
+            return _json({**head, "object": obj, "choices": [choice], **extra})
+
+        try:
+            if kind == "chat":
+                yield _json({**head, "object": obj, "choices": [{
+                    "index": 0, "delta": {"role": "assistant", "content": ""},
+                    "logprobs": None, "finish_reason": None}]})
+            while True:
+                what, value = await job.events.get()
+                if what == "piece":
+                    yield chunk(value)
+                elif what == "error":
+                    yield _json({"error": {"message": f"generation failed: {value}",
+                                           "type": "server_error", "param": None,
+                                           "code": None}})
+                    break
+                else:
+                    yield chunk(None, FINISH_REASONS[value.finish_reason],
+                                sampler_stats=_stats(value))
+                    if include_usage:
+                        yield _json({**head, "object": obj, "choices": [],
+                                     "usage": _usage(value)})
+                    break
+            yield "[DONE]"
+        finally:
+            job.cancelled.set()  # a client that left stops the generation at the next token
+
+
+async def _parse(request: Request, model: type[_Body]) -> _Body:
+    """The JSON body, whatever the Content-Type says (curl users often send none)."""
+    raw = await request.body()
+    try:
+        data = json.loads(raw or b"null")
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise APIError(400, f"the body is not valid JSON: {exc}") from None
+    if not isinstance(data, dict):
+        raise APIError(400, "the body has to be a JSON object")
+    try:
+        return model.model_validate(data)
+    except ValidationError as exc:
+        first = exc.errors()[0]
+        where = ".".join(str(part) for part in first["loc"])
+        given = f" (got {first['input']!r})" if "input" in first and where else ""
+        raise APIError(400, f"`{where}`: {first['msg']}{given}", param=where) from None
+
+
+def _json(value: dict) -> str:
+    return json.dumps(value, ensure_ascii=False)
+
+
+def create_app(engine: Engine, sampler="adaptive", *, api_key: str | None = None,
+               max_queue: int = 8, model_id: str | None = None) -> FastAPI:
+    """The ASGI application; run it with uvicorn (``adaptive-llama serve`` does)."""
+    server = Server(engine, parse_spec(sampler), api_key, max_queue, model_id)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(_app):
+        yield
+        server.scheduler.stop()
+
+    app = FastAPI(title="adaptive-llama", docs_url=None, redoc_url=None, openapi_url=None,
+                  lifespan=lifespan)
+    app.state.server = server
+
+    @app.middleware("http")
+    async def authorise(request: Request, call_next):
+        try:
+            server.check_key(request)
+        except APIError as exc:
+            return exc.response()
+        return await call_next(request)
+
+    @app.exception_handler(APIError)
+    async def api_error(_request, exc: APIError):
+        return exc.response()
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(_request, exc: StarletteHTTPException):
+        return APIError(exc.status_code, str(exc.detail)).response()
+
+    @app.get("/health")
+    async def health():
+        s = server.scheduler
+        return {"status": "ok", "model": server.model_id, "sampler": str(server.sampler),
+                "running": s.running, "waiting": s.waiting, **s.counts}
+
+    @app.get("/v1/models")
+    async def models():
+        return {"object": "list", "data": [{
+            "id": server.model_id, "object": "model", "created": 0, "owned_by": "local",
+            "n_ctx": engine.n_ctx, "n_vocab": engine.n_vocab}]}
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request):
+        body = await _parse(request, ChatBody)
+        messages = [m.as_template_message() for m in body.messages]
+        try:
+            tokens = engine.chat_prompt_tokens(messages)
+        except Exception as exc:  # no template, or the template rejects the roles given
+            raise APIError(400, f"messages: {exc}", param="messages") from None
+        job = server.job(tokens, body, body.max_completion_tokens or body.max_tokens,
+                         "messages")
+        return await server.respond(request, job, body, "chat")
+
+    @app.post("/v1/completions")
+    async def completions(request: Request):
+        body = await _parse(request, CompletionBody)
+        prompt = body.prompt
+        if isinstance(prompt, list):
+            if len(prompt) != 1:
+                raise APIError(400, "`prompt`: send one prompt per request (a string)",
+                               param="prompt")
+            prompt = prompt[0]
+        if not prompt:
+            raise APIError(400, "`prompt`: the prompt is empty", param="prompt")
+        # OpenAI's completions endpoint defaults to 16 tokens.
+        job = server.job(engine.tokenize(prompt), body, body.max_tokens or 16, "prompt")
+        return await server.respond(request, job, body, "completion")
+
+    return app

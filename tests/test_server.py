@@ -1,0 +1,256 @@
+"""The OpenAI-compatible server, end to end: `adaptive-llama serve` on a free loopback port with
+the bundled model, driven by the real `openai` client (and raw HTTP where the client hides the
+wire: status codes, headers, malformed JSON, a dropped connection)."""
+
+import http.client
+import json
+import socket
+import subprocess
+import sys
+import threading
+import time
+
+import openai
+import pytest
+
+API_KEY = "test-key"
+MAX_QUEUE = 2
+COUNTING = {"prompt": "1, 2, 3, 4, 5,", "sampler": "greedy"}  # greedy counts on, no EOS
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def server(smollm2_path):
+    port = free_port()
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "adaptive_llama.cli", "serve", str(smollm2_path), "--port",
+         str(port), "--api-key", API_KEY, "--ctx", "512", "--max-queue", str(MAX_QUEUE)],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        try:
+            if raw("GET", port, "/health")[0] == 200:
+                break
+        except OSError:
+            time.sleep(0.2)
+    else:
+        proc.kill()
+        pytest.fail(f"server did not start: {proc.stdout.read()}")
+    yield port
+    proc.terminate()
+    proc.wait(timeout=30)
+
+
+def raw(method, port, path, body=None, key=API_KEY, timeout=60):
+    """(status, headers, parsed JSON body) of one plain HTTP request."""
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=timeout)
+    headers = {"Authorization": f"Bearer {key}"} if key else {}
+    data = body if isinstance(body, (bytes, type(None))) else json.dumps(body).encode()
+    conn.request(method, path, body=data, headers=headers)
+    resp = conn.getresponse()
+    payload = resp.read()
+    conn.close()
+    return resp.status, resp.headers, json.loads(payload) if payload else None
+
+
+def health(port):
+    return raw("GET", port, "/health")[2]
+
+
+def wait_idle(port, timeout=30):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        h = health(port)
+        if not h["running"] and h["waiting"] == 0:
+            return h
+        time.sleep(0.1)
+    pytest.fail(f"server still busy after {timeout} s: {health(port)}")
+
+
+@pytest.fixture
+def client(server):
+    return openai.OpenAI(base_url=f"http://127.0.0.1:{server}/v1", api_key=API_KEY,
+                         max_retries=0, timeout=120)
+
+
+HELLO = [{"role": "user", "content": "Name one colour."}]
+
+
+def test_models_lists_the_loaded_model(client):
+    ids = [m.id for m in client.models.list().data]
+    assert ids == ["SmolLM2-135M-Instruct.Q4_1.gguf"]
+
+
+def test_chat_non_streaming_fills_usage_and_sampler_stats(client):
+    r = client.chat.completions.create(model="any", messages=HELLO, max_tokens=12, seed=7)
+    assert r.choices[0].message.role == "assistant"
+    assert r.choices[0].message.content.strip()
+    assert r.choices[0].finish_reason in ("stop", "length")
+    assert 1 <= r.usage.completion_tokens <= 12
+    assert r.usage.prompt_tokens > 5
+    assert r.usage.total_tokens == r.usage.prompt_tokens + r.usage.completion_tokens
+    stats = r.model_extra["sampler_stats"]
+    assert stats["sampler"].startswith("adaptive:eps=0.0005")  # the server's default
+    assert stats["mean_k"] >= 1
+
+
+def test_chat_streaming_matches_non_streaming_and_ends_with_done(client, server):
+    kwargs = dict(model="any", messages=HELLO, max_tokens=16, seed=11)
+    whole = client.chat.completions.create(**kwargs).choices[0].message.content
+    chunks = list(client.chat.completions.create(
+        stream=True, stream_options={"include_usage": True}, **kwargs))
+    assert chunks[0].choices[0].delta.role == "assistant"
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == whole
+    assert chunks[-2].choices[0].finish_reason in ("stop", "length")
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens >= 1
+    # The wire format: server-sent events ending with data: [DONE].
+    conn = http.client.HTTPConnection("127.0.0.1", server, timeout=60)
+    conn.request("POST", "/v1/chat/completions", headers={"Authorization": f"Bearer {API_KEY}"},
+                 body=json.dumps({**kwargs, "stream": True}))
+    lines = [line for line in conn.getresponse().read().decode().splitlines() if line]
+    assert lines[-1] == "data: [DONE]" and all(line.startswith("data: ") for line in lines)
+
+
+def test_completions_default_to_16_tokens_and_stream(client):
+    r = client.completions.create(model="any", prompt="Once upon a time", seed=3)
+    assert r.usage.completion_tokens == 16 and r.choices[0].finish_reason == "length"
+    streamed = "".join(c.choices[0].text for c in client.completions.create(
+        model="any", prompt="Once upon a time", seed=3, stream=True))
+    assert streamed == r.choices[0].text
+
+
+def test_seed_reproduces_and_other_seeds_vary(client):
+    def reply(seed):
+        return client.chat.completions.create(
+            model="any", messages=[{"role": "user", "content": "Tell me a story."}],
+            max_tokens=24, seed=seed, temperature=1.0).choices[0].message.content
+
+    assert reply(5) == reply(5)
+    assert len({reply(s) for s in (1, 2, 3)}) > 1
+
+
+def test_openai_fields_map_onto_the_sampler_spec(client):
+    def sampler(**kwargs):
+        r = client.chat.completions.create(model="any", messages=HELLO, max_tokens=2, **kwargs)
+        return r.model_extra["sampler_stats"]["sampler"]
+
+    assert sampler(temperature=0) == "greedy"
+    assert sampler(temperature=0.7).startswith("adaptive:") and "temp=0.7" in sampler(
+        temperature=0.7)
+    assert sampler(top_p=0.9) == "top-p:p=0.9"
+    assert sampler(extra_body={"sampler": "min-p:p=0.1"}) == "min-p:p=0.1"
+    assert sampler(top_p=0.9, extra_body={"sampler": "eta"}) == "eta:eps=0.0009"
+
+
+def test_stop_strings_end_the_reply(client):
+    r = client.completions.create(model="any", prompt="1, 2, 3,", max_tokens=40, seed=0,
+                                  stop=[" 6"], extra_body={"sampler": "greedy"})
+    assert r.choices[0].finish_reason == "stop"
+    assert " 6" not in r.choices[0].text and "5" in r.choices[0].text
+
+
+def test_concurrent_requests_queue_and_all_answer(client, server):
+    # One running plus MAX_QUEUE waiting: the most the server accepts at once.
+    results, errors = [], []
+
+    def ask(i):
+        try:
+            r = client.completions.create(model="any", prompt=f"Fact {i}:", max_tokens=8, seed=i)
+            results.append(r.usage.completion_tokens)
+        except Exception as exc:  # noqa: BLE001 - reported below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=ask, args=(i,)) for i in range(MAX_QUEUE + 1)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=120)
+    assert errors == [] and len(results) == MAX_QUEUE + 1
+    assert wait_idle(server)["waiting"] == 0
+
+
+def open_stream(port, body):
+    """Start a streaming completion; return the connection and its response, first bytes read."""
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=60)
+    conn.request("POST", "/v1/completions", headers={"Authorization": f"Bearer {API_KEY}"},
+                 body=json.dumps({**body, "stream": True}))
+    resp = conn.getresponse()
+    assert resp.status == 200
+    assert resp.readline().startswith(b"data: ")
+    return conn, resp
+
+
+def test_disconnect_mid_stream_stops_the_generation(client, server):
+    before = wait_idle(server)
+    conn, _resp = open_stream(server, {**COUNTING, "max_tokens": 450})
+    conn.sock.shutdown(socket.SHUT_RDWR)
+    conn.close()
+    after = wait_idle(server, timeout=20)
+    # Counted as cancelled (finish "interrupted"), not as a completed 450-token run.
+    assert after["cancelled"] == before["cancelled"] + 1
+    assert after["completed"] == before["completed"]
+    r = client.completions.create(model="any", prompt="Hello", max_tokens=4, seed=1)
+    assert r.usage.completion_tokens == 4  # the slot was freed; the engine still works
+
+
+def test_full_queue_answers_503_with_retry_after(client, server):
+    wait_idle(server)
+    conn, resp = open_stream(server, {**COUNTING, "max_tokens": 450})  # holds the model
+    waiting = [threading.Thread(target=raw, args=(
+        "POST", server, "/v1/completions", {"prompt": "Hi", "max_tokens": 2}))
+        for _ in range(MAX_QUEUE)]
+    for t in waiting:
+        t.start()
+    deadline = time.monotonic() + 10
+    while health(server)["waiting"] < MAX_QUEUE and time.monotonic() < deadline:
+        time.sleep(0.05)
+    status, headers, body = raw("POST", server, "/v1/completions",
+                                {"prompt": "Hi", "max_tokens": 2})
+    assert status == 503 and int(headers["Retry-After"]) > 0
+    assert body["error"]["code"] == "queue_full"
+    conn.close()
+    for t in waiting:
+        t.join(timeout=60)
+    wait_idle(server)
+
+
+@pytest.mark.parametrize("body, fragment", [
+    (b"{not json", "not valid JSON"),
+    ({"messages": HELLO, "sampler": "nucleus"}, "unknown sampler 'nucleus'; valid: greedy"),
+    ({"messages": HELLO, "sampler": "adaptive:eps=2"}, "`eps` has to be in (0, 1)"),
+    ({"messages": HELLO, "max_tokens": -5}, "`max_tokens`"),
+    ({"messages": HELLO, "temperature": -1}, "`temperature`"),
+    ({"messages": []}, "`messages`"),
+    ({"messages": [{"role": "user", "content": "word " * 600}]}, "context window holds 512"),
+])
+def test_bad_input_is_400_in_openai_shape_and_server_keeps_serving(client, server, body,
+                                                                    fragment):
+    status, _, payload = raw("POST", server, "/v1/chat/completions", body)
+    assert status == 400
+    assert payload["error"]["type"] == "invalid_request_error"
+    assert fragment in payload["error"]["message"]
+    r = client.chat.completions.create(model="any", messages=HELLO, max_tokens=2)
+    assert r.usage.completion_tokens >= 1
+
+
+def test_openai_client_raises_bad_request_for_a_bad_spec(client):
+    with pytest.raises(openai.BadRequestError, match="unknown sampler"):
+        client.chat.completions.create(model="any", messages=HELLO,
+                                       extra_body={"sampler": "bogus"})
+
+
+@pytest.mark.parametrize("key", [None, "wrong-key"])
+def test_api_key_is_checked_on_every_route(server, key):
+    for method, path in (("GET", "/v1/models"), ("GET", "/health"),
+                         ("POST", "/v1/chat/completions")):
+        status, _, payload = raw(method, server, path, {"messages": HELLO}, key=key)
+        assert status == 401 and payload["error"]["code"] == "invalid_api_key"
+    with pytest.raises(openai.AuthenticationError):
+        openai.OpenAI(base_url=f"http://127.0.0.1:{server}/v1", api_key=key or "x",
+                      max_retries=0).models.list()
