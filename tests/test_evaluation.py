@@ -1,0 +1,152 @@
+"""The evaluation harness: data stand-ins, the prompts file, the resume cache, GSM8K answers,
+and a small end-to-end run of `adaptive-llama eval` on the bundled model."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from adaptive_llama import evaldata, evaluation
+from adaptive_llama.evaldata import DataError
+
+
+def test_wikipedia_and_tinystories_stand_ins_load():
+    articles, stories = evaldata.wiki_articles(), evaldata.tiny_stories()
+    assert len(articles) > 2000 and len(stories) > 300
+    assert not articles[0].startswith("<doc") and "</doc>" not in articles[0]
+    assert all("<|endoftext|>" not in s for s in stories)
+
+
+def test_prefixes_are_32_tokens_and_references_follow_them(engine):
+    detok = lambda toks: engine.llama.detokenize(toks).decode("utf-8", "replace")  # noqa: E731
+    tokenize = lambda t: engine.tokenize(t, add_bos=False)  # noqa: E731
+    prompts = evaldata.prefixes(evaldata.wiki_articles()[:20], "wiki", tokenize, detok, 32, 40)
+    assert len(prompts) > 10
+    for p in prompts[:5]:
+        assert 28 <= len(tokenize(p.prefix)) <= 36
+        assert p.reference and len(tokenize(p.reference)) >= 30
+    dev, test = evaldata.dev_test_split(prompts, 3, 5)
+    assert not {p.id for p in dev} & {p.id for p in test}
+    assert evaldata.dev_test_split(prompts, 3, 5) == (dev, test)  # same draw every run
+
+
+@pytest.mark.parametrize("content, fragment", [
+    ('{"prefix": "ok"}\n{"prefix": "x", oops}\n', "line 2: not valid JSON"),
+    ('{"prefix": "ok"}\n\n{"reference": "no prefix"}\n', 'line 3: needs {"prefix"'),
+    ('{"prefix": "ok", "reference": 7}\n', "line 1: `reference` has to be text"),
+    ('["prefix"]\n', "line 1: needs"),
+    ("\n\n", "has no prompts"),
+])
+def test_prompts_file_errors_name_the_line(tmp_path, content, fragment):
+    path = tmp_path / "p.jsonl"
+    path.write_text(content)
+    with pytest.raises(DataError) as info:
+        evaldata.load_prompts_file(path)
+    assert fragment in str(info.value)
+
+
+def test_generation_cache_survives_a_line_cut_short(tmp_path):
+    path = tmp_path / "generations.jsonl"
+    cache = evaluation.GenerationCache(path)
+    for i in range(3):
+        cache.add({"key": f"k{i}", "text": f"t{i}"})
+    cache.close()
+    path.write_text(path.read_text()[:-10])  # the interruption: half a line
+    cache = evaluation.GenerationCache(path)
+    assert set(cache.rows) == {"k0", "k1"}
+    cache.add({"key": "k2", "text": "again"})
+    cache.close()
+    assert evaluation.GenerationCache(path).get("k2")["text"] == "again"
+
+
+@pytest.mark.parametrize("text, answer", [
+    ("3 + 4 = 7. Then 7 * 2 = 14. The answer is 14.", "14"),
+    ("The answer is $1,250.", "1250"),
+    ("She pays 12.5 dollars, then 3", "3"),
+    ("I do not know.", None),
+])
+def test_gsm8k_answer_extraction(text, answer):
+    assert evaluation.extract_answer(text) == answer
+
+
+def test_gsm8k_loads_numeric_answers():
+    problems = evaldata.gsm8k(5)
+    assert len(problems) == 5 and all(p.answer.lstrip("-").replace(".", "").isdigit()
+                                      for p in problems)
+
+
+def test_missing_optional_dependency_names_the_extra(monkeypatch):
+    import importlib.util
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, *a: None if name == "mauve" else real(name, *a))
+    with pytest.raises(DataError, match=r"mauve-text: pip install 'adaptive-llama\[eval\]'"):
+        evaluation.require_extras()
+
+
+def eval_cli(*args):
+    return subprocess.run([sys.executable, "-m", "adaptive_llama.cli", "eval", *args],
+                          capture_output=True, text=True, timeout=900)
+
+
+PROMPTS = [
+    {"prefix": "The river flows through the old town, past the", "reference":
+     " market square and under three stone bridges before it reaches the sea."},
+    {"prefix": "In 1905 the physicist published four papers that", "reference":
+     " changed how people thought about light, time, and the size of atoms."},
+    {"prefix": "Once upon a time a small dog lived in a", "reference":
+     " red house at the end of a long road, and every day he waited for the mail."},
+]
+
+
+def test_eval_end_to_end_on_the_bundled_model_and_resume(tmp_path, smollm2_path):
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps(p) + "\n" for p in PROMPTS))
+    out = tmp_path / "results"
+    args = [str(smollm2_path), "--prompts", str(prompts), "--tasks", "ablation",
+            "--samples", "2", "--max-tokens", "8", "--out", str(out)]
+    first = eval_cli(*args)
+    assert first.returncode == 0, first.stderr
+    report = json.loads((out / "results.json").read_text())
+    methods = report["open_ended"]["file"]["methods"]
+    assert set(methods) == set(evaluation.GRIDS)
+    for m in methods.values():
+        assert 0 <= m["diversity"][0] <= 1 and -1 <= m["coherence"][0] <= 1
+        assert 0 < m["mauve"][0] <= 1 + 1e-9
+    assert methods["adaptive"]["k"][0] >= 1 and methods["greedy"]["k"] is None
+    assert [row["epsilon"] for row in report["ablation"]] == [0.001, 0.005, 0.01, 0.02] * 2
+    ks = [row["k"][0] for row in report["ablation"][:4]]
+    assert ks == sorted(ks, reverse=True)  # a larger epsilon keeps fewer tokens
+    assert "adaptive-llama eval" in report["command"]
+    for name in ("results.md", "diversity_coherence.png", "mauve.png"):
+        assert (out / name).stat().st_size > 0
+    # 7 sampling methods x 3 prompts x 2 samples + greedy x 3 + ablation 8 x 3
+    cache = out / "generations.jsonl"
+    lines = cache.read_text().splitlines()
+    assert len(lines) == 7 * 3 * 2 + 3 + 8 * 3
+
+    # An interrupted run: half the generations gone, the last line cut short. The rerun
+    # makes only what is missing, and (seeded) makes it exactly as before.
+    cache.write_text("\n".join(lines[: len(lines) // 2]) + "\n" + lines[-1][:20])
+    assert eval_cli(*args).returncode == 0
+    kept = len(lines) // 2  # the cut line is dropped, the rerun appends after the kept ones
+    redone = {json.loads(line)["key"]: json.loads(line)["text"]
+              for line in cache.read_text().splitlines()[kept:]}
+    original = {json.loads(line)["key"]: json.loads(line)["text"] for line in lines}
+    assert len(redone) == len(lines) - kept
+    assert all(original[key] == text for key, text in redone.items())
+
+
+def test_eval_with_a_malformed_prompts_file_loses_nothing(tmp_path):
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text('{"prefix": "fine"}\n{"prefix": 3}\n')
+    out = tmp_path / "results"
+    out.mkdir()
+    (out / "generations.jsonl").write_text('{"key": "kept", "text": "earlier work"}\n')
+    result = eval_cli("--prompts", str(prompts), "--out", str(out))
+    assert result.returncode == 2
+    assert result.stderr.strip().splitlines() == [
+        f'Error: {prompts}, line 2: needs {{"prefix": "non-empty text"}}']
+    assert (out / "generations.jsonl").read_text() == '{"key": "kept", "text": "earlier work"}\n'

@@ -1,0 +1,57 @@
+"""The evaluation's metrics against values worked by hand on tiny inputs."""
+
+import math
+
+import numpy as np
+import pytest
+
+from adaptive_llama import metrics
+
+
+def test_rep_n_and_diversity_on_a_repeating_text():
+    text = "a b a b a b"
+    # 2-grams: ab ba ab ba ab -> 5, 2 unique -> 100 * (1 - 2/5) = 60
+    assert metrics.rep_n(text, 2) == pytest.approx(60.0)
+    # 3-grams: aba bab aba bab -> 4, 2 unique -> 50
+    assert metrics.rep_n(text, 3) == pytest.approx(50.0)
+    # 4-grams: abab baba abab -> 3, 2 unique -> 33.33
+    assert metrics.rep_n(text, 4) == pytest.approx(100 / 3)
+    # diversity = (1 - .6) (1 - .5) (1 - 1/3) = 0.4 * 0.5 * 0.6667 = 0.1333
+    assert metrics.diversity(text) == pytest.approx(0.4 * 0.5 * (2 / 3))
+
+
+def test_rep_n_of_text_without_repeats_or_too_short():
+    assert metrics.rep_n("the cat sat on the mat", 2) == 0.0  # "the cat" != "the mat"
+    assert metrics.rep_n("the the", 2) == 0.0                  # one 2-gram: nothing repeats
+    assert metrics.rep_n("one", 3) == 0.0                      # no 3-gram at all
+    assert metrics.diversity("the cat sat on the mat") == 1.0
+
+
+def test_coherence_is_the_rowwise_cosine():
+    prefixes = np.array([[1.0, 0.0], [0.0, 2.0], [3.0, 4.0]])
+    continuations = np.array([[5.0, 0.0], [1.0, 1.0], [-3.0, -4.0]])
+    # cos = 1; 2/(2*sqrt 2) = 1/sqrt 2; -25/25 = -1
+    np.testing.assert_allclose(metrics.coherence(prefixes, continuations),
+                               [1.0, 1 / math.sqrt(2), -1.0])
+
+
+def test_mauve_of_identical_versus_disjoint_feature_sets():
+    rng = np.random.default_rng(0)
+    p = rng.normal(size=(80, 16))
+    assert metrics.mauve_score(p, p) > 0.99
+    assert metrics.mauve_score(p, p + 10.0) < 0.1
+
+
+def test_mean_ci_uses_student_t():
+    mean, half = metrics.mean_ci([1.0, 2.0, 3.0])
+    # sd 1, df 2: t = 4.303, half = 4.303 / sqrt 3 = 2.484
+    assert mean == 2.0 and half == pytest.approx(4.303 / math.sqrt(3))
+    assert math.isnan(metrics.mean_ci([5.0])[1])
+
+
+def test_proportion_ci_has_width_at_zero_successes():
+    p, half = metrics.proportion_ci(0, 10)
+    # Wilson upper bound at 0/10: z^2 / (n + z^2) = 3.8416 / 13.8416 = 0.2775
+    assert p == 0.0 and half == pytest.approx(3.8416 / 13.8416, rel=1e-4)
+    p, half = metrics.proportion_ci(5, 10)
+    assert p == 0.5 and 0.25 < half < 0.35
