@@ -30,6 +30,7 @@ import llama_cpp
 import numpy as np
 
 from adaptive_llama import Engine
+from adaptive_llama.evaluation import sampler_latency_us
 from adaptive_llama.kernel import adaptive_k_reference
 from adaptive_llama.sampler import SamplerChain
 
@@ -89,21 +90,6 @@ def decode_speed(engine, spec, tokens):
     return result.decode_tokens_per_s, result.completion_tokens, result.mean_k
 
 
-def sampler_cost_us(engine, make_chain, rounds=200):
-    """Median microseconds of one llama_sampler_sample on the current logits (no decode)."""
-    engine._prefill(engine.tokenize(PROMPT))
-    ctx = engine.llama._ctx.ctx
-    chain = make_chain()
-    times = []
-    for _ in range(rounds):
-        t0 = time.perf_counter_ns()
-        chain.sample(ctx, -1) if isinstance(chain, SamplerChain) else chain.sample(
-            engine.llama._ctx, -1)
-        times.append((time.perf_counter_ns() - t0) / 1e3)
-    chain.close()
-    return statistics.median(times)
-
-
 def medians_and_ratios(samples: dict) -> dict:
     med = {s: statistics.median(v) for s, v in samples.items()}
     return {"decode_tokens_per_s_median": {s: round(v, 2) for s, v in med.items()},
@@ -132,11 +118,11 @@ def bench_model(name, rounds, tokens, soak_tokens):
     ratio = out["engine"]["ratio_to_greedy"]["adaptive:eps=0.0005"]
     out["adaptive_target_met_0.97x_greedy"] = ratio >= 0.97
     out["sampler_us_per_token_median"] = {
-        "adaptive:eps=0.0005": round(sampler_cost_us(
+        "adaptive:eps=0.0005": round(sampler_latency_us(
             engine, lambda: SamplerChain("adaptive:eps=0.0005", 1, engine.n_vocab)), 1),
-        "greedy": round(sampler_cost_us(
+        "greedy": round(sampler_latency_us(
             engine, lambda: SamplerChain("greedy", 1, engine.n_vocab)), 1),
-        "llama_cpp_python_default_chain": round(sampler_cost_us(
+        "llama_cpp_python_default_chain": round(sampler_latency_us(
             engine, lambda: llama_cpp_python_default_chain(engine)), 1),
     }
     if soak_tokens:
