@@ -177,7 +177,7 @@ def evaluate(model, tasks, prompts_file, n_dev, n_test, samples, max_tokens, gsm
     make = EvalConfig.paper_sizes if full else EvalConfig
     config = make(model=model, tasks=tuple(t.strip() for t in tasks.split(",") if t.strip()),
                   prompts_file=prompts_file, out=out, seed=seed,
-                  command="adaptive-llama eval " + " ".join(sys.argv[2:]), **sizes)
+                  command=" ".join(["adaptive-llama eval", *sys.argv[2:]]), **sizes)
     evaluator = Evaluator(config)
     try:
         evaluator.run()
