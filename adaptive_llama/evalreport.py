@@ -69,7 +69,8 @@ def markdown(report: dict) -> str:
         g = report["gsm8k"]
         lines += [f"## GSM8K ({g['n']} test problems, up to {g['max_tokens']} tokens)", "",
                   "Prompt (chat template, user turn): `" + g["prompt"].replace("\n", " ")
-                  + "`", "", "| sampler | accuracy |", "|---|---|"]
+                  + "`. A zero-shot chain-of-thought prompt: the paper's appendix C text was "
+                  "not available offline.", "", "| sampler | accuracy |", "|---|---|"]
         lines += [f"| `{s}` | {_pm(v['accuracy'], 1, 100)} % |" for s, v in g.items()
                   if isinstance(v, dict)]
         lines.append("")

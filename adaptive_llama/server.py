@@ -140,7 +140,7 @@ class Scheduler:
         self.max_queue = max_queue
         self._jobs: queue.Queue[Job | None] = queue.Queue()
         self._lock = threading.Lock()
-        self.waiting = 0
+        self.accepted = 0  # waiting or running
         self.running = False
         self.counts = {"completed": 0, "cancelled": 0}
         self._thread = threading.Thread(target=self._work, name="adaptive-llama-worker",
@@ -149,12 +149,18 @@ class Scheduler:
 
     def submit(self, job: Job) -> None:
         with self._lock:
-            if self.waiting >= self.max_queue:
+            # Counted from submission to the end of the run, so that a burst arriving before
+            # the worker wakes up still gets one running slot plus max_queue waiting ones.
+            if self.accepted >= self.max_queue + 1:
                 raise APIError(503, f"the server is busy: {self.waiting} requests are "
                                f"waiting; retry in {RETRY_AFTER_S} s", type="server_busy",
                                code="queue_full", headers={"Retry-After": str(RETRY_AFTER_S)})
-            self.waiting += 1
+            self.accepted += 1
         self._jobs.put(job)
+
+    @property
+    def waiting(self) -> int:
+        return self.accepted - self.running
 
     def stop(self) -> None:
         self._jobs.put(None)
@@ -163,13 +169,13 @@ class Scheduler:
     def _work(self) -> None:
         while (job := self._jobs.get()) is not None:
             with self._lock:
-                self.waiting -= 1
                 self.running = True
             try:
                 self._run(job)
             finally:
                 with self._lock:
                     self.running = False
+                    self.accepted -= 1
 
     def _run(self, job: Job) -> None:
         if job.cancelled.is_set():  # the client left while waiting

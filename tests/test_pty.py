@@ -1,5 +1,6 @@
 """The REPL in a real pseudo-terminal: Ctrl-C in the middle of a reply."""
 
+import io
 import os
 import sys
 
@@ -11,6 +12,7 @@ def test_ctrl_c_stops_the_reply_and_keeps_the_history(tmp_path):
     child = pexpect.spawn(sys.executable, ["-m", "adaptive_llama.cli", "run", "--max-tokens",
                                            "400", "--sampler", "adaptive:eps=0.0001"],
                           env=env, encoding="utf-8", timeout=120, dimensions=(40, 200))
+    child.logfile_read = transcript = io.StringIO()  # shown when an expectation fails
     try:
         child.expect(">>>")
         child.send("Write a very long story about a lighthouse keeper.\r")
@@ -18,7 +20,7 @@ def test_ctrl_c_stops_the_reply_and_keeps_the_history(tmp_path):
         child.expect(r"\x1b\[\?2004l")   # prompt_toolkit let go of the terminal,
         child.expect(r"[A-Za-z]{3,}\W+[A-Za-z]{3,}")  # and the reply is streaming
         child.sendintr()
-        child.expect(r"\[interrupted\]")
+        child.expect(r"\[interrupted\]", timeout=60)
         child.expect(">>>")
         child.send("/show\r")
         child.expect(r"\((\d+) messages\)")
@@ -26,6 +28,8 @@ def test_ctrl_c_stops_the_reply_and_keeps_the_history(tmp_path):
         child.expect(">>>")
         child.send("/bye\r")
         child.expect(pexpect.EOF)
+    except pexpect.TIMEOUT:
+        raise AssertionError(f"the REPL's terminal output:\n{transcript.getvalue()}") from None
     finally:
         child.close(force=True)
     assert child.exitstatus == 0
