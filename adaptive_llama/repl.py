@@ -10,6 +10,7 @@ from __future__ import annotations
 import difflib
 import json
 import os
+import signal
 import sys
 import tempfile
 from pathlib import Path
@@ -115,6 +116,9 @@ class Repl:
 
     def loop(self) -> None:
         if self.interactive:
+            # Ctrl-C has to stop a reply even when we were started with SIGINT ignored (a
+            # background job of a non-interactive shell inherits SIG_IGN, and Python keeps it).
+            signal.signal(signal.SIGINT, signal.default_int_handler)
             self.note(f"{self.engine.name}, sampler {self.chat.sampler}. /help for commands, "
                       "Ctrl-D or /bye to quit.")
         while True:

@@ -2,16 +2,25 @@
 
 import io
 import os
+import signal
 import sys
 
 import pexpect
+import pytest
 
 
-def test_ctrl_c_stops_the_reply_and_keeps_the_history(tmp_path):
+def ignore_sigint():
+    # What a background job of a non-interactive shell (`cmd &` in a script) inherits.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+
+
+@pytest.mark.parametrize("started_with", [None, ignore_sigint], ids=["default", "sigint-ignored"])
+def test_ctrl_c_stops_the_reply_and_keeps_the_history(tmp_path, started_with):
     env = dict(os.environ, XDG_STATE_HOME=str(tmp_path), TERM="xterm")
     child = pexpect.spawn(sys.executable, ["-m", "adaptive_llama.cli", "run", "--max-tokens",
                                            "400", "--sampler", "adaptive:eps=0.0001"],
-                          env=env, encoding="utf-8", timeout=120, dimensions=(40, 200))
+                          env=env, encoding="utf-8", timeout=120, dimensions=(40, 200),
+                          preexec_fn=started_with)
     child.logfile_read = transcript = io.StringIO()  # shown when an expectation fails
     try:
         child.expect(">>>")
