@@ -8,7 +8,7 @@ from pathlib import Path
 
 
 def _pm(value, digits: int = 2, scale: float = 1.0) -> str:
-    """"mean ± half-width" of a (mean, half-width) pair; "-" when there is none."""
+    """A (mean, half-width) pair as text, "mean ± half-width"; "-" when there is none."""
     if value is None or math.isnan(value[0]):
         return "-"
     mean, half = value[0] * scale, value[1] * scale

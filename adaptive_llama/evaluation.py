@@ -18,12 +18,11 @@ from __future__ import annotations
 
 import json
 import logging
-import math
 import re
 import statistics
 import sys
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from . import evaldata, metrics
@@ -220,7 +219,7 @@ class Evaluator:
             self._embed([by_id[r["prompt_id"]].prefix for r in rows]), self._embed(texts)))
         out["mauve"] = self._mauve(rows, by_id)
         ks = [k for r in rows for k in r["k"]]
-        out["k"] = _mean_sd(ks) if ks else None
+        out["k"] = metrics.mean_sd(ks) if ks else None
         out["n"] = len(rows)
         return out
 
@@ -282,8 +281,8 @@ class Evaluator:
                 scored = self.score(rows, prompts)
                 out.append({
                     "epsilon": eps, "mode": mode, "k": scored["k"],
-                    "kept_mass": _mean_sd([m for r in rows for m in r["kept_mass"]]),
-                    "conf": _mean_sd([x for r in rows for x in r["conf"]]),
+                    "kept_mass": metrics.mean_sd([m for r in rows for m in r["kept_mass"]]),
+                    "conf": metrics.mean_sd([x for r in rows for x in r["conf"]]),
                     "diversity": scored["diversity"], "coherence": scored["coherence"],
                     "mauve": scored["mauve"]})
         return out
@@ -334,8 +333,8 @@ class Evaluator:
         ablation_prompts = None
         for task in open_tasks:
             result = self.open_ended(task)
-            ablation_prompts = ablation_prompts or result.pop("test_prompts")
-            result.pop("test_prompts", None)
+            test_prompts = result.pop("test_prompts")
+            ablation_prompts = ablation_prompts or test_prompts
             report.setdefault("open_ended", {})[task] = result
         if "ablation" in c.tasks:
             if ablation_prompts is None:
@@ -368,11 +367,6 @@ def extract_answer(text: str) -> str | None:
         return None
     value = found[-1].replace(",", "").rstrip(".")
     return value[:-2] if value.endswith(".0") else value
-
-
-def _mean_sd(values) -> tuple[float, float]:
-    values = [v for v in values if not math.isnan(v)]
-    return (statistics.fmean(values), statistics.pstdev(values)) if values else (math.nan,) * 2
 
 
 def sampler_latency_us(engine: Engine, make_chain, rounds: int = 200,

@@ -9,6 +9,7 @@ Pure functions over strings and arrays (the embedder and the model live elsewher
   which embedder stood in);
 - ``mauve_score(p, q)``: MAUVE (Pillutla et al., 2021) between two feature sets, through the
   ``mauve-text`` package on features computed by the caller;
+- ``mean_sd(values)``: mean and standard deviation (the spread of k, kept mass, Conf);
 - ``mean_ci(values)``: mean and the half-width of its 95% t-interval; ``proportion_ci``
   the same for a proportion (Wilson).
 """
@@ -62,6 +63,14 @@ def mauve_score(p_features, q_features, seed: int = 25) -> float:
     out = mauve.compute_mauve(p_features=p, q_features=q, num_buckets=clusters, seed=seed,
                               verbose=False)
     return float(out.mauve)
+
+
+def mean_sd(values) -> tuple[float, float]:
+    """(mean, population standard deviation), NaNs left out; both NaN for no values."""
+    values = [float(v) for v in values if not math.isnan(v)]
+    if not values:
+        return math.nan, math.nan
+    return statistics.fmean(values), statistics.pstdev(values)
 
 
 def mean_ci(values) -> tuple[float, float]:

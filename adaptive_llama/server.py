@@ -276,34 +276,31 @@ class Server:
         return await self._whole(request, job, head, kind)
 
     async def _whole(self, request: Request, job: Job, head: dict, kind: str):
-        text = []
         try:
             while True:
                 try:
                     what, value = await asyncio.wait_for(job.events.get(), timeout=0.5)
                 except asyncio.TimeoutError:
                     if await request.is_disconnected():
-                        job.cancelled.set()
-                        return JSONResponse({}, status_code=499)
+                        return JSONResponse({}, status_code=499)  # finally: stops the job
                     continue
-                if what == "piece":
-                    text.append(value)
-                elif what == "error":
+                if what == "error":
                     raise APIError(500, f"generation failed: {value}", type="server_error")
-                else:
-                    return self._final(value, "".join(text), head, kind)
+                if what == "done":  # the result holds the whole text; pieces are for streams
+                    return self._final(value, head, kind)
         finally:
             job.cancelled.set()  # no-op once done; stops the generation if we were cancelled
 
     @staticmethod
-    def _final(result: GenerationResult, text: str, head: dict, kind: str) -> dict:
+    def _final(result: GenerationResult, head: dict, kind: str) -> dict:
         reason = FINISH_REASONS[result.finish_reason]
         if kind == "chat":
-            choice = {"index": 0, "message": {"role": "assistant", "content": text},
+            choice = {"index": 0, "message": {"role": "assistant", "content": result.text},
                       "logprobs": None, "finish_reason": reason}
             obj = "chat.completion"
         else:
-            choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": reason}
+            choice = {"index": 0, "text": result.text, "logprobs": None,
+                      "finish_reason": reason}
             obj = "text_completion"
         return {**head, "object": obj, "choices": [choice], "usage": _usage(result),
                 "sampler_stats": _stats(result)}

@@ -1,7 +1,6 @@
 """The kernel: hand-worked cases, validation, both backends against the float64 reference."""
 
 import math
-import re
 
 import numpy as np
 import pytest

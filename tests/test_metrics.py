@@ -55,3 +55,10 @@ def test_proportion_ci_has_width_at_zero_successes():
     assert p == 0.0 and half == pytest.approx(3.8416 / 13.8416, rel=1e-4)
     p, half = metrics.proportion_ci(5, 10)
     assert p == 0.5 and 0.25 < half < 0.35
+
+
+def test_mean_sd_is_the_population_spread_without_nans():
+    # values 2, 4, 6 (NaN dropped): mean 4, population sd sqrt((4 + 0 + 4) / 3) = 1.633
+    mean, sd = metrics.mean_sd([2.0, float("nan"), 4.0, 6.0])
+    assert mean == 4.0 and sd == pytest.approx(math.sqrt(8 / 3))
+    assert all(math.isnan(v) for v in metrics.mean_sd([float("nan")]))

@@ -2,7 +2,6 @@
 
 import json
 
-import pytest
 from click.testing import CliRunner
 
 from adaptive_llama.cli import main
