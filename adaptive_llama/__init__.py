@@ -1,26 +1,26 @@
 """adaptive-llama: adaptive decoding (Zhu et al., ICML 2024) for GGUF models on llama.cpp.
 
-The kernel (:func:`adaptive_k`, :func:`adaptive_stats`) needs only numpy; the engine, the
-samplers and the CLI run on llama-cpp-python, whose version is checked here at import.
+The kernel (:func:`adaptive_k`, :func:`adaptive_stats`) and the sampler specs need numpy and
+numba only; the parts that run llama.cpp (:class:`Engine`, :class:`Chat`,
+:class:`SamplerChain`, :func:`use_sampler`) load on first use, and check the installed
+llama-cpp-python's version then.
 """
 
-from .compat import check_llama_cpp_version
-
-LLAMA_CPP_VERSION = check_llama_cpp_version()
-
-from .kernel import BACKEND, AdaptiveStats, adaptive_k, adaptive_stats  # noqa: E402
-from .specs import SamplerSpec, SpecError, parse_spec  # noqa: E402
-from .models import ModelError  # noqa: E402
+from .kernel import BACKEND, AdaptiveStats, adaptive_k, adaptive_stats
+from .models import ModelError
+from .samplers import SAMPLERS, SamplerSpec, SpecError, parse_spec
 
 __version__ = "0.1.0"
 __all__ = [
-    "BACKEND", "AdaptiveStats", "adaptive_k", "adaptive_stats", "LLAMA_CPP_VERSION",
-    "SamplerSpec", "SpecError", "parse_spec", "ModelError",
-    "Engine", "Chat", "GenerationResult", "SamplerChain", "use_sampler",
+    "BACKEND", "AdaptiveStats", "adaptive_k", "adaptive_stats",
+    "SAMPLERS", "SamplerSpec", "SpecError", "parse_spec", "ModelError",
+    "Engine", "GenerationResult", "Stream", "ContextOverflow", "Chat", "SamplerChain",
+    "use_sampler", "LLAMA_CPP_VERSION",
 ]
 
-_LAZY = {"Engine": "engine", "Chat": "engine", "GenerationResult": "engine",
-         "ContextOverflow": "engine", "SamplerChain": "sampler", "use_sampler": "sampler"}
+_LAZY = {"Engine": "engine", "GenerationResult": "engine", "Stream": "engine",
+         "ContextOverflow": "engine", "Chat": "chat", "SamplerChain": "chain",
+         "use_sampler": "chain", "LLAMA_CPP_VERSION": "chain"}
 
 
 def __getattr__(name):

@@ -1,4 +1,4 @@
-"""The ``adaptive-llama`` command: models, generate, run (the chat REPL).
+"""The ``adaptive-llama`` command: models, samplers, generate, run (the chat REPL), serve, eval.
 
 User errors (a bad model file, a bad sampler spec, an over-long prompt) print one line,
 ``Error: ...``, and exit with status 2; no traceback.
@@ -9,13 +9,14 @@ from __future__ import annotations
 import functools
 import ipaddress
 import json
+import secrets
 import socket
 import sys
 
 import click
 
 from .models import ModelError, describe_models
-from .specs import SpecError, parse_spec, valid_specs
+from .samplers import SEED, SpecError, parse_spec, table, valid_specs
 
 USER_ERRORS = (ModelError, SpecError, ValueError)
 
@@ -50,10 +51,13 @@ def model_options(fn):
         click.option("--n-gpu-layers", type=int, default=0, show_default=True,
                      help="Layers to offload to the GPU (CUDA build; -1: all)."),
         click.option("--ctx", "n_ctx", type=click.IntRange(min=0), default=2048,
-                     show_default=True, help="Context window in tokens (0: the model's)."),
+                     show_default=True, help="Context window in tokens, rounded up to a "
+                     "multiple of 256 (0: the model's own)."),
         click.option("--threads", type=click.IntRange(min=1), default=None,
                      help="CPU threads (default: llama.cpp's choice)."),
-        click.option("--seed", type=int, default=0, show_default=True, help="Random seed."),
+        click.option("--seed", type=click.IntRange(int(SEED.low), int(SEED.high)),
+                     default=None, help="Random seed (default: a new one each reply, "
+                     "reported with its figures)."),
         click.option("--verbose", is_flag=True, help="Show llama.cpp's own log."),
     ]):
         fn = option(fn)
@@ -66,7 +70,7 @@ def load_engine(model, n_gpu_layers, n_ctx, threads, seed, verbose, show_progres
     if show_progress:
         click.echo(f"loading {model or 'smollm2 (bundled)'} ...", err=True)
     return Engine(model, n_gpu_layers=n_gpu_layers, n_ctx=n_ctx, n_threads=threads,
-                  seed=seed, verbose=verbose)
+                  seed=seed or 0, verbose=verbose)
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
@@ -91,6 +95,12 @@ def models(as_json):
 
 
 @main.command()
+def samplers():
+    """Every sampler spec: parameters, defaults, valid ranges, what runs."""
+    click.echo(table())
+
+
+@main.command()
 @click.argument("model")
 @click.option("--prompt", default=None, help="Prompt text (default: read stdin).")
 @click.option("--sampler", default="adaptive", callback=_spec, show_default=True,
@@ -107,10 +117,9 @@ def generate(model, prompt, sampler, max_tokens, chat, stop, as_json, n_gpu_laye
     if prompt is None:
         prompt = sys.stdin.read()
     engine = load_engine(model, n_gpu_layers, n_ctx, threads, seed, verbose)
-    tokens = (engine.chat_prompt_tokens([{"role": "user", "content": prompt}]) if chat
-              else engine.tokenize(prompt))
-    stream = engine.stream(tokens, sampler=sampler, max_tokens=max_tokens, seed=seed,
-                           stop=list(stop))
+    stream = engine.stream(engine.prompt_tokens(prompt, chat=chat), sampler=sampler,
+                           max_tokens=max_tokens, stop=list(stop),
+                           seed=secrets.randbits(32) if seed is None else seed)
     try:
         for piece in stream:
             if not as_json:
@@ -160,13 +169,14 @@ def run(model, sampler, system, max_tokens, n_gpu_layers, n_ctx, threads, seed, 
                    "20-minute defaults; explicit sizes still win.")
 @click.option("--out", default="benchmarks/results", show_default=True,
               help="Folder for generations.jsonl (resume cache) and the reports.")
-@click.option("--seed", type=int, default=0, show_default=True)
+@click.option("--seed", type=click.IntRange(int(SEED.low), int(SEED.high)), default=0,
+              show_default=True)
 @user_errors
 def evaluate(model, tasks, prompts_file, n_dev, n_test, samples, max_tokens, gsm8k_n, full,
              out, seed):
     """Score every sampler as the paper does: rep-n, diversity, MAUVE, coherence, k, GSM8K."""
-    from .evaldata import load_prompts_file
-    from .evaluation import EvalConfig, Evaluator, require_extras
+    from .eval.data import load_prompts_file
+    from .eval.run import EvalConfig, Evaluator, require_extras
 
     require_extras()
     if prompts_file:
@@ -220,10 +230,12 @@ def _check_port_free(host: str, port: int) -> None:
               help="Default sampler spec; a request's body field `sampler` overrides it.")
 @click.option("--max-queue", type=click.IntRange(min=0), default=8, show_default=True,
               help="Requests that may wait for the model; one more gets 503.")
+@click.option("--max-body", type=click.IntRange(min=1024), default=2 * 2**20,
+              show_default=True, help="Largest request body in bytes; a larger one gets 413.")
 @model_options
 @user_errors
-def serve(model, host, port, allow_remote, api_key, sampler, max_queue, n_gpu_layers, n_ctx,
-          threads, seed, verbose):
+def serve(model, host, port, allow_remote, api_key, sampler, max_queue, max_body, n_gpu_layers,
+          n_ctx, threads, seed, verbose):
     """Serve MODEL over the OpenAI API (/v1/chat/completions, /v1/completions, /v1/models)."""
     try:
         import uvicorn
@@ -240,7 +252,7 @@ def serve(model, host, port, allow_remote, api_key, sampler, max_queue, n_gpu_la
                    f"{'' if api_key else ' with no --api-key'}.", err=True)
     _check_port_free(host, port)
     engine = load_engine(model, n_gpu_layers, n_ctx, threads, seed, verbose)
-    app = create_app(engine, sampler, api_key=api_key, max_queue=max_queue)
+    app = create_app(engine, sampler, api_key=api_key, max_queue=max_queue, max_body=max_body)
     click.echo(f"Serving {engine.name} at http://{host}:{port}/v1 (default sampler {sampler}); "
                "Ctrl-C stops.", err=True)
     uvicorn.run(app, host=host, port=port, log_level="info" if verbose else "warning")

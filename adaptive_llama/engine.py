@@ -2,39 +2,38 @@
 
 >>> from adaptive_llama import Engine
 >>> engine = Engine("smollm2", seed=1)                 # a bundled name or a .gguf path
->>> chat = engine.chat(system="You are terse.", sampler="adaptive:eps=0.0005")
->>> for piece in (reply := chat.send("Name three rivers.")):
-...     print(piece, end="", flush=True)
->>> reply.result.mean_k, reply.result.decode_tokens_per_s
+>>> print(engine.generate("Once upon a time", sampler="adaptive:eps=0.0005").text)
 
-Generation runs llama.cpp's decode and sampler chain directly (one ``llama_decode`` and one
-``llama_sampler_sample`` per token; the adaptive sampler's ``apply`` is C). The KV cache is
-reused across requests for the longest common prefix of tokens, so a chat turn only evaluates
-what is new. A ``KeyboardInterrupt`` (or :meth:`Stream.cancel`) stops a reply between tokens and
-leaves the engine ready for the next request.
+What runs where: the token loop (:meth:`Engine.stream`) is Python: one ``llama_decode`` and
+one ``llama_sampler_sample`` per token. Inside ``llama_sampler_sample`` llama.cpp fills the
+candidate array and runs the chain (:mod:`adaptive_llama.chain`), whose adaptive and eta
+samplers are C (``native/adaptive.c``). The KV cache is reused across requests for the
+longest common prefix of tokens, so a chat turn only evaluates what is new. A
+``KeyboardInterrupt`` (or :meth:`Stream.cancel`) stops a reply between tokens and leaves the
+engine ready for the next request. Conversations live in :mod:`adaptive_llama.chat`.
 """
 
 from __future__ import annotations
 
 import codecs
 import ctypes
-import logging
 import math
+import secrets
 import statistics
 import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Iterator
+from typing import Callable, Iterator
 
-import llama_cpp
-from llama_cpp.llama_chat_format import Jinja2ChatFormatter
-
+from .chain import SamplerChain, TokenStats
 from .models import ModelError, resolve_model
-from .sampler import SamplerChain, TokenStats
-from .specs import parse_spec
+from .samplers import SEED, SamplerSpec, spec_of
 
-log = logging.getLogger(__name__)
+import llama_cpp  # noqa: E402  (after .chain, which checks its version)
+from llama_cpp.llama_chat_format import Jinja2ChatFormatter  # noqa: E402
+
+CTX_STEP = 256  # llama.cpp rounds a context up to a multiple of this
 
 
 class ContextOverflow(ValueError):
@@ -70,7 +69,6 @@ class GenerationResult:
     seed: int
     tokens: list[int] = field(default_factory=list)
     token_stats: list[TokenStats] = field(default_factory=list)   # adaptive only
-    token_texts: list[str] = field(default_factory=list)          # the text each token added
     prompt_eval_s: float = 0.0
     time_to_first_token_s: float = 0.0
     decode_s: float = 0.0
@@ -80,49 +78,43 @@ class GenerationResult:
         """Generated tokens per second of decoding (prompt evaluation excluded)."""
         return self.completion_tokens / self.decode_s if self.decode_s > 0 else 0.0
 
-    def _k_values(self) -> list[int]:
-        return [s.k for s in self.token_stats]
-
     @property
     def mean_k(self) -> float | None:
-        ks = self._k_values()
-        return statistics.fmean(ks) if ks else None
+        return statistics.fmean(s.k for s in self.token_stats) if self.token_stats else None
 
-    @property
-    def stdev_k(self) -> float | None:
-        ks = self._k_values()
-        return statistics.pstdev(ks) if ks else None
-
-    @property
-    def mean_conf(self) -> float | None:
-        confs = [s.conf for s in self.token_stats if not math.isnan(s.conf)]
-        return statistics.fmean(confs) if confs else None
+    def summary(self) -> dict:
+        """The figures of the reply, for the REPL's /stats, the server's ``sampler_stats``
+        and ``generate --json``: speed, finish, and for adaptive the spread of k and Conf."""
+        out = {"sampler": self.sampler, "seed": self.seed, "finish_reason": self.finish_reason,
+               "completion_tokens": self.completion_tokens,
+               "decode_tokens_per_s": round(self.decode_tokens_per_s, 2),
+               "time_to_first_token_s": round(self.time_to_first_token_s, 4)}
+        if self.token_stats:
+            ks = sorted(s.k for s in self.token_stats)
+            confs = [s.conf for s in self.token_stats if not math.isnan(s.conf)]
+            out.update(mean_k=round(statistics.fmean(ks), 3),
+                       stdev_k=round(statistics.pstdev(ks), 3),
+                       median_k=statistics.median_low(ks), max_k=ks[-1],
+                       mean_conf=round(statistics.fmean(confs), 4) if confs else None)
+        return out
 
     def as_dict(self) -> dict:
-        out = {
-            "text": self.text, "finish_reason": self.finish_reason,
-            "prompt_tokens": self.prompt_tokens, "completion_tokens": self.completion_tokens,
-            "decode_tokens_per_s": round(self.decode_tokens_per_s, 3),
-            "time_to_first_token_s": round(self.time_to_first_token_s, 4),
-            "prompt_eval_s": round(self.prompt_eval_s, 4),
-            "sampler": self.sampler, "seed": self.seed,
-        }
-        if self.token_stats:
-            out.update(mean_k=self.mean_k, stdev_k=self.stdev_k, mean_conf=self.mean_conf)
-        return out
+        return {"text": self.text, "prompt_tokens": self.prompt_tokens,
+                "prompt_eval_s": round(self.prompt_eval_s, 4), **self.summary()}
 
 
 class Stream:
     """An iterator over the text pieces of one reply; ``result`` is set when it ends.
 
-    Closing it early (``cancel()``, ``close()``, or a KeyboardInterrupt inside the loop)
-    ends the generation with finish_reason "interrupted" and keeps the partial text.
+    Ending it early (:meth:`cancel`, or a KeyboardInterrupt while it decodes) finishes the
+    generation with finish_reason "interrupted" and keeps the partial text. Callbacks given
+    to :meth:`on_finish` run once, with the result, however it ends.
     """
 
-    def __init__(self, pieces: Iterator[str], finish, live: GenerationResult):
+    def __init__(self, pieces: Iterator[str], live: GenerationResult):
         self._pieces = pieces
-        self._finish = finish
         self._live = live
+        self._callbacks: list[Callable[[GenerationResult], None]] = []
         self.result: GenerationResult | None = None
 
     @property
@@ -130,14 +122,31 @@ class Stream:
         """The candidate-set size of the newest token (adaptive sampler), else None."""
         return self._live.token_stats[-1].k if self._live.token_stats else None
 
+    def on_finish(self, callback: Callable[[GenerationResult], None]) -> None:
+        self._callbacks.append(callback)
+
     def __iter__(self):
+        return self
+
+    def __next__(self) -> str:
+        if self.result is not None:
+            raise StopIteration
         try:
-            yield from self._pieces
-        finally:
-            self.result = self._finish()
+            return next(self._pieces)
+        except BaseException:  # the end, an error, or a KeyboardInterrupt mid-decode
+            self._finish()
+            raise
 
     def cancel(self) -> None:
-        self._pieces.close()
+        """Stop the generation now (between tokens); the partial reply is the result."""
+        if self.result is None:
+            self._pieces.close()
+            self._finish()
+
+    def _finish(self) -> None:
+        self.result = self._live
+        for callback in self._callbacks:
+            callback(self.result)
 
     def text(self) -> str:
         """Consume the stream; the whole reply."""
@@ -153,31 +162,41 @@ class Engine:
         model: a .gguf path or a bundled short name (``adaptive-llama models``); None: smollm2.
         n_gpu_layers: layers to offload to the GPU (needs a CUDA build of llama-cpp-python;
             -1 offloads all).
-        n_ctx: context window in tokens (0: the model's training context).
+        n_ctx: context window in tokens, rounded up to a multiple of 256 as llama.cpp does
+            (0: the model's training context).
         n_threads: CPU threads (None: llama.cpp's choice).
-        seed: default seed of every generation.
+        seed: default seed of every generation, 0 to 2**32 - 1.
         verbose: show llama.cpp's own log.
 
     Raises:
         ModelError: the file is missing, not GGUF, truncated or otherwise unloadable.
+        ValueError: an argument out of range, or a context too large to allocate.
     """
 
     def __init__(self, model=None, *, n_gpu_layers: int = 0, n_ctx: int = 2048,
                  n_threads: int | None = None, seed: int = 0, verbose: bool = False):
-        for name, value, low in (("n_ctx", n_ctx, 0), ("n_gpu_layers", n_gpu_layers, -1)):
-            if not isinstance(value, int) or value < low:
-                raise ValueError(f"`{name}` has to be an integer >= {low}, but is {value!r}")
-        if n_threads is not None and (not isinstance(n_threads, int) or n_threads < 1):
-            raise ValueError(f"`n_threads` has to be an integer >= 1, but is {n_threads!r}")
+        _check_int("n_gpu_layers", n_gpu_layers, low=-1)
+        _check_int("n_ctx", n_ctx, low=0)
+        if 0 < n_ctx < CTX_STEP:
+            raise ValueError(f"`n_ctx` has to be 0 (the model's own) or at least {CTX_STEP}, "
+                             f"but is {n_ctx}")
+        if n_threads is not None:
+            _check_int("n_threads", n_threads, low=1)
+        self.seed = SEED.validate(seed)
         self.path: Path = resolve_model(model)
-        self.seed = seed
+        # llama.cpp rounds the context up; llama-cpp-python's token buffer would not.
+        rounded = -(-n_ctx // CTX_STEP) * CTX_STEP
         set_llama_log(verbose)
         try:
             self.llama = llama_cpp.Llama(
-                model_path=str(self.path), n_ctx=n_ctx, n_gpu_layers=n_gpu_layers,
-                n_threads=n_threads, seed=seed, verbose=verbose, logits_all=False,
+                model_path=str(self.path), n_ctx=rounded, n_gpu_layers=n_gpu_layers,
+                n_threads=n_threads, seed=self.seed, verbose=verbose, logits_all=False,
             )
         except (ValueError, RuntimeError, OSError) as exc:
+            if "context" in str(exc):
+                raise ValueError(f"llama.cpp could not create a context of {n_ctx} tokens "
+                                 "(not enough memory for its cache?): use a smaller n_ctx "
+                                 "(--ctx), or 0 for the model's own") from None
             raise ModelError(f"{self.path}: llama.cpp could not load it; the file is "
                              f"truncated or corrupt, or not a model llama.cpp supports ({exc})"
                              ) from None
@@ -185,6 +204,7 @@ class Engine:
         self.n_ctx = self.llama.n_ctx()
         self._vocab = self.llama._model.vocab
         self._formatter = self._chat_formatter()
+        self._special_texts: list[tuple[str, int]] | None = None
 
     # ---- model facts ----
 
@@ -195,6 +215,11 @@ class Engine:
     @property
     def has_chat_template(self) -> bool:
         return self._formatter is not None
+
+    @property
+    def ctx(self):
+        """The ``llama_context *`` (for llama.cpp calls such as ``llama_sampler_sample``)."""
+        return self.llama._ctx.ctx
 
     def _chat_formatter(self) -> Jinja2ChatFormatter | None:
         template = self.llama.metadata.get("tokenizer.chat_template")
@@ -215,21 +240,82 @@ class Engine:
             n = llama_cpp.llama_token_to_piece(self._vocab, token, buf, len(buf), 0, special)
         return buf.raw[:max(n, 0)]
 
-    def tokenize(self, text: str, special: bool = False, add_bos: bool = True) -> list[int]:
-        return self.llama.tokenize(text.encode("utf-8"), add_bos=add_bos, special=special)
+    # ---- text to tokens ----
+
+    def tokenize(self, text: str, add_bos: bool = True) -> list[int]:
+        """Plain text to tokens: text that looks like a control token stays text."""
+        return self.llama.tokenize(text.encode("utf-8", "replace"), add_bos=add_bos,
+                                   special=False)
+
+    def prompt_tokens(self, text: str, chat: bool = False) -> list[int]:
+        """A prompt as tokens: plain continuation, or one user message in the chat template."""
+        if chat:
+            return self.chat_prompt_tokens([{"role": "user", "content": text}])
+        return self.tokenize(text)
 
     def chat_prompt_tokens(self, messages: list[dict]) -> list[int]:
-        """Tokens of the conversation rendered with the model's own chat template."""
+        """Tokens of the conversation rendered with the model's own chat template.
+
+        Only the template's own markup becomes control tokens: the messages' text is
+        tokenized as text, so a message containing ``<|im_end|>`` cannot end its turn or
+        forge another role's.
+        """
         if self._formatter is None:
             raise ModelError(f"{self.name} has no chat template (tokenizer.chat_template): "
                              "use plain completion (generate without --chat)")
-        rendered = self._formatter(messages=messages)
-        return self.tokenize(rendered.prompt, special=True, add_bos=not rendered.added_special)
+        nonce = secrets.token_hex(4)
+        marks = [f"\ue000{nonce}:{i}\ue001" for i in range(len(messages))]
+        rendered = self._formatter(messages=[{**m, "content": mark}
+                                             for m, mark in zip(messages, marks)])
+        by_mark = {mark: m["content"] for m, mark in zip(messages, marks)}
+        tokens = [] if rendered.added_special else self.tokenize("", add_bos=True)
+        text = ""  # plain text gathered since the last control token
+        for part, is_content in _split_marks(rendered.prompt, by_mark):
+            if is_content:
+                text += part
+                continue
+            for chunk, special_id in self._split_specials(part):
+                if special_id is None:
+                    text += chunk
+                else:
+                    tokens += self.tokenize(text, add_bos=False) if text else []
+                    tokens.append(special_id)
+                    text = ""
+        return tokens + (self.tokenize(text, add_bos=False) if text else [])
+
+    def _split_specials(self, markup: str) -> Iterator[tuple[str, int | None]]:
+        """Markup split into plain text and control tokens (longest match first)."""
+        if self._special_texts is None:
+            self._special_texts = self._control_tokens()
+        pos = 0
+        while pos < len(markup):
+            hits = [(markup.find(t, pos), -len(t), t, i) for t, i in self._special_texts]
+            hits = [h for h in hits if h[0] >= 0]
+            if not hits:
+                break
+            at, _, text, token = min(hits)
+            if at > pos:
+                yield markup[pos:at], None
+            yield text, token
+            pos = at + len(text)
+        if pos < len(markup):
+            yield markup[pos:], None
+
+    def _control_tokens(self) -> list[tuple[str, int]]:
+        wanted = llama_cpp.LLAMA_TOKEN_ATTR_CONTROL | llama_cpp.LLAMA_TOKEN_ATTR_USER_DEFINED
+        out = []
+        for token in range(self.n_vocab):
+            if llama_cpp.llama_vocab_get_attr(self._vocab, token) & wanted:
+                text = self._piece(token, special=True).decode("utf-8", "replace")
+                if text:
+                    out.append((text, token))
+        return out
 
     # ---- generation ----
 
-    def _prefill(self, tokens: list[int]) -> None:
-        """Evaluate tokens, reusing the KV cache for the prefix shared with the last request."""
+    def prefill(self, tokens: list[int]) -> None:
+        """Evaluate tokens, reusing the KV cache for the prefix shared with the last request;
+        afterwards the context holds the logits that follow ``tokens``."""
         llama = self.llama
         cached = llama.input_ids[: llama.n_tokens]
         shared = 0
@@ -244,64 +330,56 @@ class Engine:
         llama.n_tokens = shared
         llama.eval(tokens[shared:])
 
-    def stream(self, prompt_tokens: list[int], *, sampler="adaptive", max_tokens: int = 256,
-               seed: int | None = None, stop: list[str] | tuple = (), grammar=None,
-               record_stats: bool = True) -> Stream:
+    def stream(self, prompt_tokens: list[int], *, sampler: SamplerSpec | str = "adaptive",
+               max_tokens: int = 256, seed: int | None = None, stop: list[str] | tuple = (),
+               grammar=None, record_stats: bool = True) -> Stream:
         """Generate after ``prompt_tokens``; iterate the returned :class:`Stream` for text.
 
         Raises ContextOverflow (at once) when the prompt leaves no room in the context window;
         generation itself stops at the window with finish_reason "length".
         """
-        spec = parse_spec(sampler)
-        if max_tokens < 1:
-            raise ValueError(f"`max_tokens` has to be >= 1, but is {max_tokens}")
+        spec = spec_of(sampler)
+        _check_int("max_tokens", max_tokens, low=1)
         if not prompt_tokens:
             raise ValueError("the prompt is empty")
         if len(prompt_tokens) >= self.n_ctx:
             raise ContextOverflow(
                 f"the prompt has {len(prompt_tokens)} tokens, but the context window holds "
                 f"{self.n_ctx}: shorten it or raise n_ctx")
+        stop = [s for s in stop if s]  # an empty stop string would end every reply at once
         seed = self.seed if seed is None else seed
+        chain = SamplerChain(spec, seed, self.n_vocab, grammar=grammar, model=self.llama,
+                             record_stats=record_stats)
         result = GenerationResult(text="", finish_reason="interrupted",
                                   prompt_tokens=len(prompt_tokens), completion_tokens=0,
-                                  sampler=str(spec), seed=seed)
-        state = {"started": time.perf_counter()}
-        pieces = self._run(prompt_tokens, spec, max_tokens, seed, list(stop), grammar,
-                           record_stats, result, state)
+                                  sampler=str(spec), seed=chain.seed)
+        return Stream(self._decode(prompt_tokens, chain, max_tokens, stop, result), result)
 
-        def finish() -> GenerationResult:
-            if "decode_start" in state:
-                result.decode_s = time.perf_counter() - state["decode_start"]
-            return result
-
-        return Stream(pieces, finish, result)
-
-    def _run(self, prompt_tokens, spec, max_tokens, seed, stop, grammar, record_stats,
-             result: GenerationResult, state: dict) -> Iterator[str]:
+    def _decode(self, prompt_tokens, chain: SamplerChain, max_tokens: int, stop: list[str],
+                result: GenerationResult) -> Iterator[str]:
+        """The token loop; fills ``result`` as it goes (its finally runs however it ends)."""
         llama = self.llama
-        chain = SamplerChain(spec, seed, self.n_vocab, grammar=grammar, model=llama,
-                             record_stats=record_stats)
         decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
         held = ""  # text that could still be the start of a stop string
+        started = time.perf_counter()
+        decode_start = None
         try:
-            self._prefill(prompt_tokens)
-            state["decode_start"] = time.perf_counter()
-            result.prompt_eval_s = state["decode_start"] - state["started"]
+            self.prefill(prompt_tokens)
+            decode_start = time.perf_counter()
+            result.prompt_eval_s = decode_start - started
             for _ in range(max_tokens):
-                token = chain.sample(llama._ctx.ctx)
+                token = chain.sample(self.ctx)
                 if result.completion_tokens == 0:
-                    result.time_to_first_token_s = time.perf_counter() - state["started"]
-                stats = chain.last_stats()
+                    result.time_to_first_token_s = time.perf_counter() - started
                 if llama_cpp.llama_vocab_is_eog(self._vocab, token):
                     result.finish_reason = "stop"
                     break
                 result.tokens.append(token)
                 result.completion_tokens += 1
+                stats = chain.last_stats()
                 if stats is not None:
                     result.token_stats.append(stats)
-                piece = decoder.decode(self._piece(token))
-                result.token_texts.append(piece)
-                held += piece
+                held += decoder.decode(self._piece(token))
                 emit, held, hit = _split_stop(held, stop)
                 if emit:
                     result.text += emit
@@ -320,20 +398,46 @@ class Engine:
                 result.text += tail
                 yield tail
         finally:
+            if decode_start is not None:
+                result.decode_s = time.perf_counter() - decode_start
             chain.close()
 
-    def generate(self, prompt: str, **kwargs) -> GenerationResult:
-        """Plain completion of ``prompt`` (no chat template); kwargs as :meth:`stream`."""
-        stream = self.stream(self.tokenize(prompt), **kwargs)
+    def generate(self, prompt: str, *, chat: bool = False, **kwargs) -> GenerationResult:
+        """Complete ``prompt`` (or, with ``chat``, answer it as a user message); kwargs as
+        :meth:`stream`."""
+        stream = self.stream(self.prompt_tokens(prompt, chat=chat), **kwargs)
         stream.text()
         return stream.result
 
-    def chat(self, system: str | None = None, sampler="adaptive", **defaults) -> "Chat":
-        """A conversation with this model (see :class:`Chat`)."""
+    def chat(self, system: str | None = None, sampler: SamplerSpec | str = "adaptive",
+             **defaults):
+        """A conversation with this model (see :class:`adaptive_llama.chat.Chat`)."""
+        from .chat import Chat
+
         return Chat(self, system=system, sampler=sampler, **defaults)
 
     def close(self) -> None:
         self.llama.close()
+
+
+def _check_int(name: str, value, low: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < low:
+        raise ValueError(f"`{name}` has to be an integer >= {low}, but is {value!r}")
+
+
+def _split_marks(rendered: str, by_mark: dict[str, str]) -> Iterator[tuple[str, bool]]:
+    """The rendered template as (markup, False) and (message text, True) parts."""
+    rest = rendered
+    while rest:
+        found = [(rest.find(mark), mark) for mark in by_mark if mark in rest]
+        if not found:
+            yield rest, False
+            return
+        at, mark = min(found)
+        if at:
+            yield rest[:at], False
+        yield by_mark[mark], True
+        rest = rest[at + len(mark):]
 
 
 def _split_stop(text: str, stops: list[str]) -> tuple[str, str, bool]:
@@ -350,96 +454,3 @@ def _split_stop(text: str, stops: list[str]) -> tuple[str, str, bool]:
                 hold = max(hold, n)
                 break
     return text[: len(text) - hold], text[len(text) - hold:], False
-
-
-class Chat:
-    """A conversation: messages, settings, and replies that fit the context window.
-
-    When the rendered conversation plus room for the reply exceeds the context window, the
-    oldest exchanges are dropped (the system prompt stays); ``dropped`` counts them. A reply
-    that is interrupted stays in the history with ``"interrupted": True``.
-    """
-
-    def __init__(self, engine: Engine, system: str | None = None, sampler="adaptive",
-                 max_tokens: int = 256, seed: int | None = None):
-        self.engine = engine
-        self.system = system
-        self.sampler = parse_spec(sampler)
-        self.max_tokens = max_tokens
-        self.seed = engine.seed if seed is None else seed
-        self.messages: list[dict] = []
-        self.dropped = 0
-
-    def _conversation(self) -> list[dict]:
-        head = [{"role": "system", "content": self.system}] if self.system else []
-        return head + [{"role": m["role"], "content": m["content"]} for m in self.messages]
-
-    def _fit(self) -> list[int]:
-        """Prompt tokens, after dropping the oldest exchanges that do not fit."""
-        room = min(self.max_tokens, self.engine.n_ctx // 4)
-        while True:
-            tokens = self.engine.chat_prompt_tokens(self._conversation())
-            if len(tokens) + room <= self.engine.n_ctx or len(self.messages) <= 1:
-                break
-            drop = 2 if len(self.messages) > 2 and self.messages[1]["role"] == "assistant" else 1
-            del self.messages[:drop]
-            self.dropped += drop
-        if len(tokens) >= self.engine.n_ctx:
-            raise ContextOverflow(
-                f"this message alone is {len(tokens)} tokens, more than the context window "
-                f"({self.engine.n_ctx}); shorten it or raise the context size")
-        return tokens
-
-    def send(self, text: str, **overrides) -> Stream:
-        """Add a user message and stream the reply; the reply joins the history as it ends."""
-        self.messages.append({"role": "user", "content": text})
-        try:
-            tokens = self._fit()
-        except ContextOverflow:
-            self.messages.pop()
-            raise
-        return self._reply(tokens, overrides)
-
-    def regenerate(self, **overrides) -> Stream:
-        """Drop the last reply and answer the last user message again."""
-        if self.messages and self.messages[-1]["role"] == "assistant":
-            self.messages.pop()
-        if not self.messages:
-            raise ValueError("there is no message to answer yet")
-        return self._reply(self._fit(), overrides)
-
-    def _reply(self, tokens: list[int], overrides: dict) -> Stream:
-        options = dict(sampler=self.sampler, max_tokens=self.max_tokens, seed=self.seed)
-        options.update(overrides)
-        stream = self.engine.stream(tokens, **options)
-        inner_finish = stream._finish
-
-        def finish():
-            result = inner_finish()
-            message = {"role": "assistant", "content": result.text}
-            if result.finish_reason == "interrupted":
-                message["interrupted"] = True
-            self.messages.append(message)
-            return result
-
-        stream._finish = finish
-        return stream
-
-    def undo(self) -> bool:
-        """Drop the last exchange (user message and its reply); False when there is none."""
-        if not self.messages:
-            return False
-        if self.messages[-1]["role"] == "assistant":
-            self.messages.pop()
-        if self.messages and self.messages[-1]["role"] == "user":
-            self.messages.pop()
-        return True
-
-    def clear(self) -> None:
-        self.messages.clear()
-        self.dropped = 0
-
-    def context_used(self) -> int:
-        """Tokens the conversation occupies now (0 when empty)."""
-        conv = self._conversation()
-        return len(self.engine.chat_prompt_tokens(conv)) if conv else 0

@@ -54,7 +54,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from . import _native
+from . import native
+from .samplers import EPSILON
 
 log = logging.getLogger(__name__)
 
@@ -84,14 +85,11 @@ class AdaptiveStats:
 
 
 def validate_epsilon(epsilon: float) -> float:
-    """epsilon as a float, or ValueError: it has to be a finite number in (0, 1)."""
-    try:
-        value = float(epsilon)
-    except (TypeError, ValueError):
-        raise ValueError(f"`epsilon` has to be a number in (0, 1), but is {epsilon!r}") from None
-    if not (0.0 < value < 1.0):  # also rejects NaN
-        raise ValueError(f"`epsilon` has to be in (0, 1), but is {epsilon!r}")
-    return value
+    """epsilon as a float, or ValueError (SpecError): a finite number in (0, 1).
+
+    The same check as a spec's ``eps=`` (:data:`adaptive_llama.samplers.EPSILON`).
+    """
+    return EPSILON.validate(epsilon, name="epsilon")
 
 
 def _validated_logits(logits) -> np.ndarray:
@@ -157,13 +155,13 @@ def _choose_backend():
         raise ImportError(
             f"ADAPTIVE_LLAMA_BACKEND has to be 'c' or 'numba', but is {forced!r}"
         )
-    lib, why = _native.load()
+    lib, why = native.load()
     if forced != "numba" and lib is not None:
         log.debug("adaptive kernel backend: C (native/adaptive.c)")
-        return "c", lambda x, eps, stats: _native.adaptive_native(lib, x, eps, stats)
+        return "c", lambda x, eps, stats: native.adaptive_native(lib, x, eps, stats)
     if forced == "c":
         raise ImportError(f"ADAPTIVE_LLAMA_BACKEND=c, but {why}")
-    from ._numba_kernel import adaptive_numba
+    from .kernel_numba import adaptive_numba
 
     if forced == "numba":
         log.debug("adaptive kernel backend: numba (forced by ADAPTIVE_LLAMA_BACKEND)")

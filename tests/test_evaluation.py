@@ -7,12 +7,13 @@ import sys
 
 import pytest
 
-from adaptive_llama import evaldata, evaluation
-from adaptive_llama.evaldata import DataError
+from adaptive_llama.eval import data, run, tasks
+from adaptive_llama.eval.cache import GenerationCache
+from adaptive_llama.eval.data import DataError
 
 
 def test_wikipedia_and_tinystories_stand_ins_load():
-    articles, stories = evaldata.wiki_articles(), evaldata.tiny_stories()
+    articles, stories = data.wiki_articles(), data.tiny_stories()
     assert len(articles) > 2000 and len(stories) > 300
     assert not articles[0].startswith("<doc") and "</doc>" not in articles[0]
     assert all("<|endoftext|>" not in s for s in stories)
@@ -21,14 +22,14 @@ def test_wikipedia_and_tinystories_stand_ins_load():
 def test_prefixes_are_32_tokens_and_references_follow_them(engine):
     detok = lambda toks: engine.llama.detokenize(toks).decode("utf-8", "replace")  # noqa: E731
     tokenize = lambda t: engine.tokenize(t, add_bos=False)  # noqa: E731
-    prompts = evaldata.prefixes(evaldata.wiki_articles()[:20], "wiki", tokenize, detok, 32, 40)
+    prompts = data.prefixes(data.wiki_articles()[:20], "wiki", tokenize, detok, 32, 40)
     assert len(prompts) > 10
     for p in prompts[:5]:
         assert 28 <= len(tokenize(p.prefix)) <= 36
         assert p.reference and len(tokenize(p.reference)) >= 30
-    dev, test = evaldata.dev_test_split(prompts, 3, 5)
+    dev, test = data.dev_test_split(prompts, 3, 5)
     assert not {p.id for p in dev} & {p.id for p in test}
-    assert evaldata.dev_test_split(prompts, 3, 5) == (dev, test)  # same draw every run
+    assert data.dev_test_split(prompts, 3, 5) == (dev, test)  # same draw every run
 
 
 @pytest.mark.parametrize("content, fragment", [
@@ -42,22 +43,22 @@ def test_prompts_file_errors_name_the_line(tmp_path, content, fragment):
     path = tmp_path / "p.jsonl"
     path.write_text(content)
     with pytest.raises(DataError) as info:
-        evaldata.load_prompts_file(path)
+        data.load_prompts_file(path)
     assert fragment in str(info.value)
 
 
 def test_generation_cache_survives_a_line_cut_short(tmp_path):
     path = tmp_path / "generations.jsonl"
-    cache = evaluation.GenerationCache(path)
+    cache = GenerationCache(path)
     for i in range(3):
         cache.add({"key": f"k{i}", "text": f"t{i}"})
     cache.close()
     path.write_text(path.read_text()[:-10])  # the interruption: half a line
-    cache = evaluation.GenerationCache(path)
+    cache = GenerationCache(path)
     assert set(cache.rows) == {"k0", "k1"}
     cache.add({"key": "k2", "text": "again"})
     cache.close()
-    assert evaluation.GenerationCache(path).get("k2")["text"] == "again"
+    assert GenerationCache(path).get("k2")["text"] == "again"
 
 
 @pytest.mark.parametrize("text, answer", [
@@ -67,11 +68,11 @@ def test_generation_cache_survives_a_line_cut_short(tmp_path):
     ("I do not know.", None),
 ])
 def test_gsm8k_answer_extraction(text, answer):
-    assert evaluation.extract_answer(text) == answer
+    assert tasks.extract_answer(text) == answer
 
 
 def test_gsm8k_loads_numeric_answers():
-    problems = evaldata.gsm8k(5)
+    problems = data.gsm8k(5)
     assert len(problems) == 5 and all(p.answer.lstrip("-").replace(".", "").isdigit()
                                       for p in problems)
 
@@ -83,7 +84,7 @@ def test_missing_optional_dependency_names_the_extra(monkeypatch):
     monkeypatch.setattr(importlib.util, "find_spec",
                         lambda name, *a: None if name == "mauve" else real(name, *a))
     with pytest.raises(DataError, match=r"mauve-text: pip install 'adaptive-llama\[eval\]'"):
-        evaluation.require_extras()
+        run.require_extras()
 
 
 def eval_cli(*args):
@@ -111,7 +112,7 @@ def test_eval_end_to_end_on_the_bundled_model_and_resume(tmp_path, smollm2_path)
     assert first.returncode == 0, first.stderr
     report = json.loads((out / "results.json").read_text())
     methods = report["open_ended"]["file"]["methods"]
-    assert set(methods) == set(evaluation.GRIDS)
+    assert set(methods) == set(tasks.GRIDS)
     for m in methods.values():
         assert 0 <= m["diversity"][0] <= 1 and -1 <= m["coherence"][0] <= 1
         assert 0 < m["mauve"][0] <= 1 + 1e-9

@@ -1,6 +1,9 @@
 """The kernel: hand-worked cases, validation, both backends against the float64 reference."""
 
 import math
+import os
+import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -9,18 +12,18 @@ from hypothesis import strategies as st
 from hypothesis.extra.numpy import arrays
 
 import adaptive_llama
-from adaptive_llama import _native, kernel
-from adaptive_llama._numba_kernel import adaptive_numba
+from adaptive_llama import kernel, native
+from adaptive_llama.kernel_numba import adaptive_numba
 from adaptive_llama.kernel import adaptive_k, adaptive_k_reference, adaptive_stats, dconf_reference
 
-LIB, WHY = _native.load()
+LIB, WHY = native.load()
 
 
 def backends():
     """Every backend of this build; the C one must exist in a normal install."""
     assert LIB is not None, f"the C kernel is missing: {WHY}"
     return {
-        "c": lambda x, eps: _native.adaptive_native(LIB, x, eps, True),
+        "c": lambda x, eps: native.adaptive_native(LIB, x, eps, True),
         "numba": lambda x, eps: adaptive_numba(x, eps, True),
     }
 
@@ -206,7 +209,7 @@ def test_backends_match_reference_on_real_logits(engine):
 
     llama = engine.llama
     tokens = engine.tokenize("The history of the river Thames begins")
-    engine._prefill(tokens)
+    engine.prefill(tokens)
     runs = backends()
     for step in range(12):
         ptr = llama_cpp.llama_get_logits_ith(llama._ctx.ctx, -1)
@@ -252,9 +255,28 @@ def test_bound_dconf_at_most_p():
         assert np.all(d[p > 0] <= p[p > 0] + 1e-12), kind
 
 
-def test_backend_is_logged_once(caplog):
-    assert adaptive_llama.BACKEND in ("c", "numba")
-    assert adaptive_llama.BACKEND == "c"  # this build has a C compiler
+LOG_BACKEND = """
+import logging, sys
+import numpy as np
+handler = logging.StreamHandler(sys.stdout)
+logging.getLogger("adaptive_llama").addHandler(handler)
+logging.getLogger("adaptive_llama").setLevel(logging.DEBUG)
+import adaptive_llama
+for _ in range(3):
+    adaptive_llama.adaptive_k(np.zeros(10), 0.1)
+print("BACKEND", adaptive_llama.BACKEND)
+"""
+
+
+@pytest.mark.parametrize("forced,backend,says", [
+    ("", "c", "adaptive kernel backend: C (native/adaptive.c)"),  # this build has a C compiler
+    ("numba", "numba", "adaptive kernel backend: numba (forced by ADAPTIVE_LLAMA_BACKEND)"),
+])
+def test_backend_is_chosen_and_logged_once(forced, backend, says):
+    env = {**os.environ, "ADAPTIVE_LLAMA_BACKEND": forced}
+    out = subprocess.run([sys.executable, "-c", LOG_BACKEND], env=env, capture_output=True,
+                         text=True, timeout=300, check=True).stdout.splitlines()
+    assert [line for line in out if "backend" in line.lower()] == [says, f"BACKEND {backend}"]
 
 
 # ---- hypothesis properties ----

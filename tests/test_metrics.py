@@ -5,7 +5,7 @@ import math
 import numpy as np
 import pytest
 
-from adaptive_llama import metrics
+from adaptive_llama.eval import metrics
 
 
 def test_rep_n_and_diversity_on_a_repeating_text():

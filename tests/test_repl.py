@@ -2,6 +2,7 @@
 
 import json
 
+import pytest
 from click.testing import CliRunner
 
 from adaptive_llama.cli import main
@@ -15,28 +16,47 @@ def chat(*lines, args=()):
     return result.output
 
 
+def show_block(out: str, index: int = -1) -> dict:
+    """One /show block as {field: value}."""
+    block = out.split("model       ")[index]
+    rows = [line.split(None, 1) for line in ("model " + block).splitlines()[:6]]
+    return {row[0]: row[1] if len(row) > 1 else "" for row in rows}
+
+
 def test_piped_chat_is_plain_and_scriptable():
-    out = chat("Hi", "/bye", "never read")
+    out = chat("Hi", "/show", "/bye", "/show", "never read")
     assert "\033[" not in out and ">>>" not in out
-    assert out.strip()
+    assert out.count("model       ") == 1  # nothing after /bye runs
+    assert "(2 messages)" in out
 
 
-def test_help_and_unknown_command_suggestion():
-    out = chat("/help", "/shwo", "/bye")
+def test_help_lists_commands_and_samplers():
+    out = chat("/help", "/help samplers", "/shwo", "/bye")
     assert "/compare" in out and "/trace" in out
+    assert "adaptive   adaptive decoding (Zhu et al., 2024)" in out
+    assert "eps=0.0005" in out and "in (0, 1)" in out
     assert "unknown command /shwo. Did you mean /show?" in out
 
 
 def test_set_good_and_bad_values_keep_the_old_one():
-    out = chat("/set eps 0.001", "/set eps 2", "/set temp abc", "/set max-tokens 0",
-               "/set seed 7", "/set sampler nucleus", "/show")
-    assert "sampler adaptive:eps=0.001" in out
-    assert "`eps` has to be in (0, 1), but is 2; kept adaptive:eps=0.001" in out
-    assert "kept adaptive:eps=0.001" in out.split("/set temp")[0] or "temp" in out
-    assert "max-tokens has to be an integer >= 1" in out
+    out = chat("/set eps 0.001", "/set eps 2", "/set temp abc", "/set temp 0.7",
+               "/set max-tokens 0", "/set max-tokens 1e400", "/set seed 7", "/set seed -3",
+               "/set seed 99999999999999999999", "/set sampler nucleus", "/show")
+    assert "`eps` has to be in (0, 1), but is 2; kept the old value" in out
+    assert "`temp` has to be a finite number, but is 'abc'; kept the old value" in out
+    assert "`max-tokens` has to be an integer in [1, 2147483647], but is 0" in out
+    assert "`max-tokens` has to be an integer, but is 1e400" in out
+    assert "`seed` has to be an integer in [0, 4294967295], but is -3" in out
     assert "unknown sampler 'nucleus'" in out
-    show = out.split("model       ")[1]
-    assert "sampler     adaptive:eps=0.001" in show and "seed        7" in show
+    show = show_block(out)
+    assert show["sampler"] == "adaptive:eps=0.001,mode=multinomial,temp=0.7"
+    assert show["seed"] == "7" and show["max-tokens"] == "16"
+
+
+def test_set_eps_on_a_sampler_without_eps_says_so():
+    out = chat("/set sampler top-k:k=5", "/set eps 0.01", "/show")
+    assert "top-k has no `eps`" in out
+    assert show_block(out)["sampler"] == "top-k:k=5"
 
 
 def test_stats_trace_undo_regen_clear():
@@ -52,45 +72,106 @@ def test_stats_trace_undo_regen_clear():
     assert "nothing to undo" in out
 
 
+def test_regen_draws_a_new_seed_unless_one_is_fixed():
+    out = chat("Tell me a story.", "/stats", "/regen", "/stats", "/regen", "/stats")
+    seeds = [line.rsplit("seed ", 1)[1] for line in out.splitlines() if "tokens/s" in line]
+    assert len(seeds) == 3 and len(set(seeds)) == 3
+    out = chat("/set seed 5", "Tell me a story.", "/stats", "/regen", "/stats")
+    seeds = [line.rsplit("seed ", 1)[1] for line in out.splitlines() if "tokens/s" in line]
+    assert seeds == ["5", "5"]
+
+
 def test_multiline_block_is_one_message():
     out = chat('"""', "first line", "second line", '"""', "/show")
     assert "(2 messages)" in out
 
 
-def test_compare_reruns_the_last_prompt():
-    out = chat("/compare greedy", "Name a colour.", "/compare greedy", "/compare bad")
-    assert "say something first" in out
+def test_compare_answers_the_last_message_again():
+    out = chat("/compare greedy", "Name a colour.", "/compare greedy", "/compare bad",
+               "/undo", "/compare greedy", "/show")
+    assert out.count("say something first") == 2  # before any reply, and after /undo
     assert "--- greedy ---" in out and "--- adaptive" in out
     assert "unknown sampler 'bad'" in out
+    assert "(0 messages)" in out  # /compare never added to the conversation
 
 
 def test_save_and_load_roundtrip(tmp_path):
     path = tmp_path / "chat.json"
-    out = chat("/set eps 0.002", "/set system Be brief.", "Hello", f"/save {path}")
+    out = chat("/set eps 0.002", "/set system Be brief.", "/set seed 3", "Hello",
+               f"/save {path}")
     assert "saved 2 messages" in out
     data = json.loads(path.read_text())
     assert data["sampler"].startswith("adaptive:eps=0.002") and data["system"] == "Be brief."
+    assert data["seed"] == 3 and [m["role"] for m in data["messages"]] == ["user", "assistant"]
     out = chat(f"/load {path}", "/show")
-    assert "loaded 2 messages" in out and "adaptive:eps=0.002" in out
-    assert "Be brief." in out and "(2 messages)" in out
+    assert "loaded 2 messages" in out
+    show = show_block(out)
+    assert show["sampler"].startswith("adaptive:eps=0.002") and show["seed"] == "3"
+    assert show["system"] == "Be brief." and "(2 messages)" in show["context"]
+
+
+@pytest.mark.parametrize("content,why", [
+    ("{not json", "is not a saved chat"),
+    ('{"messages": [], "seed": 1e400}', "`seed` has to be an integer, but is inf"),
+    ('{"messages": [], "seed": -1}', "`seed` has to be an integer in [0, 4294967295]"),
+    ('{"messages": [], "system": 42}', "`system` has to be text, but is 42"),
+    ('{"messages": [], "max_tokens": -5}', "`max-tokens` has to be an integer in [1, "),
+    ('{"messages": [], "max_tokens": true}', "have to be numbers"),
+    ('{"messages": [], "sampler": "top-k:k=1e400"}', "`k` has to be an integer"),
+    ('{"messages": [], "sampler": 3}', "has to be text"),
+    ('{"messages": [{"role": "system", "content": "x"}]}', "`messages` has to be a list"),
+    ('{"messages": [{"role": "user", "content": 5}]}', "`messages` has to be a list"),
+    ('[1, 2]', "it is not a JSON object"),
+    ('{"seed": 1}', "`messages` has to be a list"),
+])
+def test_a_bad_saved_chat_changes_nothing(tmp_path, content, why):
+    bad = tmp_path / "bad.json"
+    bad.write_text(content)
+    out = chat("/set seed 9", "Hi", f"/load {bad}", "/show", "Again", "/show")
+    assert f"{bad} is not a saved chat" in out and why in out
+    assert "the chat is unchanged" in out
+    first, second = show_block(out, -2), show_block(out, -1)
+    assert first["seed"] == "9" and "(2 messages)" in first["context"]
+    assert "(4 messages)" in second["context"]  # the chat goes on afterwards
 
 
 def test_bad_save_and_load_paths_lose_nothing(tmp_path):
-    corrupt = tmp_path / "corrupt.json"
-    corrupt.write_text("{not json")
-    out = chat("Hi", f"/load {tmp_path / 'missing.json'}", f"/load {corrupt}",
+    out = chat("Hi", f"/load {tmp_path / 'missing.json'}", f"/load {tmp_path}",
                "/save /proc/no/such/dir/x.json", "/show")
-    assert "could not read" in out and "the chat is unchanged" in out
-    assert "is not a saved chat" in out
+    assert out.count("could not read") == 2 and "the chat is unchanged" in out
     assert "could not save to" in out and "nothing was lost" in out
     assert "(2 messages)" in out
 
 
-def test_long_conversation_drops_oldest_turns():
+def test_interrupted_flag_survives_save_and_load(tmp_path):
+    path = tmp_path / "chat.json"
+    path.write_text(json.dumps({"messages": [
+        {"role": "user", "content": "Hi"},
+        {"role": "assistant", "content": "Hel", "interrupted": True}]}))
+    saved = tmp_path / "again.json"
+    out = chat(f"/load {path}", f"/save {saved}")
+    assert "loaded 2 messages" in out
+    assert json.loads(saved.read_text())["messages"][1]["interrupted"] is True
+
+
+def test_long_conversation_drops_oldest_turns_but_keeps_them_for_save(tmp_path):
     lines = [f"Tell me fact number {i} about the ocean in detail." for i in range(14)]
+    path = tmp_path / "all.json"
     result = CliRunner().invoke(main, ["run", "--ctx", "256", "--max-tokens", "40",
                                        "--system", "You are helpful."],
-                                input="\n".join(lines + ["/show"]) + "\n")
+                                input="\n".join(lines + ["/show", f"/save {path}"]) + "\n")
     assert result.exit_code == 0 and "Traceback" not in result.output
     assert result.output.count("oldest messages are being dropped") == 1
-    assert "of 256 tokens" in result.output
+    assert "of 256 tokens" in result.output and "outside the window" in result.output
+    assert len(json.loads(path.read_text())["messages"]) == 28
+
+
+def test_a_message_too_long_for_the_window_is_refused_and_history_stays():
+    huge = "word " * 3000
+    out = chat("Hi", "Second", "/show", huge, "/show", "/set system " + huge, "Third",
+               "/show", args=("--ctx", "512", "--max-tokens", "8"))
+    assert "this message alone is" in out and "more than the context window (512)" in out
+    assert "this message with the system prompt alone is" in out
+    assert out.count("The conversation is unchanged.") == 2
+    shows = out.split("context     ")[1:]
+    assert all("(4 messages)" in s for s in shows)

@@ -27,25 +27,27 @@ import hmac
 import itertools
 import json
 import logging
-import queue
 import secrets
-import threading
 import time
-from dataclasses import dataclass, field
 from typing import Literal
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from sse_starlette.sse import EventSourceResponse
+from starlette.datastructures import Headers
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import ClientDisconnect
 
-from .engine import Engine, GenerationResult
-from .specs import SamplerSpec, SpecError, parse_spec
+from ..engine import Engine, GenerationResult
+from ..samplers import SEED, SamplerSpec, SpecError, parse_spec, spec_of
+from .scheduler import Job, QueueFull, Scheduler
 
 log = logging.getLogger(__name__)
 
 RETRY_AFTER_S = 5
+DISCONNECT_POLL_S = 0.25
+MAX_BODY = 2 * 2**20  # bytes: about 500k tokens of text, more than any context holds
 # finish reasons of the engine -> OpenAI's ("interrupted" only reaches a client that left).
 FINISH_REASONS = {"stop": "stop", "stop_string": "stop", "length": "length",
                   "interrupted": "stop"}
@@ -78,7 +80,7 @@ class _Body(BaseModel):
     temperature: float | None = Field(None, ge=0, le=2)
     top_p: float | None = Field(None, gt=0, le=1)
     stop: str | list[str] | None = None
-    seed: int | None = None
+    seed: int | None = Field(None, ge=0, le=SEED.high)
     n: int = Field(1, ge=1, le=1)  # one context, one choice
     stream: bool = False
     stream_options: dict | None = None
@@ -113,114 +115,25 @@ class CompletionBody(_Body):
     prompt: str | list[str]
 
 
-# ---- one generation, queued ----
-
-@dataclass
-class Job:
-    """A generation waiting for, or holding, the model; events flow back to the event loop."""
-
-    prompt_tokens: list[int]
-    sampler: SamplerSpec
-    max_tokens: int
-    seed: int
-    stop: list[str]
-    loop: asyncio.AbstractEventLoop
-    events: asyncio.Queue = field(default_factory=asyncio.Queue)
-    cancelled: threading.Event = field(default_factory=threading.Event)
-
-    def emit(self, kind: str, value) -> None:
-        self.loop.call_soon_threadsafe(self.events.put_nowait, (kind, value))
-
-
-class Scheduler:
-    """Runs jobs on the engine one at a time, in arrival order, on one worker thread."""
-
-    def __init__(self, engine: Engine, max_queue: int):
-        self.engine = engine
-        self.max_queue = max_queue
-        self._jobs: queue.Queue[Job | None] = queue.Queue()
-        self._lock = threading.Lock()
-        self.accepted = 0  # waiting or running
-        self.running = False
-        self.counts = {"completed": 0, "cancelled": 0}
-        self._thread = threading.Thread(target=self._work, name="adaptive-llama-worker",
-                                        daemon=True)
-        self._thread.start()
-
-    def submit(self, job: Job) -> None:
-        with self._lock:
-            # Counted from submission to the end of the run, so that a burst arriving before
-            # the worker wakes up still gets one running slot plus max_queue waiting ones.
-            if self.accepted >= self.max_queue + 1:
-                raise APIError(503, f"the server is busy: {self.waiting} requests are "
-                               f"waiting; retry in {RETRY_AFTER_S} s", type="server_busy",
-                               code="queue_full", headers={"Retry-After": str(RETRY_AFTER_S)})
-            self.accepted += 1
-        self._jobs.put(job)
-
-    @property
-    def waiting(self) -> int:
-        return self.accepted - self.running
-
-    def stop(self) -> None:
-        self._jobs.put(None)
-        self._thread.join(timeout=30)
-
-    def _work(self) -> None:
-        while (job := self._jobs.get()) is not None:
-            with self._lock:
-                self.running = True
-            try:
-                self._run(job)
-            finally:
-                with self._lock:
-                    self.running = False
-                    self.accepted -= 1
-
-    def _run(self, job: Job) -> None:
-        if job.cancelled.is_set():  # the client left while waiting
-            self.counts["cancelled"] += 1
-            return
-        try:
-            stream = self.engine.stream(job.prompt_tokens, sampler=job.sampler,
-                                        max_tokens=job.max_tokens, seed=job.seed,
-                                        stop=job.stop)
-            for piece in stream:
-                if job.cancelled.is_set():
-                    stream.cancel()  # the engine keeps its state consistent
-                    break
-                job.emit("piece", piece)
-        except Exception as exc:  # reported to the client; the worker keeps serving
-            log.exception("generation failed")
-            job.emit("error", exc)
-            return
-        key = "cancelled" if stream.result.finish_reason == "interrupted" else "completed"
-        self.counts[key] += 1
-        job.emit("done", stream.result)
-
-
 # ---- the application ----
 
+GREEDY = parse_spec("greedy")
+TOP_P = parse_spec("top-p")
+
+
 def _sampler_for(default: SamplerSpec, body: _Body) -> SamplerSpec:
+    """The request's sampler: its ``sampler`` text parsed (once), with OpenAI's fields on top."""
     try:
         spec = parse_spec(body.sampler) if body.sampler is not None else default
         if body.sampler is None and body.top_p is not None and body.top_p < 1:
-            spec = parse_spec(f"top-p:p={body.top_p}").with_param("temp", spec.temp)
+            spec = TOP_P.with_param("p", body.top_p).with_param("temp", spec.temp)
         if body.temperature == 0:
-            return parse_spec("greedy")
-        if body.temperature is not None:
+            return GREEDY
+        if body.temperature is not None and spec.sampler.takes_temp:
             spec = spec.with_param("temp", body.temperature)
         return spec
     except SpecError as exc:
         raise APIError(400, f"sampler: {exc}", param="sampler", code="invalid_sampler") from None
-
-
-def _stats(result: GenerationResult) -> dict:
-    stats = {"sampler": result.sampler, "seed": result.seed,
-             "decode_tokens_per_s": round(result.decode_tokens_per_s, 2)}
-    if result.token_stats:
-        stats.update(mean_k=result.mean_k, stdev_k=result.stdev_k, mean_conf=result.mean_conf)
-    return stats
 
 
 def _usage(result: GenerationResult) -> dict:
@@ -241,15 +154,17 @@ class Server:
         self.scheduler = Scheduler(engine, max_queue)
         self._ids = itertools.count(1)
 
-    def check_key(self, request: Request) -> None:
+    def key_error(self, headers: Headers) -> APIError | None:
+        """The 401 for a request without the right key (None when it may pass)."""
         if self.api_key is None:
-            return
-        given = request.headers.get("authorization", "")
-        scheme, _, token = given.partition(" ")
-        if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(),
-                                                                 self.api_key.encode()):
-            raise APIError(401, "invalid or missing API key: send the header "
-                           "'Authorization: Bearer KEY'", code="invalid_api_key")
+            return None
+        scheme, _, token = headers.get("authorization", "").partition(" ")
+        if scheme.lower() == "bearer" and hmac.compare_digest(token.strip().encode(),
+                                                              self.api_key.encode()):
+            return None
+        return APIError(401, "invalid or missing API key: send the header "
+                        "'Authorization: Bearer KEY'", code="invalid_api_key",
+                        headers={"WWW-Authenticate": "Bearer"})
 
     def job(self, prompt_tokens: list[int], body: _Body, max_tokens: int | None,
             prompt_field: str) -> Job:
@@ -261,12 +176,18 @@ class Server:
         stop = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
         return Job(prompt_tokens=prompt_tokens, sampler=_sampler_for(self.sampler, body),
                    max_tokens=min(max_tokens or room, room),
-                   seed=body.seed if body.seed is not None else secrets.randbits(31),
+                   seed=body.seed if body.seed is not None else secrets.randbits(32),
                    stop=stop, loop=asyncio.get_running_loop())
 
     async def respond(self, request: Request, job: Job, body: _Body, kind: str):
         """Queue the job; answer with an SSE stream or one JSON object."""
-        self.scheduler.submit(job)
+        try:
+            self.scheduler.submit(job)
+        except QueueFull as exc:
+            raise APIError(503, f"the server is busy: {exc.waiting} requests are waiting; "
+                           f"retry in {RETRY_AFTER_S} s", type="server_busy",
+                           code="queue_full",
+                           headers={"Retry-After": str(RETRY_AFTER_S)}) from None
         head = {"id": f"{'chatcmpl' if kind == 'chat' else 'cmpl'}-{next(self._ids)}",
                 "created": int(time.time()), "model": self.model_id}
         if body.stream:
@@ -276,18 +197,23 @@ class Server:
         return await self._whole(request, job, head, kind)
 
     async def _whole(self, request: Request, job: Job, head: dict, kind: str):
+        loop = asyncio.get_running_loop()
+        checked = loop.time()
         try:
             while True:
                 try:
-                    what, value = await asyncio.wait_for(job.events.get(), timeout=0.5)
+                    what, value = await asyncio.wait_for(job.events.get(), DISCONNECT_POLL_S)
                 except asyncio.TimeoutError:
-                    if await request.is_disconnected():
-                        return JSONResponse({}, status_code=499)  # finally: stops the job
-                    continue
+                    what = value = None
                 if what == "error":
                     raise APIError(500, f"generation failed: {value}", type="server_error")
                 if what == "done":  # the result holds the whole text; pieces are for streams
                     return self._final(value, head, kind)
+                # Pieces arrive every few ms, so look for a client that left on a clock.
+                if loop.time() - checked >= DISCONNECT_POLL_S:
+                    checked = loop.time()
+                    if await request.is_disconnected():
+                        return JSONResponse({}, status_code=499)  # finally: stops the job
         finally:
             job.cancelled.set()  # no-op once done; stops the generation if we were cancelled
 
@@ -303,7 +229,7 @@ class Server:
                       "finish_reason": reason}
             obj = "text_completion"
         return {**head, "object": obj, "choices": [choice], "usage": _usage(result),
-                "sampler_stats": _stats(result)}
+                "sampler_stats": result.summary()}
 
     async def _events(self, job: Job, head: dict, kind: str, include_usage: bool):
         obj = "chat.completion.chunk" if kind == "chat" else "text_completion"
@@ -333,7 +259,7 @@ class Server:
                     break
                 else:
                     yield chunk(None, FINISH_REASONS[value.finish_reason],
-                                sampler_stats=_stats(value))
+                                sampler_stats=value.summary())
                     if include_usage:
                         yield _json({**head, "object": obj, "choices": [],
                                      "usage": _usage(value)})
@@ -343,11 +269,23 @@ class Server:
             job.cancelled.set()  # a client that left stops the generation at the next token
 
 
-async def _parse(request: Request, model: type[_Body]) -> _Body:
-    """The JSON body, whatever the Content-Type says (curl users often send none)."""
-    raw = await request.body()
+async def _parse(request: Request, model: type[_Body], max_body: int) -> _Body:
+    """The JSON body, whatever the Content-Type says (curl users often send none).
+
+    Read at most ``max_body`` bytes (413 beyond), and decoded off the event loop.
+    """
+    raw = bytearray()
     try:
-        data = json.loads(raw or b"null")
+        async for chunk in request.stream():
+            raw += chunk
+            if len(raw) > max_body:
+                raise _too_large(max_body)
+    except ClientDisconnect:
+        log.warning("%s %s: the client left while sending its body", request.method,
+                    request.url.path)
+        raise APIError(400, "the body ended early: the client disconnected") from None
+    try:
+        data = await asyncio.to_thread(json.loads, bytes(raw) or b"null")
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
         raise APIError(400, f"the body is not valid JSON: {exc}") from None
     if not isinstance(data, dict):
@@ -357,18 +295,48 @@ async def _parse(request: Request, model: type[_Body]) -> _Body:
     except ValidationError as exc:
         first = exc.errors()[0]
         where = ".".join(str(part) for part in first["loc"])
-        given = f" (got {first['input']!r})" if "input" in first and where else ""
+        given = f" (got {_short(first['input'])})" if "input" in first and where else ""
         raise APIError(400, f"`{where}`: {first['msg']}{given}", param=where) from None
+
+
+def _short(value, limit: int = 80) -> str:
+    text = repr(value)
+    return text if len(text) <= limit else text[:limit] + "..."
+
+
+def _too_large(max_body: int) -> APIError:
+    return APIError(413, f"the body is larger than this server's limit of {max_body:,} "
+                    "bytes (adaptive-llama serve --max-body)", code="request_too_large")
+
+
+class Guard:
+    """Pure ASGI middleware (which, unlike Starlette's BaseHTTPMiddleware, leaves
+    disconnect detection working): the API key, and a Content-Length over the limit."""
+
+    def __init__(self, app, server: "Server", max_body: int):
+        self.app, self.server, self.max_body = app, server, max_body
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] == "http":
+            headers = Headers(scope=scope)
+            error = self.server.key_error(headers)
+            length = headers.get("content-length", "")
+            if error is None and length.isdigit() and int(length) > self.max_body:
+                error = _too_large(self.max_body)
+            if error is not None:
+                return await error.response()(scope, receive, send)
+        return await self.app(scope, receive, send)
 
 
 def _json(value: dict) -> str:
     return json.dumps(value, ensure_ascii=False)
 
 
-def create_app(engine: Engine, sampler="adaptive", *, api_key: str | None = None,
-               max_queue: int = 8, model_id: str | None = None) -> FastAPI:
+def create_app(engine: Engine, sampler: SamplerSpec | str = "adaptive", *,
+               api_key: str | None = None, max_queue: int = 8, model_id: str | None = None,
+               max_body: int = MAX_BODY) -> FastAPI:
     """The ASGI application; run it with uvicorn (``adaptive-llama serve`` does)."""
-    server = Server(engine, parse_spec(sampler), api_key, max_queue, model_id)
+    server = Server(engine, spec_of(sampler), api_key, max_queue, model_id)
 
     @contextlib.asynccontextmanager
     async def lifespan(_app):
@@ -379,13 +347,7 @@ def create_app(engine: Engine, sampler="adaptive", *, api_key: str | None = None
                   lifespan=lifespan)
     app.state.server = server
 
-    @app.middleware("http")
-    async def authorise(request: Request, call_next):
-        try:
-            server.check_key(request)
-        except APIError as exc:
-            return exc.response()
-        return await call_next(request)
+    app.add_middleware(Guard, server=server, max_body=max_body)
 
     @app.exception_handler(APIError)
     async def api_error(_request, exc: APIError):
@@ -409,10 +371,10 @@ def create_app(engine: Engine, sampler="adaptive", *, api_key: str | None = None
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request):
-        body = await _parse(request, ChatBody)
+        body = await _parse(request, ChatBody, max_body)
         messages = [m.as_template_message() for m in body.messages]
-        try:
-            tokens = engine.chat_prompt_tokens(messages)
+        try:  # off the event loop: a long conversation must not stall other requests
+            tokens = await asyncio.to_thread(engine.chat_prompt_tokens, messages)
         except Exception as exc:  # no template, or the template rejects the roles given
             raise APIError(400, f"messages: {exc}", param="messages") from None
         job = server.job(tokens, body, body.max_completion_tokens or body.max_tokens,
@@ -421,7 +383,7 @@ def create_app(engine: Engine, sampler="adaptive", *, api_key: str | None = None
 
     @app.post("/v1/completions")
     async def completions(request: Request):
-        body = await _parse(request, CompletionBody)
+        body = await _parse(request, CompletionBody, max_body)
         prompt = body.prompt
         if isinstance(prompt, list):
             if len(prompt) != 1:
@@ -431,7 +393,8 @@ def create_app(engine: Engine, sampler="adaptive", *, api_key: str | None = None
         if not prompt:
             raise APIError(400, "`prompt`: the prompt is empty", param="prompt")
         # OpenAI's completions endpoint defaults to 16 tokens.
-        job = server.job(engine.tokenize(prompt), body, body.max_tokens or 16, "prompt")
+        tokens = await asyncio.to_thread(engine.tokenize, prompt)
+        job = server.job(tokens, body, body.max_tokens or 16, "prompt")
         return await server.respond(request, job, body, "completion")
 
     return app

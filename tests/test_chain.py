@@ -8,11 +8,11 @@ import pytest
 
 from adaptive_llama import adaptive_k
 from adaptive_llama.kernel import adaptive_k_reference
-from adaptive_llama.sampler import SamplerChain, use_sampler
+from adaptive_llama.chain import SamplerChain, use_sampler
 
 
 def current_logits(engine):
-    ptr = llama_cpp.llama_get_logits_ith(engine.llama._ctx.ctx, -1)
+    ptr = llama_cpp.llama_get_logits_ith(engine.ctx, -1)
     return np.ctypeslib.as_array(ptr, shape=(engine.n_vocab,)).copy()
 
 
@@ -47,12 +47,12 @@ def test_chain_holds_what_the_spec_names_and_nothing_more(engine, spec, names):
 
 def test_adaptive_keeps_exactly_the_kernels_k_on_real_logits(engine):
     eps = 5e-4
-    engine._prefill(engine.tokenize("Rivers of Europe include the"))
+    engine.prefill(engine.tokenize("Rivers of Europe include the"))
     with SamplerChain(f"adaptive:eps={eps}", seed=3, n_vocab=engine.n_vocab,
                       record_stats=True) as chain:
         for _ in range(20):
             x = current_logits(engine)
-            token = chain.sample(engine.llama._ctx.ctx)
+            token = chain.sample(engine.ctx)
             stats = chain.last_stats()
             assert stats.k == adaptive_k(x, eps) == adaptive_k_reference(x, eps)
             assert stats.token == token

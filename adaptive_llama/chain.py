@@ -1,8 +1,9 @@
 """The llama.cpp binding: sampler chains built from specs, with native adaptive and eta samplers.
 
 The adaptive and eta samplers are real ``llama_sampler`` objects whose ``apply`` is the C code
-in ``native/adaptive.c``: no Python runs per token. A chain is ``[grammar] -> [temp] ->
-truncation -> final choice``; it holds exactly the samplers its spec names (llama-cpp-python's
+in ``native/adaptive.c``: no Python runs inside them. A chain is ``[grammar] -> [temp] ->
+truncation -> final choice``, built from the spec's entry in the sampler table
+(:mod:`adaptive_llama.samplers`); it holds exactly the samplers its spec names (llama-cpp-python's
 default top_k 40 / top_p 0.95 / min_p 0.05 never run behind a spec that did not ask for them).
 Temperature comes first for every sampler, as in the paper's (transformers) setting, so that
 adaptive decoding sees the distribution it will sample from.
@@ -18,34 +19,36 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
-import logging
 from dataclasses import dataclass
 
-import llama_cpp
-from llama_cpp import _internals
+from .compat import check_llama_cpp_version
 
-from . import _native
-from .specs import SamplerSpec, parse_spec
+LLAMA_CPP_VERSION = check_llama_cpp_version()  # before anything touches llama.cpp's structs
 
-log = logging.getLogger(__name__)
+import llama_cpp  # noqa: E402
+from llama_cpp import _internals  # noqa: E402
+
+from . import native  # noqa: E402
+from .samplers import SEED, SamplerSpec, spec_of  # noqa: E402
 
 
 class NativeSamplersUnavailable(RuntimeError):
     """The C library with the adaptive and eta samplers is missing."""
 
 
-def _native_lib() -> ctypes.CDLL:
-    lib, why = _native.load()
+def native_samplers() -> ctypes.CDLL:
+    """The C library, checked against this llama-cpp-python once; or NativeSamplersUnavailable."""
+    lib, why = native.load()
     if lib is None:
         raise NativeSamplersUnavailable(
             f"the adaptive and eta samplers need the C library, but {why}; reinstall "
             "adaptive-llama on a machine with a C compiler (gcc or clang)"
         )
-    if not getattr(_native_lib, "checked", False):
+    if not getattr(native_samplers, "checked", False):
         _check_layouts(lib)
         init = ctypes.cast(llama_cpp.llama_cpp._lib.llama_sampler_init, ctypes.c_void_p).value
         lib.al_set_sampler_init(init)
-        _native_lib.checked = True
+        native_samplers.checked = True
     return lib
 
 
@@ -81,9 +84,13 @@ class TokenStats:
 class SamplerChain:
     """A llama.cpp sampler chain for one spec and seed; owns its samplers.
 
+    The chain is ``[grammar] -> [temp] -> the spec's samplers -> [dist]``, built from the
+    spec's entry in :data:`adaptive_llama.samplers.SAMPLERS`; ``dist`` (seeded) follows
+    unless the entry chooses the token itself.
+
     Args:
-        spec: a sampler spec string or :class:`SamplerSpec`.
-        seed: the random seed; the same seed and prompt give the same tokens.
+        spec: a :class:`SamplerSpec` (or spec text, parsed here once).
+        seed: the random seed, 0 to 2**32 - 1; the same seed and prompt give the same tokens.
         n_vocab: the model's vocabulary size (mirostat v1 needs it).
         grammar: an optional ``llama_cpp.LlamaGrammar`` applied before everything else.
         model: the ``llama_cpp.Llama`` the grammar is for (needed with a grammar).
@@ -92,15 +99,54 @@ class SamplerChain:
             token's probability are always recorded.
     """
 
-    def __init__(self, spec, seed: int, n_vocab: int, grammar=None, model=None,
-                 record_stats: bool = False):
-        self.spec: SamplerSpec = parse_spec(spec)
-        self.seed = int(seed) & 0xFFFFFFFF
+    def __init__(self, spec: SamplerSpec | str, seed: int, n_vocab: int, grammar=None,
+                 model=None, record_stats: bool = False):
+        self.spec = spec_of(spec)
+        self.seed = SEED.validate(seed)
+        self._n_vocab = n_vocab
+        self._record_stats = record_stats
         self._chain = _internals.LlamaSampler()
         self._adaptive = None
         if grammar is not None:
             self._chain.add_grammar(model._model, grammar)
-        self._add_samplers(n_vocab, record_stats)
+        sampler = self.spec.sampler
+        if sampler.takes_temp and self.spec.temp != 1.0:
+            self._chain.add_temp(self.spec.temp)
+        sampler.add(self, self.spec.params)
+        if not sampler.chooses_token:
+            self._chain.add_dist(self.seed)
+
+    # ---- ChainBuilder: what the sampler table's entries add ----
+
+    def greedy(self) -> None:
+        self._chain.add_greedy()
+
+    def top_k(self, k: int) -> None:
+        self._chain.add_top_k(k)
+
+    def top_p(self, p: float) -> None:
+        self._chain.add_top_p(p, 1)
+
+    def typical(self, p: float) -> None:
+        self._chain.add_typical(p, 1)
+
+    def min_p(self, p: float) -> None:
+        self._chain.add_min_p(p, 1)
+
+    def mirostat_v1(self, tau: float, eta: float, m: int) -> None:
+        self._chain.add_mirostat(self._n_vocab, self.seed, tau, eta, m)
+
+    def mirostat_v2(self, tau: float, eta: float) -> None:
+        self._chain.add_mirostat_v2(self.seed, tau, eta)
+
+    def eta(self, epsilon: float) -> None:
+        self._add_native(native_samplers().al_eta_sampler_new(epsilon))
+
+    def adaptive(self, epsilon: float, uniform: bool) -> None:
+        lib = native_samplers()
+        self._adaptive = self._add_native(lib.al_adaptive_sampler_new(
+            epsilon, int(uniform), self.seed, int(self._record_stats)))
+        self._stats = lib.al_adaptive_sampler_stats(self._adaptive).contents
 
     def _add_native(self, address: int | None) -> int:
         """Hand a sampler made by the C library to the chain, which frees it with itself."""
@@ -109,39 +155,6 @@ class SamplerChain:
         pointer = ctypes.cast(address, llama_cpp.llama_sampler_p_ctypes)
         llama_cpp.llama_sampler_chain_add(self._chain.sampler, pointer)
         return address
-
-    def _add_samplers(self, n_vocab: int, record_stats: bool) -> None:
-        s, p, chain = self.spec, self.spec.params, self._chain
-        if s.name == "greedy":
-            chain.add_greedy()
-            return
-        if s.temp != 1.0:
-            chain.add_temp(s.temp)
-        if s.name == "top-k":
-            chain.add_top_k(p["k"])
-        elif s.name == "top-p":
-            chain.add_top_p(p["p"], 1)
-        elif s.name == "typical":
-            chain.add_typical(p["p"], 1)
-        elif s.name == "min-p":
-            chain.add_min_p(p["p"], 1)
-        elif s.name == "mirostat":
-            chain.add_mirostat_v2(self.seed, p["tau"], p["eta"])
-            return
-        elif s.name == "mirostat1":
-            chain.add_mirostat(n_vocab, self.seed, p["tau"], p["eta"], p["m"])
-            return
-        elif s.name == "eta":
-            lib = _native_lib()
-            self._add_native(lib.al_eta_sampler_new(p["eps"]))
-        elif s.name == "adaptive":
-            lib = _native_lib()
-            uniform = 1 if p["mode"] == "uniform" else 0
-            self._adaptive = self._add_native(
-                lib.al_adaptive_sampler_new(p["eps"], uniform, self.seed, int(record_stats)))
-            self._stats = lib.al_adaptive_sampler_stats(self._adaptive).contents
-            return  # the adaptive sampler chooses the token itself
-        chain.add_dist(self.seed)
 
     @property
     def pointer(self):
@@ -197,7 +210,7 @@ class _LlamaSamplerShim:
 
 
 @contextlib.contextmanager
-def use_sampler(llama: "llama_cpp.Llama", spec, seed: int | None = None,
+def use_sampler(llama: "llama_cpp.Llama", spec: SamplerSpec | str, seed: int | None = None,
                 record_stats: bool = False):
     """Make a ``llama_cpp.Llama`` you hold sample with ``spec`` inside the ``with`` block.
 
@@ -209,7 +222,7 @@ def use_sampler(llama: "llama_cpp.Llama", spec, seed: int | None = None,
     >>> with use_sampler(llm, "adaptive:eps=0.0005", seed=1) as chains:
     ...     out = llm.create_completion("Once upon a time", max_tokens=32)
     """
-    parsed = parse_spec(spec)
+    parsed = spec_of(spec)
     chains: list[SamplerChain] = []
     base_seed = llama._seed if seed is None else seed
 

@@ -1,0 +1,133 @@
+"""A conversation with an engine: messages, settings, and replies that fit the context window.
+
+>>> from adaptive_llama import Engine
+>>> chat = Engine("smollm2").chat(system="You are terse.", sampler="adaptive:eps=0.0005")
+>>> for piece in (reply := chat.send("Name three rivers.")):
+...     print(piece, end="", flush=True)
+>>> reply.result.summary()["mean_k"]
+"""
+
+from __future__ import annotations
+
+import secrets
+
+from .engine import ContextOverflow, Engine, GenerationResult, Stream
+from .samplers import SEED, SamplerSpec, spec_of
+
+
+class Chat:
+    """A conversation: the whole history, and the window of it that the model sees.
+
+    When the rendered conversation plus room for the reply exceeds the context window, the
+    oldest exchanges leave the window (the system prompt stays); they stay in ``messages``
+    (and in a /save) and ``dropped`` counts them. A message that cannot fit even alone is
+    refused with ContextOverflow and changes nothing. A reply that is interrupted joins the
+    history with ``"interrupted": True``.
+
+    Args:
+        engine: the model.
+        system: the system prompt, or None.
+        sampler: the sampler spec of every reply (``send`` can override it per reply).
+        max_tokens: the longest reply, >= 1.
+        seed: every reply uses this seed; None: a fresh random seed per reply (reported in
+            the reply's result), so ``regenerate`` gives another answer.
+    """
+
+    def __init__(self, engine: Engine, system: str | None = None,
+                 sampler: SamplerSpec | str = "adaptive", max_tokens: int = 256,
+                 seed: int | None = None):
+        if max_tokens < 1:
+            raise ValueError(f"`max_tokens` has to be an integer >= 1, but is {max_tokens}")
+        self.engine = engine
+        self.system = system
+        self.sampler = spec_of(sampler)
+        self.max_tokens = max_tokens
+        self.seed = None if seed is None else SEED.validate(seed)
+        self.messages: list[dict] = []
+        self.dropped = 0  # messages at the start of `messages` outside the window
+
+    @property
+    def window(self) -> list[dict]:
+        """The messages the model sees."""
+        return self.messages[self.dropped:]
+
+    def _conversation(self, messages: list[dict]) -> list[dict]:
+        head = [{"role": "system", "content": self.system}] if self.system else []
+        return head + [{"role": m["role"], "content": m["content"]} for m in messages]
+
+    def _fit(self, messages: list[dict], start: int) -> tuple[list[int], int]:
+        """(prompt tokens, new window start) for ``messages``; changes nothing.
+
+        Moves the start past the oldest exchanges until the prompt leaves room for a reply;
+        ContextOverflow when the last message (with the system prompt) cannot fit at all.
+        """
+        n_ctx = self.engine.n_ctx
+        room = min(self.max_tokens, n_ctx // 4)
+        while True:
+            tokens = self.engine.chat_prompt_tokens(self._conversation(messages[start:]))
+            left = len(messages) - start
+            if len(tokens) + room <= n_ctx or left <= 1:
+                break
+            start += 2 if left > 2 and messages[start + 1]["role"] == "assistant" else 1
+        if len(tokens) >= n_ctx:
+            what = "this message with the system prompt" if self.system else "this message"
+            raise ContextOverflow(
+                f"{what} alone is {len(tokens)} tokens, more than the context window "
+                f"({n_ctx}); shorten it or raise the context size. The conversation is "
+                "unchanged.")
+        return tokens, start
+
+    def send(self, text: str, **overrides) -> Stream:
+        """Add a user message and stream the reply; the reply joins the history as it ends.
+
+        ContextOverflow (nothing added) when the message cannot fit in the window.
+        """
+        messages = self.messages + [{"role": "user", "content": text}]
+        tokens, start = self._fit(messages, self.dropped)
+        self.messages, self.dropped = messages, start
+        return self._reply(tokens, overrides)
+
+    def regenerate(self, **overrides) -> Stream:
+        """Answer the last user message again (a new seed unless the chat fixes one); the
+        old reply is replaced."""
+        messages = list(self.messages)
+        if messages and messages[-1]["role"] == "assistant":
+            messages.pop()
+        if len(messages) <= self.dropped:
+            raise ValueError("there is no message to answer yet")
+        tokens, start = self._fit(messages, self.dropped)
+        self.messages, self.dropped = messages, start
+        return self._reply(tokens, overrides)
+
+    def _reply(self, tokens: list[int], overrides: dict) -> Stream:
+        seed = self.seed if self.seed is not None else secrets.randbits(32)
+        options = dict(sampler=self.sampler, max_tokens=self.max_tokens, seed=seed)
+        options.update(overrides)
+        stream = self.engine.stream(tokens, **options)
+        stream.on_finish(self._add_reply)
+        return stream
+
+    def _add_reply(self, result: GenerationResult) -> None:
+        message = {"role": "assistant", "content": result.text}
+        if result.finish_reason == "interrupted":
+            message["interrupted"] = True
+        self.messages.append(message)
+
+    def undo(self) -> bool:
+        """Drop the last exchange (user message and its reply); False when there is none."""
+        if len(self.messages) <= self.dropped:
+            return False
+        if self.messages[-1]["role"] == "assistant":
+            self.messages.pop()
+        if len(self.messages) > self.dropped and self.messages[-1]["role"] == "user":
+            self.messages.pop()
+        return True
+
+    def clear(self) -> None:
+        self.messages.clear()
+        self.dropped = 0
+
+    def context_used(self) -> int:
+        """Tokens the conversation in the window occupies now (0 when empty)."""
+        conv = self._conversation(self.window)
+        return len(self.engine.chat_prompt_tokens(conv)) if conv else 0

