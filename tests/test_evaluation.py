@@ -61,6 +61,22 @@ def test_generation_cache_survives_a_line_cut_short(tmp_path):
     assert GenerationCache(path).get("k2")["text"] == "again"
 
 
+def test_cache_key_holds_max_tokens_so_a_longer_run_generates_anew(tmp_path, engine):
+    from adaptive_llama.eval.data import Prompt
+
+    ev = run.Evaluator(run.EvalConfig(out=str(tmp_path)), engine=engine)
+    prompt = [Prompt(id="wiki-0", prefix="The history of the river")]
+    try:
+        short = ev.generate("wiki", "test", "greedy", prompt, 1, max_tokens=3)
+        long = ev.generate("wiki", "test", "greedy", prompt, 1, max_tokens=9)
+        again = ev.generate("wiki", "test", "greedy", prompt, 1, max_tokens=3)
+    finally:
+        ev.close()
+    assert short[0]["completion_tokens"] == 3 and long[0]["completion_tokens"] == 9
+    assert again == short  # from the cache
+    assert len((tmp_path / "generations.jsonl").read_text().splitlines()) == 2
+
+
 @pytest.mark.parametrize("text, answer", [
     ("3 + 4 = 7. Then 7 * 2 = 14. The answer is 14.", "14"),
     ("The answer is $1,250.", "1250"),

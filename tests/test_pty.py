@@ -1,4 +1,4 @@
-"""The REPL in a real pseudo-terminal: Ctrl-C in the middle of a reply."""
+"""The REPL in a real pseudo-terminal: Ctrl-C in the middle of a reply, and right after Enter."""
 
 import io
 import os
@@ -14,14 +14,34 @@ def ignore_sigint():
     signal.signal(signal.SIGINT, signal.SIG_IGN)
 
 
-@pytest.mark.parametrize("started_with", [None, ignore_sigint], ids=["default", "sigint-ignored"])
-def test_ctrl_c_stops_the_reply_and_keeps_the_history(tmp_path, started_with):
+def spawn(tmp_path, started_with=None):
     env = dict(os.environ, XDG_STATE_HOME=str(tmp_path), TERM="xterm")
     child = pexpect.spawn(sys.executable, ["-m", "adaptive_llama.cli", "run", "--max-tokens",
                                            "400", "--sampler", "adaptive:eps=0.0001"],
                           env=env, encoding="utf-8", timeout=120, dimensions=(40, 200),
                           preexec_fn=started_with)
-    child.logfile_read = transcript = io.StringIO()  # shown when an expectation fails
+    child.logfile_read = io.StringIO()  # shown when an expectation fails
+    return child
+
+
+def expect_interrupted_and_history_kept(child):
+    try:
+        child.expect(r"\[interrupted\]", timeout=15)
+    except pexpect.TIMEOUT:
+        raise AssertionError("Ctrl-C did not stop the reply within 15 s (is Python's SIGINT "
+                             "handler installed?)") from None
+    child.expect(">>>")
+    child.send("/show\r")
+    child.expect(r"\((\d+) messages\)")
+    assert child.match.group(1) == "2"  # the question and the partial reply
+    child.expect(">>>")
+    child.send("/bye\r")
+    child.expect(pexpect.EOF)
+
+
+@pytest.mark.parametrize("started_with", [None, ignore_sigint], ids=["default", "sigint-ignored"])
+def test_ctrl_c_stops_the_reply_and_keeps_the_history(tmp_path, started_with):
+    child = spawn(tmp_path, started_with)
     try:
         child.expect(">>>")
         child.send("Write a very long story about a lighthouse keeper.\r")
@@ -29,17 +49,27 @@ def test_ctrl_c_stops_the_reply_and_keeps_the_history(tmp_path, started_with):
         child.expect(r"\x1b\[\?2004l")   # prompt_toolkit let go of the terminal,
         child.expect(r"[A-Za-z]{3,}\W+[A-Za-z]{3,}")  # and the reply is streaming
         child.sendintr()
-        child.expect(r"\[interrupted\]", timeout=60)
-        child.expect(">>>")
-        child.send("/show\r")
-        child.expect(r"\((\d+) messages\)")
-        assert child.match.group(1) == "2"  # the question and the partial reply
-        child.expect(">>>")
-        child.send("/bye\r")
-        child.expect(pexpect.EOF)
-    except pexpect.TIMEOUT:
-        raise AssertionError(f"the REPL's terminal output:\n{transcript.getvalue()}") from None
+        expect_interrupted_and_history_kept(child)
+    except (pexpect.TIMEOUT, AssertionError) as exc:
+        raise AssertionError(f"{exc}\nthe REPL's terminal output:\n"
+                             f"{child.logfile_read.getvalue()}") from None
     finally:
         child.close(force=True)
     assert child.exitstatus == 0
     assert (tmp_path / "adaptive-llama" / "history").exists()  # input history persists
+
+
+def test_ctrl_c_right_after_enter_stops_the_reply(tmp_path):
+    # The Ctrl-C can reach prompt_toolkit in the same read as the Enter, while the terminal
+    # is still raw: it used to wait as type-ahead for the next prompt (missed 2 times in 5).
+    child = spawn(tmp_path)
+    try:
+        child.expect(">>>")
+        child.send("Write a very long story about a lighthouse keeper.\r\x03")
+        expect_interrupted_and_history_kept(child)
+    except (pexpect.TIMEOUT, AssertionError) as exc:
+        raise AssertionError(f"{exc}\nthe REPL's terminal output:\n"
+                             f"{child.logfile_read.getvalue()}") from None
+    finally:
+        child.close(force=True)
+    assert child.exitstatus == 0

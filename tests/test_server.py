@@ -12,6 +12,10 @@ import time
 
 import openai
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from test_fuzz import spec_texts
 
 API_KEY = "test-key"
 MAX_QUEUE = 2
@@ -53,7 +57,7 @@ def server(smollm2_path, server_log):
     proc.wait(timeout=30)
 
 
-def raw(method, port, path, body=None, key=API_KEY, timeout=60):
+def raw(method, port, path, body=None, key=API_KEY, timeout=60, parse=True):
     """(status, headers, parsed JSON body) of one plain HTTP request."""
     conn = http.client.HTTPConnection("127.0.0.1", port, timeout=timeout)
     headers = {"Authorization": f"Bearer {key}"} if key else {}
@@ -62,7 +66,7 @@ def raw(method, port, path, body=None, key=API_KEY, timeout=60):
     resp = conn.getresponse()
     payload = resp.read()
     conn.close()
-    return resp.status, resp.headers, json.loads(payload) if payload else None
+    return resp.status, resp.headers, json.loads(payload) if payload and parse else payload
 
 
 def health(port):
@@ -359,3 +363,28 @@ def test_message_text_never_becomes_a_control_token(server, content):
     # and far more than the 1 to 3 a control token would take.
     assert status == 200
     assert body["usage"]["prompt_tokens"] - plain["usage"]["prompt_tokens"] >= 4
+
+
+json_values = st.one_of(st.none(), st.booleans(), st.integers(-2**70, 2**70),
+                        st.floats(allow_nan=False, allow_infinity=False),
+                        st.text(max_size=12), st.lists(st.text(max_size=4), max_size=3))
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[
+    HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
+@given(fields=st.fixed_dictionaries({}, optional={
+    "sampler": st.one_of(spec_texts(), json_values), "temperature": json_values,
+    "top_p": json_values, "seed": json_values, "max_tokens": json_values,
+    "stop": json_values, "n": json_values, "stream": st.booleans()}))
+def test_any_request_fields_get_an_answer_or_a_400(server, fields):
+    body = {"messages": HELLO, **fields}
+    if isinstance(body.get("max_tokens"), int) and body["max_tokens"] > 0:
+        body["max_tokens"] = min(body["max_tokens"], 3)
+    status, _, payload = raw("POST", server, "/v1/chat/completions",
+                             json.dumps(body).encode(), parse=False)
+    assert status in (200, 400), payload
+    if status == 400:
+        payload = json.loads(payload)
+        assert payload["error"]["type"] == "invalid_request_error"
+        assert "\n" not in payload["error"]["message"]
+    assert health(server)["status"] == "ok"

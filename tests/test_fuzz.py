@@ -1,0 +1,115 @@
+"""Hostile but fair input, generated: random specs, parameter values, /set lines and saved
+chats at the CLI and the REPL (the server's share is in test_server.py). Whatever comes in:
+no crash, no traceback, a one-line error, the conversation unchanged."""
+
+import io
+import json
+import string
+
+from click.testing import CliRunner
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from adaptive_llama.cli import main
+from adaptive_llama.repl import Repl
+from adaptive_llama.samplers import SAMPLERS, SamplerSpec, SpecError, parse_spec
+
+NASTY_NUMBERS = ["0", "-0", "-1", "1", "nan", "NaN", "inf", "-inf", "1e-300", "5e-324",
+                 "1e-20", "1e400", "-1e400", str(2**31), str(2**32), str(2**70), "0x10",
+                 "1_000", "", " ", "1e3", "0.5", "2.5", "abc", "1,5", "=", "\x00"]
+values = st.one_of(st.sampled_from(NASTY_NUMBERS),
+                   st.floats(allow_nan=True, allow_infinity=True).map(repr),
+                   st.integers(-2**80, 2**80).map(str),
+                   st.text(string.printable, max_size=8))
+keys = st.one_of(st.sampled_from(["eps", "p", "k", "tau", "eta", "m", "mode", "temp"]),
+                 st.text(string.ascii_letters, max_size=6))
+names = st.one_of(st.sampled_from(list(SAMPLERS)), st.text(string.printable, max_size=10))
+
+
+@st.composite
+def spec_texts(draw):
+    name = draw(names)
+    items = draw(st.lists(st.tuples(keys, values), max_size=4))
+    sep = draw(st.sampled_from([":", ":", " : ", ""]))
+    return name + sep + ",".join(f"{k}={v}" for k, v in items)
+
+
+def assert_one_line(message: str):
+    assert message and "\n" not in message and "Traceback" not in message
+
+
+@settings(max_examples=400, deadline=None)
+@given(text=spec_texts())
+def test_any_spec_text_parses_or_says_why_in_one_line(text):
+    try:
+        spec = parse_spec(text)
+    except SpecError as exc:
+        assert_one_line(str(exc))
+        return
+    assert isinstance(spec, SamplerSpec) and parse_spec(str(spec)) == spec
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(text=spec_texts())
+def test_generate_with_any_spec_runs_or_fails_in_one_line(smollm2_path, text):
+    result = CliRunner().invoke(main, ["generate", str(smollm2_path), "--prompt", "Hi",
+                                       "--max-tokens", "2", "--sampler", text, "--seed", "1"])
+    assert result.exit_code in (0, 2), result.output
+    assert result.exception is None or isinstance(result.exception, SystemExit)
+    if result.exit_code == 2:
+        lines = result.output.strip().splitlines()
+        assert len(lines) == 1 and lines[0].startswith("Error: --sampler:"), result.output
+
+
+saved_values = st.one_of(st.none(), st.booleans(), st.integers(-2**70, 2**70),
+                         st.floats(allow_nan=True, allow_infinity=True),
+                         st.text(max_size=10), spec_texts(), st.lists(st.integers(), max_size=2))
+saved_messages = st.one_of(saved_values, st.lists(st.one_of(
+    st.fixed_dictionaries({"role": st.sampled_from(["user", "assistant", "system", 3]),
+                           "content": st.one_of(st.text(max_size=20), st.integers())}),
+    saved_values), max_size=3))
+saved_chats = st.one_of(
+    st.fixed_dictionaries({}, optional={"messages": saved_messages, "seed": saved_values,
+                                        "sampler": saved_values, "system": saved_values,
+                                        "max_tokens": saved_values}),
+    saved_values)
+
+repl_lines = st.one_of(
+    st.tuples(st.sampled_from(["eps", "temp", "seed", "max-tokens"]), values)
+    .map(lambda kv: f"/set {kv[0]} {kv[1]}"),
+    spec_texts().map(lambda s: f"/set sampler {s}"),
+    spec_texts().map(lambda s: f"/compare {s}"),
+    st.text(string.printable, max_size=12).map(lambda s: "/" + s.replace("\n", " ")),
+    st.sampled_from(["/undo", "/regen", "/stats", "/show", "/trace on", "/trace off",
+                     "/help", "/help samplers", "/save", "/load", "/set", "/set eps"]),
+)
+
+
+class Recorder(io.StringIO):
+    def last_lines(self, since: int) -> str:
+        return self.getvalue()[since:]
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[
+    HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
+@given(lines=st.lists(repl_lines, min_size=1, max_size=6), saved=saved_chats)
+def test_repl_survives_any_command_and_keeps_the_conversation(engine, tmp_path, lines, saved):
+    path = tmp_path / "saved.json"
+    try:
+        path.write_text(json.dumps(saved, allow_nan=True))
+    except ValueError:  # numbers JSON cannot hold
+        path.write_text("{}")
+    out = Recorder()
+    repl = Repl(engine, max_tokens=1, seed=1, out=out, read_line=lambda _: None)
+    repl.reply(lambda: repl.chat.send("Hi"))
+    for line in lines + [f"/load {path}"]:
+        before = [dict(m) for m in repl.chat.messages]
+        mark = len(out.getvalue())
+        result = repl.command(line)  # any exception fails the test
+        said = out.last_lines(mark)
+        assert "Traceback" not in said and result in (None, "quit")
+        if line.startswith(("/set", "/compare")) or (
+                line.startswith("/load") and "loaded" not in said):
+            assert repl.chat.messages == before, line
+    repl.reply(lambda: repl.chat.send("Still there?"))
+    assert repl.chat.messages[-1]["role"] == "assistant"
