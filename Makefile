@@ -11,7 +11,7 @@ DEPS := pyproject.toml setup.py native/adaptive.c
 # Show the llama.cpp build's progress ([n/193] lines) instead of minutes of silence.
 PROGRESS := grep --line-buffered -E '^\s*\[[0-9]+/[0-9]+\]|Successfully installed|rror' | cut -c1-110
 
-.PHONY: chat test bench eval clean
+.PHONY: chat test bench eval asan clean
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -36,6 +36,19 @@ bench: $(VENV)/.installed-bench
 
 eval: $(VENV)/.installed-eval
 	$(VENV)/bin/adaptive-llama eval
+
+# The C samplers under AddressSanitizer and UBSan, driven by the fuzz, kernel, chain and CLI tests.
+ASAN_LIB := build/asan/_adaptive_native.so
+asan: $(VENV)/.installed-test
+	mkdir -p build/asan
+	gcc -O1 -g -fsanitize=address,undefined -fno-omit-frame-pointer -std=c11 -shared -fPIC \
+	    -fvisibility=hidden native/adaptive.c -o $(ASAN_LIB) -lmvec -lm
+	ADAPTIVE_LLAMA_NATIVE_LIB=$(CURDIR)/$(ASAN_LIB) \
+	LD_PRELOAD="$$(gcc -print-file-name=libasan.so) $$(gcc -print-file-name=libubsan.so)" \
+	ASAN_OPTIONS=detect_leaks=0:abort_on_error=1:allocator_may_return_null=1 \
+	UBSAN_OPTIONS=print_stacktrace=1:halt_on_error=1 \
+	$(PY) -m pytest -q -p no:cacheprovider tests/test_fuzz.py tests/test_kernel.py \
+	    tests/test_chain.py tests/test_cli.py tests/test_server.py
 
 clean:
 	rm -rf $(VENV) build *.egg-info adaptive_llama/*.so

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import ctypes
 import importlib.machinery
+import os
 import threading
 import weakref
 from pathlib import Path
@@ -32,6 +33,10 @@ class Stats(ctypes.Structure):
 
 
 def _library_path() -> Path | None:
+    # A build of our own (`make asan`: AddressSanitizer) can stand in for the installed one.
+    override = os.environ.get("ADAPTIVE_LLAMA_NATIVE_LIB")
+    if override:
+        return Path(override)
     here = Path(__file__).parent
     for suffix in importlib.machinery.EXTENSION_SUFFIXES:
         candidate = here / f"{LIBRARY_STEM}{suffix}"
