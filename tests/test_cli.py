@@ -170,3 +170,15 @@ def test_serve_on_a_port_in_use_says_so(smollm2_path):
 
 def test_serve_with_a_bad_default_sampler_fails_before_loading(smollm2_path):
     assert_one_line_error(run_cli("serve", "--sampler", "top-p:p=7"), "--sampler", "`p`")
+
+
+def test_input_that_is_not_utf8_is_replaced_not_a_codec_error():
+    gen = subprocess.run([sys.executable, "-m", "adaptive_llama.cli", "generate", "smollm2",
+                          "--max-tokens", "2", "--json"], input=b"caf\xe9 \xff\xfe",
+                         capture_output=True, timeout=300)
+    assert gen.returncode == 0, gen.stderr
+    assert json.loads(gen.stdout)["prompt_tokens"] >= 3
+    chat = subprocess.run([sys.executable, "-m", "adaptive_llama.cli", "run", "--max-tokens",
+                           "2"], input=b"caf\xe9 \xff\n/show\n", capture_output=True,
+                          timeout=300)
+    assert chat.returncode == 0 and b"(2 messages)" in chat.stdout, chat.stderr
