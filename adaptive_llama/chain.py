@@ -93,14 +93,15 @@ class SamplerChain:
         seed: the random seed, 0 to 2**32 - 1; the same seed and prompt give the same tokens.
         n_vocab: the model's vocabulary size (mirostat v1 needs it).
         grammar: an optional ``llama_cpp.LlamaGrammar`` applied before everything else.
-        model: the ``llama_cpp.Llama`` the grammar is for (needed with a grammar).
+        vocab_model: the model the grammar is for (a ``llama_cpp._internals.LlamaModel``:
+            ``Llama._model``, or the engine's), needed with a grammar.
         record_stats: let the adaptive sampler compute entropy and Conf for every token
             (one extra multiply-add per vocabulary entry); k, kept mass and the chosen
             token's probability are always recorded.
     """
 
     def __init__(self, spec: SamplerSpec | str, seed: int, n_vocab: int, grammar=None,
-                 model=None, record_stats: bool = False):
+                 vocab_model=None, record_stats: bool = False):
         self.spec = spec_of(spec)
         self.seed = SEED.validate(seed)
         self._n_vocab = n_vocab
@@ -108,7 +109,7 @@ class SamplerChain:
         self._chain = _internals.LlamaSampler()
         self._adaptive = None
         if grammar is not None:
-            self._chain.add_grammar(model._model, grammar)
+            self._chain.add_grammar(vocab_model, grammar)
         sampler = self.spec.sampler
         if sampler.takes_temp and self.spec.temp != 1.0:
             self._chain.add_temp(self.spec.temp)
@@ -229,8 +230,8 @@ def use_sampler(llama: "llama_cpp.Llama", spec: SamplerSpec | str, seed: int | N
     def init_sampler(*, grammar=None, logits_processor=None, **_ignored):
         if logits_processor is not None:
             raise ValueError("use_sampler does not run logits_processor callbacks")
-        chain = SamplerChain(parsed, base_seed, llama.n_vocab(), grammar=grammar, model=llama,
-                             record_stats=record_stats)
+        chain = SamplerChain(parsed, base_seed, llama.n_vocab(), grammar=grammar,
+                             vocab_model=llama._model, record_stats=record_stats)
         chains.append(chain)
         return _LlamaSamplerShim(chain)
 

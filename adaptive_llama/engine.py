@@ -4,36 +4,39 @@
 >>> engine = Engine("smollm2", seed=1)                 # a bundled name or a .gguf path
 >>> print(engine.generate("Once upon a time", sampler="adaptive:eps=0.0005").text)
 
-What runs where: the token loop (:meth:`Engine.stream`) is Python: one ``llama_decode`` and
-one ``llama_sampler_sample`` per token. Inside ``llama_sampler_sample`` llama.cpp fills the
-candidate array and runs the chain (:mod:`adaptive_llama.chain`), whose adaptive and eta
-samplers are C (``native/adaptive.c``). The KV cache is reused across requests for the
-longest common prefix of tokens, so a chat turn only evaluates what is new. A
-``KeyboardInterrupt`` (or :meth:`Stream.cancel`) stops a reply between tokens and leaves the
-engine ready for the next request. Conversations live in :mod:`adaptive_llama.chat`.
+What runs where: the token loop (:mod:`adaptive_llama.decoder`) is Python: per step one
+``llama_decode`` of a batch holding a token of every running sequence, then one
+``llama_sampler_sample`` per sequence. Inside it llama.cpp fills the candidate array and runs
+the chain (:mod:`adaptive_llama.chain`), whose adaptive and eta samplers are C
+(``native/adaptive.c``). Each sequence's KV cache is reused for the longest common prefix of
+tokens, so a chat turn only evaluates what is new. A ``KeyboardInterrupt`` (or
+:meth:`Stream.cancel`) stops a reply between tokens and leaves the engine ready for the next
+request. Conversations live in :mod:`adaptive_llama.chat`; :meth:`Engine.generate_batch`
+generates for many prompts at once.
 """
 
 from __future__ import annotations
 
-import codecs
 import ctypes
-import math
 import secrets
-import statistics
 import sys
-import time
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Iterator
 
-from .chain import SamplerChain, TokenStats
+from .chain import SamplerChain
+from .decoder import Decoder, Generation, GenerationResult
 from .models import ModelError, resolve_model
 from .samplers import SEED, SamplerSpec, spec_of
+from .threads import ThreadTuner, default_threads
 
 import llama_cpp  # noqa: E402  (after .chain, which checks its version)
+from llama_cpp import _internals  # noqa: E402
 from llama_cpp.llama_chat_format import Jinja2ChatFormatter  # noqa: E402
 
 CTX_STEP = 256  # llama.cpp rounds a context up to a multiple of this
+N_BATCH = 512   # tokens per llama_decode call at most (prompt chunks and generating rows)
+
+__all__ = ["ContextOverflow", "Engine", "GenerationResult", "Stream", "set_llama_log"]
 
 
 class ContextOverflow(ValueError):
@@ -57,52 +60,6 @@ def set_llama_log(verbose: bool) -> None:
     llama_cpp.llama_log_set(_quiet_log, ctypes.c_void_p(0))
 
 
-@dataclass
-class GenerationResult:
-    """What one generation produced and what it cost."""
-
-    text: str
-    finish_reason: str            # "stop" (end of turn), "length", "stop_string", "interrupted"
-    prompt_tokens: int
-    completion_tokens: int
-    sampler: str
-    seed: int
-    tokens: list[int] = field(default_factory=list)
-    token_stats: list[TokenStats] = field(default_factory=list)   # adaptive only
-    prompt_eval_s: float = 0.0
-    time_to_first_token_s: float = 0.0
-    decode_s: float = 0.0
-
-    @property
-    def decode_tokens_per_s(self) -> float:
-        """Generated tokens per second of decoding (prompt evaluation excluded)."""
-        return self.completion_tokens / self.decode_s if self.decode_s > 0 else 0.0
-
-    @property
-    def mean_k(self) -> float | None:
-        return statistics.fmean(s.k for s in self.token_stats) if self.token_stats else None
-
-    def summary(self) -> dict:
-        """The figures of the reply, for the REPL's /stats, the server's ``sampler_stats``
-        and ``generate --json``: speed, finish, and for adaptive the spread of k and Conf."""
-        out = {"sampler": self.sampler, "seed": self.seed, "finish_reason": self.finish_reason,
-               "completion_tokens": self.completion_tokens,
-               "decode_tokens_per_s": round(self.decode_tokens_per_s, 2),
-               "time_to_first_token_s": round(self.time_to_first_token_s, 4)}
-        if self.token_stats:
-            ks = sorted(s.k for s in self.token_stats)
-            confs = [s.conf for s in self.token_stats if not math.isnan(s.conf)]
-            out.update(mean_k=round(statistics.fmean(ks), 3),
-                       stdev_k=round(statistics.pstdev(ks), 3),
-                       median_k=statistics.median_low(ks), max_k=ks[-1],
-                       mean_conf=round(statistics.fmean(confs), 4) if confs else None)
-        return out
-
-    def as_dict(self) -> dict:
-        return {"text": self.text, "prompt_tokens": self.prompt_tokens,
-                "prompt_eval_s": round(self.prompt_eval_s, 4), **self.summary()}
-
-
 class Stream:
     """An iterator over the text pieces of one reply; ``result`` is set when it ends.
 
@@ -111,9 +68,11 @@ class Stream:
     to :meth:`on_finish` run once, with the result, however it ends.
     """
 
-    def __init__(self, pieces: Iterator[str], live: GenerationResult):
+    def __init__(self, pieces: Iterator[str], live: GenerationResult,
+                 release: Callable[[], None]):
         self._pieces = pieces
         self._live = live
+        self._release = release  # frees what the generation holds, if it never ran
         self._callbacks: list[Callable[[GenerationResult], None]] = []
         self.result: GenerationResult | None = None
 
@@ -144,6 +103,7 @@ class Stream:
             self._finish()
 
     def _finish(self) -> None:
+        self._release()
         self.result = self._live
         for callback in self._callbacks:
             callback(self.result)
@@ -162,9 +122,12 @@ class Engine:
         model: a .gguf path or a bundled short name (``adaptive-llama models``); None: smollm2.
         n_gpu_layers: layers to offload to the GPU (needs a CUDA build of llama-cpp-python;
             -1 offloads all).
-        n_ctx: context window in tokens, rounded up to a multiple of 256 as llama.cpp does
-            (0: the model's training context).
-        n_threads: CPU threads (None: llama.cpp's choice).
+        n_ctx: context window of each sequence in tokens, rounded up to a multiple of 256 as
+            llama.cpp does (0: the model's training context).
+        n_threads: CPU threads; None: the physical cores this process may use, adapted while
+            it runs when other work slows decoding down (:mod:`adaptive_llama.threads`).
+        parallel: sequences decoded together (slots); the KV cache holds
+            ``parallel x n_ctx`` tokens.
         seed: default seed of every generation, 0 to 2**32 - 1.
         verbose: show llama.cpp's own log.
 
@@ -174,7 +137,8 @@ class Engine:
     """
 
     def __init__(self, model=None, *, n_gpu_layers: int = 0, n_ctx: int = 2048,
-                 n_threads: int | None = None, seed: int = 0, verbose: bool = False):
+                 n_threads: int | None = None, parallel: int = 1, seed: int = 0,
+                 verbose: bool = False):
         _check_int("n_gpu_layers", n_gpu_layers, low=-1)
         _check_int("n_ctx", n_ctx, low=0)
         if 0 < n_ctx < CTX_STEP:
@@ -182,29 +146,54 @@ class Engine:
                              f"but is {n_ctx}")
         if n_threads is not None:
             _check_int("n_threads", n_threads, low=1)
+        _check_int("parallel", parallel, low=1)
         self.seed = SEED.validate(seed)
         self.path: Path = resolve_model(model)
-        # llama.cpp rounds the context up; llama-cpp-python's token buffer would not.
-        rounded = -(-n_ctx // CTX_STEP) * CTX_STEP
         set_llama_log(verbose)
+        self._model = self._load_model(n_gpu_layers, verbose)
+        self.n_vocab = self._model.n_vocab()
+        self._vocab = self._model.vocab
+        # llama.cpp rounds each sequence's context up to a multiple of 256.
+        requested = n_ctx or self._model.n_ctx_train()
+        self.n_ctx = -(-requested // CTX_STEP) * CTX_STEP
+        self.parallel = parallel
+        threads = n_threads or default_threads()
+        self._context = self._new_context(requested, threads, verbose)
+        self.ctx = self._context.ctx  # the llama_context *, for llama.cpp calls
+        self.decoder = Decoder(self, parallel, self.n_ctx, min(N_BATCH, self.n_ctx * parallel),
+                               ThreadTuner(self.ctx, threads, adaptive=n_threads is None))
+        self.metadata = self._model.metadata()
+        self._formatter = self._chat_formatter()
+        self._special_texts: list[tuple[str, int]] | None = None
+
+    def _load_model(self, n_gpu_layers: int, verbose: bool):
+        params = llama_cpp.llama_model_default_params()
+        params.n_gpu_layers = 0x7FFFFFFF if n_gpu_layers == -1 else n_gpu_layers
         try:
-            self.llama = llama_cpp.Llama(
-                model_path=str(self.path), n_ctx=rounded, n_gpu_layers=n_gpu_layers,
-                n_threads=n_threads, seed=self.seed, verbose=verbose, logits_all=False,
-            )
+            return _internals.LlamaModel(path_model=str(self.path), params=params,
+                                         verbose=verbose)
         except (ValueError, RuntimeError, OSError) as exc:
-            if "context" in str(exc):
-                raise ValueError(f"llama.cpp could not create a context of {n_ctx} tokens "
-                                 "(not enough memory for its cache?): use a smaller n_ctx "
-                                 "(--ctx), or 0 for the model's own") from None
             raise ModelError(f"{self.path}: llama.cpp could not load it; the file is "
                              f"truncated or corrupt, or not a model llama.cpp supports ({exc})"
                              ) from None
-        self.n_vocab = self.llama.n_vocab()
-        self.n_ctx = self.llama.n_ctx()
-        self._vocab = self.llama._model.vocab
-        self._formatter = self._chat_formatter()
-        self._special_texts: list[tuple[str, int]] | None = None
+
+    def _new_context(self, requested: int, threads: int, verbose: bool):
+        params = llama_cpp.llama_context_default_params()
+        params.n_ctx = self.n_ctx * self.parallel
+        params.n_seq_max = self.parallel
+        params.kv_unified = False  # each slot its own n_ctx cells
+        params.n_batch = params.n_ubatch = min(N_BATCH, params.n_ctx)
+        params.n_threads = params.n_threads_batch = threads
+        params.no_perf = True
+        try:
+            return _internals.LlamaContext(model=self._model, params=params, verbose=verbose)
+        except (ValueError, RuntimeError) as exc:
+            self._model.close()
+            raise ValueError(
+                f"llama.cpp could not create a context of {requested} tokens"
+                f"{f' x {self.parallel} sequences' if self.parallel > 1 else ''} (not enough "
+                "memory for its cache?): use a smaller n_ctx (--ctx), or 0 for the model's "
+                f"own ({exc})") from None
 
     # ---- model facts ----
 
@@ -217,22 +206,28 @@ class Engine:
         return self._formatter is not None
 
     @property
-    def ctx(self):
-        """The ``llama_context *`` (for llama.cpp calls such as ``llama_sampler_sample``)."""
-        return self.llama._ctx.ctx
+    def threads(self) -> int:
+        """The threads llama.cpp decodes with now."""
+        return self.decoder.tuner.threads
+
+    @property
+    def threads_adaptive(self) -> bool:
+        return self.decoder.tuner.adaptive
 
     def _chat_formatter(self) -> Jinja2ChatFormatter | None:
-        template = self.llama.metadata.get("tokenizer.chat_template")
+        template = self.metadata.get("tokenizer.chat_template")
         if not template:
             return None
-        piece = self._piece
         return Jinja2ChatFormatter(
             template=template,
-            eos_token=piece(self.llama.token_eos(), special=True).decode("utf-8", "replace"),
-            bos_token=piece(self.llama.token_bos(), special=True).decode("utf-8", "replace"),
+            eos_token=self.piece(self._model.token_eos(), special=True).decode(
+                "utf-8", "replace"),
+            bos_token=self.piece(self._model.token_bos(), special=True).decode(
+                "utf-8", "replace"),
         )
 
-    def _piece(self, token: int, special: bool = False) -> bytes:
+    def piece(self, token: int, special: bool = False) -> bytes:
+        """The bytes a token stands for (a control token's text only with ``special``)."""
         buf = ctypes.create_string_buffer(64)
         n = llama_cpp.llama_token_to_piece(self._vocab, token, buf, len(buf), 0, special)
         if n < 0:  # buffer too small: -n is the size needed
@@ -240,12 +235,17 @@ class Engine:
             n = llama_cpp.llama_token_to_piece(self._vocab, token, buf, len(buf), 0, special)
         return buf.raw[:max(n, 0)]
 
-    # ---- text to tokens ----
+    def is_end_of_generation(self, token: int) -> bool:
+        return llama_cpp.llama_vocab_is_eog(self._vocab, token)
+
+    # ---- text to tokens and back ----
 
     def tokenize(self, text: str, add_bos: bool = True) -> list[int]:
         """Plain text to tokens: text that looks like a control token stays text."""
-        return self.llama.tokenize(text.encode("utf-8", "replace"), add_bos=add_bos,
-                                   special=False)
+        return self._model.tokenize(text.encode("utf-8", "replace"), add_bos, False)
+
+    def detokenize(self, tokens: list[int]) -> str:
+        return b"".join(self.piece(t) for t in tokens).decode("utf-8", "replace")
 
     def prompt_tokens(self, text: str, chat: bool = False) -> list[int]:
         """A prompt as tokens: plain continuation, or one user message in the chat template."""
@@ -306,7 +306,7 @@ class Engine:
         out = []
         for token in range(self.n_vocab):
             if llama_cpp.llama_vocab_get_attr(self._vocab, token) & wanted:
-                text = self._piece(token, special=True).decode("utf-8", "replace")
+                text = self.piece(token, special=True).decode("utf-8", "replace")
                 if text:
                     out.append((text, token))
         return out
@@ -314,30 +314,17 @@ class Engine:
     # ---- generation ----
 
     def prefill(self, tokens: list[int]) -> None:
-        """Evaluate tokens, reusing the KV cache for the prefix shared with the last request;
-        afterwards the context holds the logits that follow ``tokens``."""
-        llama = self.llama
-        cached = llama.input_ids[: llama.n_tokens]
-        shared = 0
-        for a, b in zip(cached, tokens):
-            if a != b:
-                break
-            shared += 1
-        # Re-evaluate at least two tokens. llama.cpp runs a one-token batch through other
-        # kernels than a longer one, and the logits differ (by up to 0.6 on SmolLM2): with
-        # one token re-evaluated, a repeated request would not repeat under the same seed.
-        shared = max(0, min(shared, len(tokens) - 2))
-        llama.n_tokens = shared
-        llama.eval(tokens[shared:])
+        """Evaluate ``tokens`` in the first slot (reusing its cache for a shared prefix); the
+        context then holds the logits that follow them (``llama_get_logits_ith(ctx, -1)``).
+        For measurements and tests; generation does this itself."""
+        if self.decoder.live:
+            raise RuntimeError("prefill needs an idle engine: generations are running")
+        self.decoder.evaluate(tokens)
 
-    def stream(self, prompt_tokens: list[int], *, sampler: SamplerSpec | str = "adaptive",
-               max_tokens: int = 256, seed: int | None = None, stop: list[str] | tuple = (),
-               grammar=None, record_stats: bool = True) -> Stream:
-        """Generate after ``prompt_tokens``; iterate the returned :class:`Stream` for text.
-
-        Raises ContextOverflow (at once) when the prompt leaves no room in the context window;
-        generation itself stops at the window with finish_reason "length".
-        """
+    def start(self, prompt_tokens: list[int], *, sampler: SamplerSpec | str = "adaptive",
+              max_tokens: int = 256, seed: int | None = None, stop: list[str] | tuple = (),
+              grammar=None, record_stats: bool = True) -> Generation:
+        """A :class:`Generation` ready for :attr:`decoder` (arguments as :meth:`stream`)."""
         spec = spec_of(sampler)
         _check_int("max_tokens", max_tokens, low=1)
         if not prompt_tokens:
@@ -346,61 +333,41 @@ class Engine:
             raise ContextOverflow(
                 f"the prompt has {len(prompt_tokens)} tokens, but the context window holds "
                 f"{self.n_ctx}: shorten it or raise n_ctx")
-        stop = [s for s in stop if s]  # an empty stop string would end every reply at once
-        seed = self.seed if seed is None else seed
-        chain = SamplerChain(spec, seed, self.n_vocab, grammar=grammar, model=self.llama,
+        chain = SamplerChain(spec, self.seed if seed is None else seed, self.n_vocab,
+                             grammar=grammar, vocab_model=self._model,
                              record_stats=record_stats)
-        result = GenerationResult(text="", finish_reason="interrupted",
-                                  prompt_tokens=len(prompt_tokens), completion_tokens=0,
-                                  sampler=str(spec), seed=chain.seed)
-        return Stream(self._decode(prompt_tokens, chain, max_tokens, stop, result), result)
+        # An empty stop string would end every reply at once: it is no stop string.
+        return Generation(prompt_tokens, chain, max_tokens, [s for s in stop if s])
 
-    def _decode(self, prompt_tokens, chain: SamplerChain, max_tokens: int, stop: list[str],
-                result: GenerationResult) -> Iterator[str]:
-        """The token loop; fills ``result`` as it goes (its finally runs however it ends)."""
-        llama = self.llama
-        decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
-        held = ""  # text that could still be the start of a stop string
-        started = time.perf_counter()
-        decode_start = None
+    def stream(self, prompt_tokens: list[int], *, sampler: SamplerSpec | str = "adaptive",
+               max_tokens: int = 256, seed: int | None = None, stop: list[str] | tuple = (),
+               grammar=None, record_stats: bool = True) -> Stream:
+        """Generate after ``prompt_tokens``; iterate the returned :class:`Stream` for text.
+
+        Raises ContextOverflow (at once) when the prompt leaves no room in the context window;
+        generation itself stops at the window with finish_reason "length". Other streams of
+        this engine advance while this one is iterated (they share each decode step).
+        """
+        generation = self.start(prompt_tokens, sampler=sampler, max_tokens=max_tokens,
+                                seed=seed, stop=stop, grammar=grammar,
+                                record_stats=record_stats)
+        return Stream(self._drive(generation), generation.result,
+                      lambda: self.decoder.cancel(generation))
+
+    def _drive(self, generation: Generation) -> Iterator[str]:
+        decoder = self.decoder
         try:
-            self.prefill(prompt_tokens)
-            decode_start = time.perf_counter()
-            result.prompt_eval_s = decode_start - started
-            for _ in range(max_tokens):
-                token = chain.sample(self.ctx)
-                if result.completion_tokens == 0:
-                    result.time_to_first_token_s = time.perf_counter() - started
-                if llama_cpp.llama_vocab_is_eog(self._vocab, token):
-                    result.finish_reason = "stop"
-                    break
-                result.tokens.append(token)
-                result.completion_tokens += 1
-                stats = chain.last_stats()
-                if stats is not None:
-                    result.token_stats.append(stats)
-                held += decoder.decode(self._piece(token))
-                emit, held, hit = _split_stop(held, stop)
-                if emit:
-                    result.text += emit
-                    yield emit
-                if hit:
-                    result.finish_reason = "stop_string"
-                    break
-                if llama.n_tokens + 1 >= self.n_ctx:
-                    result.finish_reason = "length"
-                    break
-                llama.eval([token])
-            else:
-                result.finish_reason = "length"
-            tail = held + decoder.decode(b"", final=True)
-            if result.finish_reason != "stop_string" and tail:
-                result.text += tail
-                yield tail
+            if not decoder.free_slots:
+                raise RuntimeError(f"all {self.parallel} of the engine's sequences are busy: "
+                                   "finish or cancel() the other streams, or create the "
+                                   "Engine with a larger `parallel`")
+            decoder.add(generation)
+            while not generation.done:
+                decoder.step()
+                yield from generation.take()
+            yield from generation.take()
         finally:
-            if decode_start is not None:
-                result.decode_s = time.perf_counter() - decode_start
-            chain.close()
+            decoder.cancel(generation)  # nothing if it finished
 
     def generate(self, prompt: str, *, chat: bool = False, **kwargs) -> GenerationResult:
         """Complete ``prompt`` (or, with ``chat``, answer it as a user message); kwargs as
@@ -409,6 +376,39 @@ class Engine:
         stream.text()
         return stream.result
 
+    def generate_batch(self, prompts: list[str], *, chat: bool = False,
+                       sampler: SamplerSpec | str | list = "adaptive",
+                       seed: int | list[int] | None = None, max_tokens: int = 256,
+                       stop: list[str] | tuple = (), record_stats: bool = True
+                       ) -> list[GenerationResult]:
+        """Generate for many prompts at once, ``parallel`` sequences per decode step.
+
+        ``sampler`` and ``seed`` are one for all prompts or a list with one per prompt (seed
+        None: the engine's). Sequences finish independently; a waiting prompt takes the first
+        slot that frees (continuous batching). Results come back in the order of ``prompts``.
+        """
+        n = len(prompts)
+        samplers = sampler if isinstance(sampler, list) else [sampler] * n
+        seeds = seed if isinstance(seed, list) else [seed] * n
+        if len(samplers) != n or len(seeds) != n:
+            raise ValueError("`sampler` and `seed` lists need one entry per prompt")
+        generations = [self.start(self.prompt_tokens(p, chat=chat), sampler=s, seed=sd,
+                                  max_tokens=max_tokens, stop=stop, record_stats=record_stats)
+                       for p, s, sd in zip(prompts, samplers, seeds)]
+        waiting = list(generations)
+        decoder = self.decoder
+        try:
+            while waiting or any(not g.done for g in generations):
+                while waiting and decoder.free_slots:
+                    decoder.add(waiting.pop(0))
+                decoder.step()
+                for g in generations:
+                    g.take()
+        finally:
+            for g in generations:
+                decoder.cancel(g)
+        return [g.result for g in generations]
+
     def chat(self, system: str | None = None, sampler: SamplerSpec | str = "adaptive",
              **defaults):
         """A conversation with this model (see :class:`adaptive_llama.chat.Chat`)."""
@@ -416,8 +416,16 @@ class Engine:
 
         return Chat(self, system=system, sampler=sampler, **defaults)
 
+    def clear_cache(self) -> None:
+        """Forget every sequence's KV cache (the next prompts are evaluated in full)."""
+        if self.decoder.live:
+            raise RuntimeError("clear_cache needs an idle engine: generations are running")
+        self.decoder.forget()
+
     def close(self) -> None:
-        self.llama.close()
+        self.decoder.close()
+        self._context.close()
+        self._model.close()
 
 
 def _check_int(name: str, value, low: int) -> None:
@@ -438,19 +446,3 @@ def _split_marks(rendered: str, by_mark: dict[str, str]) -> Iterator[tuple[str, 
             yield rest[:at], False
         yield by_mark[mark], True
         rest = rest[at + len(mark):]
-
-
-def _split_stop(text: str, stops: list[str]) -> tuple[str, str, bool]:
-    """(text safe to emit, text held back, whether a stop string was found)."""
-    if not stops:
-        return text, "", False
-    cut = min((i for i in (text.find(s) for s in stops) if i >= 0), default=-1)
-    if cut >= 0:
-        return text[:cut], "", True
-    hold = 0  # longest suffix of text that is a proper prefix of some stop string
-    for s in stops:
-        for n in range(min(len(s) - 1, len(text)), 0, -1):
-            if text.endswith(s[:n]):
-                hold = max(hold, n)
-                break
-    return text[: len(text) - hold], text[len(text) - hold:], False

@@ -47,10 +47,11 @@ def test_chain_holds_what_the_spec_names_and_nothing_more(engine, spec, names):
 
 def test_adaptive_keeps_exactly_the_kernels_k_on_real_logits(engine):
     eps = 5e-4
-    engine.prefill(engine.tokenize("Rivers of Europe include the"))
+    tokens = engine.tokenize("Rivers of Europe include the")
     with SamplerChain(f"adaptive:eps={eps}", seed=3, n_vocab=engine.n_vocab,
                       record_stats=True) as chain:
         for _ in range(20):
+            engine.prefill(tokens)
             x = current_logits(engine)
             token = chain.sample(engine.ctx)
             stats = chain.last_stats()
@@ -64,7 +65,7 @@ def test_adaptive_keeps_exactly_the_kernels_k_on_real_logits(engine):
             assert stats.kept_mass == pytest.approx(np.sort(p)[::-1][:stats.k].sum(), rel=1e-6)
             entropy = -(p[p > 0] * np.log(p[p > 0])).sum()
             assert stats.entropy == pytest.approx(entropy, rel=1e-4)
-            engine.llama.eval([token])
+            tokens.append(token)
 
 
 def test_adaptive_on_a_hand_made_distribution():
@@ -173,7 +174,7 @@ def test_seeded_runs_repeat_whatever_the_kv_cache_holds(engine):
 
     replies = []
     for seed in (5, 6, 7):
-        engine.llama.reset()
+        engine.clear_cache()
         fresh = reply(seed)
         again = reply(seed)
         engine.stream(other, sampler="greedy", max_tokens=4).text()

@@ -22,7 +22,7 @@ def test_message_text_never_becomes_control_tokens(engine):
     assert len(control_tokens(engine, plain)) >= 4
     # ...while the same text through the tokenizer's special parsing would forge a turn.
     rendered = engine._formatter(messages=[{"role": "user", "content": FORGED}]).prompt
-    unsafe = engine.llama.tokenize(rendered.encode(), add_bos=False, special=True)
+    unsafe = engine._model.tokenize(rendered.encode(), False, True)
     assert len(control_tokens(engine, unsafe)) > len(control_tokens(engine, plain))
 
 
@@ -32,8 +32,8 @@ def test_benign_conversations_tokenize_as_the_template_intends(engine):
                     {"role": "assistant", "content": " Nile, Amazon "},
                     {"role": "user", "content": "ünïcødé 😀\t"}]
     rendered = engine._formatter(messages=conversation)
-    expected = engine.llama.tokenize(rendered.prompt.encode(), special=True,
-                                     add_bos=not rendered.added_special)
+    expected = engine._model.tokenize(rendered.prompt.encode(), not rendered.added_special,
+                                      True)
     assert engine.chat_prompt_tokens(conversation) == expected
 
 

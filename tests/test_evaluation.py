@@ -20,7 +20,7 @@ def test_wikipedia_and_tinystories_stand_ins_load():
 
 
 def test_prefixes_are_32_tokens_and_references_follow_them(engine):
-    detok = lambda toks: engine.llama.detokenize(toks).decode("utf-8", "replace")  # noqa: E731
+    detok = engine.detokenize
     tokenize = lambda t: engine.tokenize(t, add_bos=False)  # noqa: E731
     prompts = data.prefixes(data.wiki_articles()[:20], "wiki", tokenize, detok, 32, 40)
     assert len(prompts) > 10

@@ -54,10 +54,8 @@ def open_ended_prompts(ev: Evaluator, task: str) -> list[Prompt]:
     if task == "file":
         return data.load_prompts_file(ev.config.prompts_file)
     texts = data.wiki_articles() if task == "wiki" else data.tiny_stories()
-    llama = ev.engine.llama
     return data.prefixes(
-        texts, task, lambda t: ev.engine.tokenize(t, add_bos=False),
-        lambda toks: llama.detokenize(toks).decode("utf-8", "replace"),
+        texts, task, lambda t: ev.engine.tokenize(t, add_bos=False), ev.engine.detokenize,
         ev.config.prefix_tokens, ev.config.max_tokens)
 
 

@@ -1,0 +1,329 @@
+"""Batched decoding: many sequences in one llama.cpp context, one ``llama_batch`` per step.
+
+The context has ``n_slots`` sequences (llama.cpp's ``n_seq_max``, each with its own
+``n_ctx_seq`` KV cells). A :class:`Generation` takes a free slot; every :meth:`Decoder.step`
+puts one token of every generating sequence, then as many prompt tokens of newly joined
+ones as fit, into one batch, decodes it, and samples each sequence that got logits with its
+own chain (``llama_sampler_sample(chain, ctx, i)`` for its batch index i). Sequences join
+and finish independently (continuous batching); a finished one leaves its KV cells in its
+slot, so the next prompt that shares a prefix with them re-evaluates only the rest.
+
+Logits depend a little on what else is in the batch (llama.cpp computes a batch with other
+kernels than a single row), so the same seed repeats the same text only with the same
+company: alone, or with the same batch.
+"""
+
+from __future__ import annotations
+
+import codecs
+import math
+import statistics
+import time
+from dataclasses import dataclass, field
+
+import llama_cpp
+
+from .chain import SamplerChain
+from .threads import ThreadTuner
+
+
+@dataclass
+class GenerationResult:
+    """What one generation produced and what it cost."""
+
+    text: str
+    finish_reason: str            # "stop" (end of turn), "length", "stop_string", "interrupted"
+    prompt_tokens: int
+    completion_tokens: int
+    sampler: str
+    seed: int
+    tokens: list[int] = field(default_factory=list)
+    token_stats: list = field(default_factory=list)   # TokenStats, adaptive only
+    prompt_eval_s: float = 0.0
+    time_to_first_token_s: float = 0.0
+    decode_s: float = 0.0
+
+    @property
+    def decode_tokens_per_s(self) -> float:
+        """Generated tokens per second of decoding (prompt evaluation excluded)."""
+        return self.completion_tokens / self.decode_s if self.decode_s > 0 else 0.0
+
+    @property
+    def mean_k(self) -> float | None:
+        return statistics.fmean(s.k for s in self.token_stats) if self.token_stats else None
+
+    def summary(self) -> dict:
+        """The figures of the reply, for the REPL's /stats, the server's ``sampler_stats``
+        and ``generate --json``: speed, finish, and for adaptive the spread of k and Conf."""
+        out = {"sampler": self.sampler, "seed": self.seed, "finish_reason": self.finish_reason,
+               "completion_tokens": self.completion_tokens,
+               "decode_tokens_per_s": round(self.decode_tokens_per_s, 2),
+               "time_to_first_token_s": round(self.time_to_first_token_s, 4)}
+        if self.token_stats:
+            ks = sorted(s.k for s in self.token_stats)
+            confs = [s.conf for s in self.token_stats if not math.isnan(s.conf)]
+            out.update(mean_k=round(statistics.fmean(ks), 3),
+                       stdev_k=round(statistics.pstdev(ks), 3),
+                       median_k=statistics.median_low(ks), max_k=ks[-1],
+                       mean_conf=round(statistics.fmean(confs), 4) if confs else None)
+        return out
+
+    def as_dict(self) -> dict:
+        return {"text": self.text, "prompt_tokens": self.prompt_tokens,
+                "prompt_eval_s": round(self.prompt_eval_s, 4), **self.summary()}
+
+
+class Generation:
+    """One sequence being generated: prompt, chain, limits, and the result it fills.
+
+    Text appears in ``pieces`` as it is made (take it with :meth:`take`); ``done`` once it
+    has finished, whatever the reason. The generation owns its chain and closes it.
+    """
+
+    def __init__(self, prompt_tokens: list[int], chain: SamplerChain, max_tokens: int,
+                 stop: list[str]):
+        self.prompt_tokens = list(prompt_tokens)
+        self.chain = chain
+        self.max_tokens = max_tokens
+        self.stop = stop
+        self.result = GenerationResult(
+            text="", finish_reason="interrupted", prompt_tokens=len(prompt_tokens),
+            completion_tokens=0, sampler=str(chain.spec), seed=chain.seed)
+        self.pieces: list[str] = []
+        self.done = False
+        self.slot: Slot | None = None
+        self.todo: list[int] = []          # prompt tokens not evaluated yet
+        self.next_token: int | None = None  # sampled, to be decoded in the next step
+        self._utf8 = codecs.getincrementaldecoder("utf-8")(errors="replace")
+        self._held = ""                     # text that could still begin a stop string
+        self._submitted = time.perf_counter()
+        self._decode_start: float | None = None
+
+    def take(self) -> list[str]:
+        """The text pieces made since the last call."""
+        pieces, self.pieces = self.pieces, []
+        return pieces
+
+
+@dataclass
+class Slot:
+    """One sequence of the context: what its KV cells hold, and who uses it."""
+
+    index: int
+    tokens: list[int] = field(default_factory=list)
+    generation: Generation | None = None
+
+
+class Decoder:
+    """Runs generations in the slots of one llama.cpp context (see the module docstring).
+
+    ``engine`` gives the context (``ctx``), the vocabulary and ``piece(token)``. Not
+    thread-safe: one thread adds, steps and cancels.
+    """
+
+    def __init__(self, engine, n_slots: int, n_ctx_seq: int, n_batch: int,
+                 tuner: ThreadTuner):
+        self._engine = engine
+        self._ctx = engine.ctx
+        self._memory = llama_cpp.llama_get_memory(self._ctx)
+        self.n_ctx_seq = n_ctx_seq
+        self.n_batch = n_batch
+        self.slots = [Slot(i) for i in range(n_slots)]
+        self.live: list[Generation] = []
+        self.tuner = tuner
+        self._batch = llama_cpp.llama_batch_init(n_batch, 0, 1)
+
+    def close(self) -> None:
+        for generation in list(self.live):
+            self.cancel(generation)
+        if self._batch is not None:
+            llama_cpp.llama_batch_free(self._batch)
+            self._batch = None
+
+    @property
+    def free_slots(self) -> int:
+        return sum(slot.generation is None for slot in self.slots)
+
+    # ---- joining ----
+
+    def add(self, generation: Generation) -> None:
+        """Give the generation the free slot whose cache shares most with its prompt."""
+        prompt = generation.prompt_tokens
+        free = [slot for slot in self.slots if slot.generation is None]
+        if not free:
+            raise RuntimeError("every slot is busy")
+        slot = max(free, key=lambda s: (_shared_prefix(s.tokens, prompt), -s.index))
+        # Re-evaluate at least two tokens: llama.cpp computes a one-token batch with other
+        # kernels, and a repeated request would not repeat under its seed.
+        shared = max(0, min(_shared_prefix(slot.tokens, prompt), len(prompt) - 2))
+        llama_cpp.llama_memory_seq_rm(self._memory, slot.index, shared, -1)
+        del slot.tokens[shared:]
+        generation.todo = prompt[shared:]
+        generation.slot, slot.generation = slot, generation
+        self.live.append(generation)
+
+    def evaluate(self, tokens: list[int]) -> None:
+        """Evaluate tokens in the first slot, outside any generation (its cache is reused for
+        a shared prefix); the logits of the last one stay in the context."""
+        slot = self.slots[0]
+        shared = max(0, min(_shared_prefix(slot.tokens, tokens), len(tokens) - 2))
+        llama_cpp.llama_memory_seq_rm(self._memory, slot.index, shared, -1)
+        del slot.tokens[shared:]
+        rest = tokens[shared:]
+        for start in range(0, len(rest), self.n_batch):
+            chunk = rest[start:start + self.n_batch]
+            for j, token in enumerate(chunk):
+                self._put(j, token, slot, j, j == len(chunk) - 1)
+            self._batch.n_tokens = len(chunk)
+            self._decode_or_forget([slot])
+            slot.tokens += chunk
+
+    def _decode_or_forget(self, slots: list[Slot]) -> None:
+        """llama_decode the batch; on failure the slots' caches are emptied (unknown now)."""
+        code = llama_cpp.llama_decode(self._ctx, self._batch)
+        if code != 0:
+            for slot in slots:
+                slot.tokens.clear()
+                llama_cpp.llama_memory_seq_rm(self._memory, slot.index, 0, -1)
+            raise RuntimeError(f"llama_decode returned {code}: the context is full or the "
+                               "batch is malformed")
+
+    def forget(self) -> None:
+        """Empty every slot's cache."""
+        for slot in self.slots:
+            slot.tokens.clear()
+        llama_cpp.llama_memory_clear(self._memory, True)
+
+    def cancel(self, generation: Generation) -> None:
+        """Stop a generation between steps; its partial text is its result."""
+        if not generation.done:
+            self._finish(generation, "interrupted")
+
+    # ---- one step ----
+
+    def step(self) -> None:
+        """Decode one batch: a token of every generating sequence, then prompt tokens."""
+        if not self.live:
+            return
+        fed: list[tuple[Generation, int]] = []   # (generation, prompt tokens in the batch)
+        wants: list[tuple[Generation, int]] = []  # (generation, batch index of its logits)
+        n = 0
+        for generation in self.live:
+            if generation.next_token is not None:
+                self._put(n, generation.next_token, generation.slot, 0, True)
+                wants.append((generation, n))
+                n += 1
+        generating = n
+        for generation in self.live:
+            if generation.todo and n < self.n_batch:
+                chunk = generation.todo[: self.n_batch - n]
+                complete = len(chunk) == len(generation.todo)
+                for j, token in enumerate(chunk):
+                    self._put(n, token, generation.slot, j, complete and j == len(chunk) - 1)
+                    n += 1
+                fed.append((generation, len(chunk)))
+                if complete:
+                    wants.append((generation, n - 1))
+        self._batch.n_tokens = n
+        try:
+            started = time.perf_counter()
+            self._decode_or_forget([g.slot for g in self.live])
+            if generating == n:
+                self.tuner.observe(n, time.perf_counter() - started)
+            for generation, _ in wants:  # the token it fed, if any, is in its cache now
+                if generation.next_token is not None:
+                    generation.slot.tokens.append(generation.next_token)
+                    generation.next_token = None
+            for generation, count in fed:
+                generation.slot.tokens += generation.todo[:count]
+                del generation.todo[:count]
+            for generation, index in wants:
+                self._sample(generation, index)
+        except BaseException:
+            # A Ctrl-C or an error mid-step: what the KV cells hold is no longer known.
+            for generation in list(self.live):
+                generation.slot.tokens.clear()
+                llama_cpp.llama_memory_seq_rm(self._memory, generation.slot.index, 0, -1)
+                self._finish(generation, "interrupted")
+            raise
+
+    def _put(self, i: int, token: int, slot: Slot, offset: int, logits: bool) -> None:
+        batch = self._batch
+        batch.token[i] = token
+        batch.pos[i] = len(slot.tokens) + offset
+        batch.n_seq_id[i] = 1
+        batch.seq_id[i][0] = slot.index
+        batch.logits[i] = logits
+
+    def _sample(self, generation: Generation, index: int) -> None:
+        result = generation.result
+        now = time.perf_counter()
+        if generation._decode_start is None:
+            generation._decode_start = now
+            result.prompt_eval_s = now - generation._submitted
+        token = generation.chain.sample(self._ctx, index)
+        if result.completion_tokens == 0:
+            result.time_to_first_token_s = time.perf_counter() - generation._submitted
+        engine = self._engine
+        if engine.is_end_of_generation(token):
+            return self._finish(generation, "stop")
+        result.tokens.append(token)
+        result.completion_tokens += 1
+        stats = generation.chain.last_stats()
+        if stats is not None:
+            result.token_stats.append(stats)
+        generation._held += generation._utf8.decode(engine.piece(token))
+        emit, generation._held, hit = split_stop(generation._held, generation.stop)
+        if emit:
+            result.text += emit
+            generation.pieces.append(emit)
+        if hit:
+            return self._finish(generation, "stop_string")
+        if (result.completion_tokens >= generation.max_tokens
+                or len(generation.slot.tokens) + 1 >= self.n_ctx_seq):
+            return self._finish(generation, "length")
+        generation.next_token = token
+
+    def _finish(self, generation: Generation, reason: str) -> None:
+        result = generation.result
+        result.finish_reason = reason
+        if reason != "interrupted":
+            tail = generation._held + generation._utf8.decode(b"", final=True)
+            if reason != "stop_string" and tail:
+                result.text += tail
+                generation.pieces.append(tail)
+        if generation._decode_start is not None:
+            result.decode_s = time.perf_counter() - generation._decode_start
+        generation.done = True
+        generation.next_token = None
+        generation.todo = []
+        if generation.slot is not None:
+            generation.slot.generation = None
+        if generation in self.live:
+            self.live.remove(generation)
+        generation.chain.close()
+
+
+def _shared_prefix(a: list[int], b: list[int]) -> int:
+    n = 0
+    for x, y in zip(a, b):
+        if x != y:
+            break
+        n += 1
+    return n
+
+
+def split_stop(text: str, stops: list[str]) -> tuple[str, str, bool]:
+    """(text safe to emit, text held back, whether a stop string was found)."""
+    if not stops:
+        return text, "", False
+    cut = min((i for i in (text.find(s) for s in stops) if i >= 0), default=-1)
+    if cut >= 0:
+        return text[:cut], "", True
+    hold = 0  # longest suffix of text that is a proper prefix of some stop string
+    for s in stops:
+        for n in range(min(len(s) - 1, len(text)), 0, -1):
+            if text.endswith(s[:n]):
+                hold = max(hold, n)
+                break
+    return text[: len(text) - hold], text[len(text) - hold:], False
