@@ -54,7 +54,8 @@ def model_options(fn):
                      show_default=True, help="Context window in tokens, rounded up to a "
                      "multiple of 256 (0: the model's own)."),
         click.option("--threads", type=click.IntRange(min=1), default=None,
-                     help="CPU threads (default: llama.cpp's choice)."),
+                     help="CPU threads (default: the physical cores available, adapted "
+                     "while decoding when other work competes for them)."),
         click.option("--seed", type=click.IntRange(int(SEED.low), int(SEED.high)),
                      default=None, help="Random seed (default: a new one each reply, "
                      "reported with its figures)."),
@@ -64,13 +65,14 @@ def model_options(fn):
     return fn
 
 
-def load_engine(model, n_gpu_layers, n_ctx, threads, seed, verbose, show_progress=False):
+def load_engine(model, n_gpu_layers, n_ctx, threads, seed, verbose, show_progress=False,
+                parallel=1):
     from .engine import Engine  # llama.cpp loads only for commands that need it
 
     if show_progress:
         click.echo(f"loading {model or 'smollm2 (bundled)'} ...", err=True)
     return Engine(model, n_gpu_layers=n_gpu_layers, n_ctx=n_ctx, n_threads=threads,
-                  seed=seed or 0, verbose=verbose)
+                  parallel=parallel, seed=seed or 0, verbose=verbose)
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
@@ -237,10 +239,13 @@ def _check_port_free(host: str, port: int) -> None:
               help="Requests that may wait for the model; one more gets 503.")
 @click.option("--max-body", type=click.IntRange(min=1024), default=2 * 2**20,
               show_default=True, help="Largest request body in bytes; a larger one gets 413.")
+@click.option("--parallel", type=click.IntRange(1, 64), default=4, show_default=True,
+              help="Requests decoded together (slots); the KV cache holds parallel x --ctx "
+                   "tokens.")
 @model_options
 @user_errors
-def serve(model, host, port, allow_remote, api_key, sampler, max_queue, max_body, n_gpu_layers,
-          n_ctx, threads, seed, verbose):
+def serve(model, host, port, allow_remote, api_key, sampler, max_queue, max_body, parallel,
+          n_gpu_layers, n_ctx, threads, seed, verbose):
     """Serve MODEL over the OpenAI API (/v1/chat/completions, /v1/completions, /v1/models)."""
     try:
         import uvicorn
@@ -256,9 +261,10 @@ def serve(model, host, port, allow_remote, api_key, sampler, max_queue, max_body
         click.echo(f"Warning: serving on {host}, reachable from other machines"
                    f"{'' if api_key else ' with no --api-key'}.", err=True)
     _check_port_free(host, port)
-    engine = load_engine(model, n_gpu_layers, n_ctx, threads, seed, verbose)
+    engine = load_engine(model, n_gpu_layers, n_ctx, threads, seed, verbose, parallel=parallel)
     app = create_app(engine, sampler, api_key=api_key, max_queue=max_queue, max_body=max_body)
-    click.echo(f"Serving {engine.name} at http://{host}:{port}/v1 (default sampler {sampler}); "
+    click.echo(f"Serving {engine.name} at http://{host}:{port}/v1 (default sampler {sampler}, "
+               f"{parallel} slots of {engine.n_ctx} tokens, {engine.threads} threads); "
                "Ctrl-C stops.", err=True)
     uvicorn.run(app, host=host, port=port, log_level="info" if verbose else "warning")
 

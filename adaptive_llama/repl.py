@@ -244,6 +244,8 @@ class Repl:
                  f"seed        {_seed_text(chat.seed)}\n"
                  f"max-tokens  {chat.max_tokens}\n"
                  f"system      {chat.system or '(none)'}\n"
+                 f"threads     {self.engine.threads}"
+                 f"{' (adapted to the load)' if self.engine.threads_adaptive else ''}\n"
                  f"context     {chat.context_used()} of {self.engine.n_ctx} tokens "
                  f"({len(chat.messages)} messages{outside})")
 

@@ -10,7 +10,9 @@ For each model: every sampler generates the same prompt, rounds interleaved (gre
   algorithm ported naively (float64 numpy, full sort) as a Python ``logits_processor``.
   Tokens/s there is (chunks - 1) / (last chunk - first chunk), so prompt evaluation is out.
 
-Also the sampler-only cost per token (the chain applied to real logits, no decode), and RSS
+And ``bare_llama_decode_loop_argmax``: the runtime's limit (llama-cpp-python's low-level API,
+one llama_decode per token, numpy argmax, same context size and threads), with each engine
+spec's ratio to it (``ratio_to_bare_loop``). Also the sampler-only cost per token (the chain applied to real logits, no decode), and RSS
 before and after a long generation. Progress goes to stderr; prints one JSON object.
 
     python benchmarks/bench_e2e.py [--models smollm2 gemma3-270m] [--rounds 5] [--tokens 128]
@@ -22,20 +24,22 @@ import argparse
 import json
 import resource
 import statistics
-import time
-
 import sys
+import time
 
 import llama_cpp
 import numpy as np
+from llama_cpp import _internals
 
 from adaptive_llama import Engine
 from adaptive_llama.chain import SamplerChain
 from adaptive_llama.kernel import adaptive_k_reference
+from adaptive_llama.threads import default_threads
 from adaptive_llama.timing import PROMPT, sampler_latency_us
 
 SAMPLERS = ["greedy", "adaptive:eps=0.0005", "min-p:p=0.05", "top-p:p=0.95", "eta:eps=0.0009"]
 NAIVE = "naive_python_adaptive:eps=0.0005"
+BARE = "bare_llama_decode_loop_argmax"
 # create_completion keyword arguments for each llama-cpp-python configuration.
 LLAMA_CPP_PYTHON = {
     "greedy": dict(temperature=0.0),
@@ -60,13 +64,13 @@ def naive_adaptive_processor(epsilon: float):
     return process
 
 
-def llama_cpp_python_speed(engine, name, tokens, seed):
+def llama_cpp_python_speed(llama, name, tokens, seed):
     kwargs = dict(LLAMA_CPP_PYTHON[name])
     if name == NAIVE:
         kwargs["logits_processor"] = llama_cpp.LogitsProcessorList(
             [naive_adaptive_processor(0.0005)])
-    engine.llama.reset()  # no prefix reuse across configurations
-    stamps = [time.perf_counter() for _ in engine.llama.create_completion(
+    llama.reset()  # no prefix reuse across configurations
+    stamps = [time.perf_counter() for _ in llama.create_completion(
         PROMPT, max_tokens=tokens, seed=seed, stream=True, **kwargs)]
     if len(stamps) < 2:
         return 0.0
@@ -90,14 +94,39 @@ def medians_and_ratios(samples: dict) -> dict:
             "ratio_to_greedy": {s: round(v / med["greedy"], 3) for s, v in med.items()}}
 
 
-def sampler_times(engine) -> dict:
+def bare_loop_speed(engine, tokens: int) -> float:
+    """The runtime's limit: llama-cpp-python's low-level API, one llama_decode per token,
+    numpy argmax; same model, context size and threads as the engine."""
+    params = llama_cpp.llama_context_default_params()
+    params.n_ctx, params.n_batch, params.n_ubatch = engine.n_ctx, 512, 512
+    params.n_threads = params.n_threads_batch = default_threads()
+    ctx = _internals.LlamaContext(model=engine._model, params=params, verbose=False)
+    batch = _internals.LlamaBatch(n_tokens=512, embd=0, n_seq_max=1, verbose=False)
+    prompt = engine.tokenize(PROMPT)
+    batch.set_batch(prompt, 0, False)
+    ctx.decode(batch)
+    pos, n_vocab = len(prompt), engine.n_vocab
+    started = time.perf_counter()
+    for _ in range(tokens):
+        logits = llama_cpp.llama_get_logits_ith(ctx.ctx, -1)
+        token = int(np.ctypeslib.as_array(logits, shape=(n_vocab,)).argmax())
+        batch.set_batch([token], pos, False)
+        ctx.decode(batch)
+        pos += 1
+    speed = tokens / (time.perf_counter() - started)
+    batch.close()
+    ctx.close()
+    return speed
+
+
+def sampler_times(engine, llama) -> dict:
     """Median microseconds of one sampler call: ours, and llama-cpp-python's default chain
     (top_k 40, top_p .95, min_p .05, temp .8, dist)."""
     out = {}
     for spec in ("adaptive:eps=0.0005", "greedy"):
         with SamplerChain(spec, 1, engine.n_vocab) as chain:
             out[spec] = round(sampler_latency_us(engine, chain.pointer), 1)
-    default_chain = engine.llama._init_sampler()
+    default_chain = llama._init_sampler()
     out["llama_cpp_python_default_chain"] = round(
         sampler_latency_us(engine, default_chain.sampler), 1)
     default_chain.close()
@@ -106,8 +135,11 @@ def sampler_times(engine) -> dict:
 
 def bench_model(name, rounds, tokens, soak_tokens):
     engine = Engine(name, seed=1, n_ctx=1024)
-    out = {"model": name, "n_vocab": engine.n_vocab, "tokens_per_run": tokens}
-    samples = {s: [] for s in SAMPLERS}
+    llama = llama_cpp.Llama(model_path=str(engine.path), n_ctx=1024, verbose=False,
+                            n_threads=default_threads(), n_threads_batch=default_threads())
+    out = {"model": name, "n_vocab": engine.n_vocab, "tokens_per_run": tokens,
+           "threads": default_threads()}
+    samples = {s: [] for s in SAMPLERS + [BARE]}
     baseline_samples = {s: [] for s in LLAMA_CPP_PYTHON}
     mean_k = []
     decode_speed(engine, "greedy", 8)  # warm up
@@ -118,14 +150,18 @@ def bench_model(name, rounds, tokens, soak_tokens):
             samples[spec].append(speed)
             if k is not None:
                 mean_k.append(k)
+        samples[BARE].append(bare_loop_speed(engine, tokens))
         for config in LLAMA_CPP_PYTHON:
-            baseline_samples[config].append(llama_cpp_python_speed(engine, config, tokens, r))
+            baseline_samples[config].append(llama_cpp_python_speed(llama, config, tokens, r))
     out["engine"] = medians_and_ratios(samples)
+    bare = statistics.median(samples[BARE])
+    out["engine"]["ratio_to_bare_loop"] = {
+        s: round(statistics.median(samples[s]) / bare, 3) for s in SAMPLERS}
     out["llama_cpp_python"] = medians_and_ratios(baseline_samples)
     out["adaptive_mean_k"] = round(statistics.fmean(mean_k), 2) if mean_k else None
     ratio = out["engine"]["ratio_to_greedy"]["adaptive:eps=0.0005"]
     out["adaptive_target_met_0.97x_greedy"] = ratio >= 0.97
-    out["sampler_us_per_token_median"] = sampler_times(engine)
+    out["sampler_us_per_token_median"] = sampler_times(engine, llama)
     if soak_tokens:
         progress(f"{name}: soak, {soak_tokens} tokens")
         before = rss_mb()
@@ -138,6 +174,7 @@ def bench_model(name, rounds, tokens, soak_tokens):
         out["soak"] = {"tokens": done, "rss_mb_before": round(before, 1),
                        "rss_mb_after": round(rss_mb(), 1)}
     engine.close()
+    llama.close()
     return out
 
 

@@ -1,5 +1,7 @@
 """The engine on the bundled model: chat templates, the context window, bad arguments."""
 
+import os
+
 import llama_cpp
 import pytest
 
@@ -123,3 +125,92 @@ def test_a_message_that_cannot_fit_changes_nothing(smollm2_path):
         assert chat.messages == before and chat.dropped == 0
     finally:
         engine.close()
+
+
+PROMPTS = ["The history of the printing press begins in", "Once upon a time a small dog",
+           "Rivers of Europe include the", "In 1905 the physicist published",
+           "The recipe needs three eggs and"]
+
+
+@pytest.fixture(scope="module")
+def batched(smollm2_path):
+    engine = Engine(smollm2_path, n_ctx=512, parallel=3, seed=1)
+    yield engine
+    engine.close()
+
+
+def test_a_batch_of_one_is_the_single_sequence_text(batched):
+    for seed, prompt in enumerate(PROMPTS[:3]):
+        single = batched.generate(prompt, sampler="adaptive", seed=seed, max_tokens=24)
+        [one] = batched.generate_batch([prompt], sampler="adaptive", seed=[seed],
+                                       max_tokens=24)
+        assert one.text == single.text and one.tokens == single.tokens
+
+
+def test_batches_are_deterministic_and_each_sequence_keeps_its_own_settings(batched):
+    samplers = ["adaptive", "greedy", "top-p:p=0.9", "adaptive:eps=0.01", "min-p"]
+    seeds = [1, 2, 3, 4, 5]
+
+    def run():
+        # 5 prompts, 3 slots: two sequences join as others finish (continuous batching).
+        return batched.generate_batch(PROMPTS, sampler=samplers, seed=seeds, max_tokens=20,
+                                      stop=["\n\n"])
+
+    first, again = run(), run()
+    assert [r.text for r in first] == [r.text for r in again]
+    assert [r.sampler.split(":")[0] for r in first] == [s.split(":")[0] for s in samplers]
+    assert [r.seed for r in first] == seeds
+    assert all(r.completion_tokens <= 20 and "\n\n" not in r.text for r in first)
+    assert first[1].text == batched.generate(PROMPTS[1], sampler="greedy",
+                                             max_tokens=20, stop=["\n\n"]).text
+    assert len({r.text for r in first}) == 5
+    assert not batched.decoder.live and batched.decoder.free_slots == 3
+
+
+def test_sequences_finish_independently(batched):
+    # A stop string ends one sequence early; the others go on to max_tokens in the same run.
+    greedy = [batched.generate(p, sampler="greedy", max_tokens=25).text for p in PROMPTS[:3]]
+    cut = greedy[0].split()[2]
+    results = batched.generate_batch(PROMPTS[:3], sampler="greedy", max_tokens=25, stop=[cut])
+    assert results[0].finish_reason == "stop_string" and cut not in results[0].text
+    assert results[0].completion_tokens < 25
+    for text, result in zip(greedy[1:], results[1:]):
+        if cut not in text:
+            assert result.text == text and result.finish_reason in ("length", "stop")
+
+
+def test_streams_of_one_engine_share_its_steps(batched):
+    a = batched.stream(batched.tokenize(PROMPTS[0]), sampler="greedy", max_tokens=10)
+    b = batched.stream(batched.tokenize(PROMPTS[1]), sampler="greedy", max_tokens=10)
+    next(a)
+    b_text = b.text()  # b's steps also advance a
+    assert len(a._live.tokens) > 1  # a made tokens while b ran
+    a_text = a.text()  # the whole reply
+    assert a_text == batched.generate(PROMPTS[0], sampler="greedy", max_tokens=10).text
+    assert b_text == batched.generate(PROMPTS[1], sampler="greedy", max_tokens=10).text
+
+
+def test_more_streams_than_slots_is_a_clear_error(smollm2_path):
+    engine = Engine(smollm2_path, n_ctx=256, parallel=1, seed=1)
+    try:
+        first = engine.stream(engine.tokenize("Hi"), sampler="greedy", max_tokens=50)
+        next(first)
+        second = engine.stream(engine.tokenize("Hello"), sampler="greedy", max_tokens=5)
+        with pytest.raises(RuntimeError, match="all 1 of the engine's sequences are busy"):
+            next(second)
+        first.cancel()
+        assert engine.generate("Hello", sampler="greedy", max_tokens=3).completion_tokens == 3
+    finally:
+        engine.close()
+
+
+def test_threads_default_to_the_physical_cores_and_can_be_fixed(smollm2_path, engine):
+    from adaptive_llama.threads import default_threads
+
+    assert 1 <= default_threads() <= (os.cpu_count() or 1)
+    assert engine.threads_adaptive and engine.threads in range(1, default_threads() + 1)
+    fixed = Engine(smollm2_path, n_ctx=256, n_threads=1)
+    try:
+        assert fixed.threads == 1 and not fixed.threads_adaptive
+    finally:
+        fixed.close()

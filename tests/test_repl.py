@@ -19,7 +19,7 @@ def chat(*lines, args=()):
 def show_block(out: str, index: int = -1) -> dict:
     """One /show block as {field: value}."""
     block = out.split("model       ")[index]
-    rows = [line.split(None, 1) for line in ("model " + block).splitlines()[:6]]
+    rows = [line.split(None, 1) for line in ("model " + block).splitlines()[:7]]
     return {row[0]: row[1] if len(row) > 1 else "" for row in rows}
 
 

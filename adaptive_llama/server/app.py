@@ -10,9 +10,11 @@ Sampling: the body field ``sampler`` takes a spec (``adaptive:eps=0.001``, ``min
 ``sampler`` field asks for nucleus sampling, ``top-p:p=TOP_P``. Every response carries
 ``sampler_stats`` (the spec, and for adaptive the mean and spread of k).
 
-Scheduling: generations run one at a time on a single worker thread, in arrival order. At
-most ``max_queue`` requests wait; one more gets 503 with ``Retry-After``. A client that
-disconnects stops its generation at the next token, and its slot goes to the next request.
+Scheduling: up to ``--parallel`` generations decode together on one worker thread, one
+token of each per step (continuous batching: a new request joins between two steps). At
+most ``max_queue`` more wait, in arrival order; one more gets 503 with ``Retry-After``. A
+client that disconnects stops its generation at the next token, and its slot goes to the
+next request.
 
 Errors follow OpenAI's shape, ``{"error": {"message", "type", "param", "code"}}``: malformed
 JSON, an unknown spec, a bad field, a prompt longer than the context are 400s, and the server
@@ -361,7 +363,9 @@ def create_app(engine: Engine, sampler: SamplerSpec | str = "adaptive", *,
     async def health():
         s = server.scheduler
         return {"status": "ok", "model": server.model_id, "sampler": str(server.sampler),
-                "running": s.running, "waiting": s.waiting, **s.counts}
+                "slots": engine.parallel, "running": s.running,
+                "free": engine.parallel - s.running, "waiting": s.waiting,
+                "threads": engine.threads, **s.counts}
 
     @app.get("/v1/models")
     async def models():

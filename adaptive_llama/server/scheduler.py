@@ -1,9 +1,9 @@
-"""The server's scheduler: one engine, one worker thread, jobs in arrival order.
+"""The server's scheduler: one engine, one worker thread, continuous batching over its slots.
 
 A :class:`Job` carries one generation's request; its events (text pieces, then the result
-or an error) flow back to the asyncio loop that waits for them. At most ``max_queue`` jobs
-wait besides the running one; one more is refused with :class:`QueueFull`. A job whose
-``cancelled`` event is set stops at the next token.
+or an error) flow back to the asyncio loop that waits for them. The engine's ``parallel``
+slots decode together; at most ``max_queue`` jobs wait besides them; one more is refused
+with :class:`QueueFull`. A job whose ``cancelled`` event is set stops at the next token.
 """
 
 from __future__ import annotations
@@ -14,6 +14,7 @@ import queue
 import threading
 from dataclasses import dataclass, field
 
+from ..decoder import Generation
 from ..engine import Engine
 from ..samplers import SamplerSpec
 
@@ -46,7 +47,12 @@ class Job:
 
 
 class Scheduler:
-    """Runs jobs on the engine one at a time, in arrival order, on one worker thread."""
+    """Runs jobs on the engine's slots, on one worker thread (continuous batching).
+
+    Up to ``engine.parallel`` jobs decode together, one token each per step; a job that
+    arrives takes a free slot between two steps; at most ``max_queue`` more wait, in arrival
+    order. A job whose ``cancelled`` is set stops at the next step and frees its slot.
+    """
 
     def __init__(self, engine: Engine, max_queue: int):
         self.engine = engine
@@ -54,8 +60,8 @@ class Scheduler:
         self._jobs: queue.Queue[Job | None] = queue.Queue()
         self._lock = threading.Lock()
         self.accepted = 0  # waiting or running
-        self.running = False
-        self.counts = {"completed": 0, "cancelled": 0}
+        self.running = 0
+        self.counts = {"completed": 0, "cancelled": 0, "failed": 0}
         self._thread = threading.Thread(target=self._work, name="adaptive-llama-worker",
                                         daemon=True)
         self._thread.start()
@@ -63,8 +69,8 @@ class Scheduler:
     def submit(self, job: Job) -> None:
         with self._lock:
             # Counted from submission to the end of the run, so that a burst arriving before
-            # the worker wakes up still gets one running slot plus max_queue waiting ones.
-            if self.accepted >= self.max_queue + 1:
+            # the worker wakes up still gets every slot plus max_queue waiting places.
+            if self.accepted >= self.max_queue + self.engine.parallel:
                 raise QueueFull(self.waiting)
             self.accepted += 1
         self._jobs.put(job)
@@ -78,33 +84,66 @@ class Scheduler:
         self._thread.join(timeout=30)
 
     def _work(self) -> None:
-        while (job := self._jobs.get()) is not None:
-            with self._lock:
-                self.running = True
-            try:
-                self._run(job)
-            finally:
-                with self._lock:
-                    self.running = False
-                    self.accepted -= 1
-
-    def _run(self, job: Job) -> None:
-        if job.cancelled.is_set():  # the client left while waiting
-            self.counts["cancelled"] += 1
-            return
-        try:
-            stream = self.engine.stream(job.prompt_tokens, sampler=job.sampler,
-                                        max_tokens=job.max_tokens, seed=job.seed,
-                                        stop=job.stop)
-            for piece in stream:
-                if job.cancelled.is_set():
-                    stream.cancel()  # the engine keeps its state consistent
+        decoder = self.engine.decoder
+        active: dict[Generation, Job] = {}
+        while True:
+            # Take new jobs into free slots; sleep on the queue only when nothing runs.
+            while decoder.free_slots:
+                try:
+                    job = self._jobs.get(block=not active)
+                except queue.Empty:
                     break
-                job.emit("piece", piece)
-        except Exception as exc:  # reported to the client; the worker keeps serving
-            log.exception("generation failed")
-            job.emit("error", exc)
-            return
-        key = "cancelled" if stream.result.finish_reason == "interrupted" else "completed"
-        self.counts[key] += 1
-        job.emit("done", stream.result)
+                if job is None:
+                    return
+                generation = self._start(job)
+                if generation is not None:
+                    active[generation] = job
+            for generation, job in active.items():
+                if job.cancelled.is_set():  # the client left: free the slot now
+                    decoder.cancel(generation)
+            try:
+                decoder.step()
+            except Exception as exc:  # every running job is told; the worker keeps serving
+                log.exception("decoding failed")
+                for generation, job in active.items():
+                    job.emit("error", exc)
+                    self._done("failed")
+                active.clear()
+                continue
+            for generation, job in list(active.items()):
+                for piece in generation.take():
+                    job.emit("piece", piece)
+                if generation.done:
+                    job.emit("done", generation.result)
+                    self._done("cancelled" if generation.result.finish_reason == "interrupted"
+                               else "completed")
+                    del active[generation]
+
+    def _start(self, job: Job) -> Generation | None:
+        """The job's generation in a slot, or None when it ends before (left, or failed)."""
+        if not job.cancelled.is_set():
+            try:
+                generation = self.engine.start(job.prompt_tokens, sampler=job.sampler,
+                                               max_tokens=job.max_tokens, seed=job.seed,
+                                               stop=job.stop)
+                self.engine.decoder.add(generation)
+            except Exception as exc:  # reported to the client
+                log.exception("could not start a generation")
+                job.emit("error", exc)
+                self._count_out("failed")
+                return None
+            with self._lock:
+                self.running += 1
+            return generation
+        self._count_out("cancelled")  # the client left while waiting
+        return None
+
+    def _done(self, outcome: str) -> None:
+        with self._lock:
+            self.running -= 1
+        self._count_out(outcome)
+
+    def _count_out(self, outcome: str) -> None:
+        with self._lock:
+            self.accepted -= 1
+            self.counts[outcome] += 1

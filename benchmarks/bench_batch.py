@@ -1,0 +1,216 @@
+"""Many sequences at once: the batched engine, `serve --parallel`, and the runtime's limit.
+
+Prints one JSON object (progress on stderr). Medians of interleaved rounds; every ratio is
+taken inside this run. Measured:
+
+- ``batched``: aggregate tokens/s of ``Engine.generate_batch`` (B prompts, B slots) against a
+  bare batched llama_decode loop (llama-cpp-python's low-level API, one llama_batch holding a
+  token of every sequence, numpy argmax per row) at B = 1, 2, 4, 8, 16, same threads;
+- ``serve``: aggregate tokens/s of ``adaptive-llama serve --parallel P`` answering C
+  concurrent clients (P = 1 and P = C), each asking for the same number of tokens;
+- ``soak``: RSS before and after 10,000 tokens with sequences joining and leaving.
+
+Run on a quiet machine: llama.cpp's threads spin, so anything else running skews it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import http.client
+import json
+import socket
+import statistics
+import subprocess
+import sys
+import threading
+import time
+
+import llama_cpp
+import numpy as np
+from llama_cpp import _internals
+
+from adaptive_llama import Engine
+from adaptive_llama.models import BUNDLED
+from adaptive_llama.threads import default_threads
+
+PROMPTS = ["The history of the printing press begins in", "Once upon a time a small dog",
+           "Rivers of Europe include the", "In 1905 the physicist published",
+           "The recipe needs three eggs and", "A good night's sleep is", "The old lighthouse",
+           "Photosynthesis is the process by which"]
+SPEC = "adaptive:eps=0.0005"
+
+
+def progress(message: str) -> None:
+    print(message, file=sys.stderr, flush=True)
+
+
+def prompts(n: int) -> list[str]:
+    return [PROMPTS[i % len(PROMPTS)] + f" ({i})" * (i >= len(PROMPTS)) for i in range(n)]
+
+
+def engine_rate(engine: Engine, b: int, tokens: int, seed: int) -> float:
+    """Generated tokens per second of wall time, prompts included, B sequences at once."""
+    engine.clear_cache()
+    t0 = time.perf_counter()
+    results = engine.generate_batch(prompts(b), sampler=SPEC, seed=list(range(seed, seed + b)),
+                                    max_tokens=tokens)
+    return sum(r.completion_tokens for r in results) / (time.perf_counter() - t0)
+
+
+def bare_rate(model, ctx, batch, b: int, tokens: int) -> float:
+    """The runtime's limit: B sequences in one llama_batch per step, argmax per row."""
+    llama_cpp.llama_memory_clear(llama_cpp.llama_get_memory(ctx.ctx), True)
+    t0 = time.perf_counter()
+    seqs = [model.tokenize(p.encode(), True, False) for p in prompts(b)]
+    batch.reset()
+    for s, toks in enumerate(seqs):
+        batch.add_sequence(toks, s, False)
+    ctx.decode(batch)
+    rows = np.cumsum([len(t) for t in seqs]) - 1  # batch index of each sequence's logits
+    pos = [len(t) for t in seqs]
+    n_vocab, made = model.n_vocab(), 0
+    for _ in range(tokens):
+        nxt = [int(np.ctypeslib.as_array(llama_cpp.llama_get_logits_ith(ctx.ctx, int(i)),
+                                         shape=(n_vocab,)).argmax()) for i in rows]
+        b_ = batch.batch
+        b_.n_tokens = b
+        for s, token in enumerate(nxt):
+            b_.token[s], b_.pos[s], b_.n_seq_id[s], b_.logits[s] = token, pos[s], 1, True
+            b_.seq_id[s][0] = s
+            pos[s] += 1
+        ctx.decode(batch)
+        rows = range(b)
+        made += b
+    return made / (time.perf_counter() - t0)
+
+
+def bare_context(model, b: int, n_ctx: int, threads: int):
+    params = llama_cpp.llama_context_default_params()
+    params.n_ctx, params.n_seq_max, params.kv_unified = n_ctx * b, b, False
+    params.n_batch = params.n_ubatch = 512
+    params.n_threads = params.n_threads_batch = threads
+    return (_internals.LlamaContext(model=model, params=params, verbose=False),
+            _internals.LlamaBatch(n_tokens=512, embd=0, n_seq_max=1, verbose=False))
+
+
+def bench_batched(model_name: str, sizes: list[int], rounds: int, tokens: int) -> dict:
+    threads = default_threads()
+    out = {}
+    for b in sizes:
+        engine = Engine(model_name, n_ctx=256, parallel=b, n_threads=threads, seed=1)
+        ctx, batch = bare_context(engine._model, b, 256, threads)
+        ours, bare = [], []
+        for r in range(rounds):
+            progress(f"batched: B={b} round {r + 1}/{rounds}")
+            ours.append(engine_rate(engine, b, tokens, r * 100))
+            bare.append(bare_rate(engine._model, ctx, batch, b, tokens))
+        batch.close()
+        ctx.close()
+        engine.close()
+        med, med_bare = statistics.median(ours), statistics.median(bare)
+        out[b] = {"engine_tokens_per_s": round(med, 1), "bare_loop_tokens_per_s": round(med_bare, 1),
+                  "engine_vs_bare": round(med / med_bare, 3)}
+    first = out[sizes[0]]["engine_tokens_per_s"]
+    for b in sizes:
+        out[b]["vs_one_sequence"] = round(out[b]["engine_tokens_per_s"] / first, 3)
+    return out
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def serve_rate(model_path: str, parallel: int, clients: int, tokens: int, rounds: int):
+    port = free_port()
+    proc = subprocess.Popen([sys.executable, "-m", "adaptive_llama.cli", "serve", model_path,
+                             "--port", str(port), "--parallel", str(parallel), "--ctx", "256",
+                             "--max-queue", str(clients)], stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            try:
+                http.client.HTTPConnection("127.0.0.1", port, timeout=2).request("GET", "/health")
+                break
+            except OSError:
+                time.sleep(0.2)
+        rates = []
+        for r in range(rounds):
+            made = []
+
+            def ask(i):
+                conn = http.client.HTTPConnection("127.0.0.1", port, timeout=300)
+                conn.request("POST", "/v1/completions", json.dumps({
+                    "prompt": prompts(clients)[i], "max_tokens": tokens, "seed": r * 100 + i,
+                    "sampler": SPEC}))
+                made.append(json.loads(conn.getresponse().read())["usage"]["completion_tokens"])
+
+            workers = [threading.Thread(target=ask, args=(i,)) for i in range(clients)]
+            t0 = time.perf_counter()
+            for w in workers:
+                w.start()
+            for w in workers:
+                w.join()
+            rates.append(sum(made) / (time.perf_counter() - t0))
+        return rates
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
+
+
+def bench_serve(model_name: str, clients: int, rounds: int, tokens: int) -> dict:
+    path = str(BUNDLED[model_name].path()) if model_name in BUNDLED else model_name
+    samples = {1: [], clients: []}
+    for r in range(rounds):  # interleaved: one round of each, again and again
+        for parallel in samples:
+            progress(f"serve: --parallel {parallel}, {clients} clients, round {r + 1}/{rounds}")
+            samples[parallel] += serve_rate(path, parallel, clients, tokens, 1)
+    med = {p: statistics.median(v) for p, v in samples.items()}
+    return {"clients": clients, "tokens_per_request": tokens,
+            "tokens_per_s": {f"parallel_{p}": round(v, 1) for p, v in med.items()},
+            f"parallel_{clients}_vs_parallel_1": round(med[clients] / med[1], 3)}
+
+
+def rss_mb() -> float:
+    import resource
+
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * resource.getpagesize() / 2**20
+
+
+def soak(model_name: str, total: int) -> dict:
+    engine = Engine(model_name, n_ctx=256, parallel=4, seed=1)
+    engine.generate_batch(prompts(4), sampler=SPEC, max_tokens=16)  # warm up
+    before, made, round_ = rss_mb(), 0, 0
+    while made < total:
+        round_ += 1
+        n = 1 + round_ % 6  # 1..6 prompts: sequences join and leave the 4 slots
+        results = engine.generate_batch(prompts(n), sampler=SPEC, max_tokens=48,
+                                        seed=[round_ * 10 + i for i in range(n)])
+        made += sum(r.completion_tokens for r in results)
+    engine.close()
+    return {"tokens": made, "rss_mb_before": round(before, 1), "rss_mb_after": round(rss_mb(), 1)}
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default="smollm2")
+    parser.add_argument("--sizes", type=int, nargs="+", default=[1, 2, 4, 8, 16])
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--tokens", type=int, default=64)
+    parser.add_argument("--clients", type=int, default=8)
+    parser.add_argument("--soak-tokens", type=int, default=10_000)
+    args = parser.parse_args()
+    out = {"benchmark": "batch", "model": args.model, "threads": default_threads(),
+           "sampler": SPEC,
+           "batched": bench_batched(args.model, args.sizes, args.rounds, args.tokens),
+           "serve": bench_serve(args.model, args.clients, args.rounds, args.tokens)}
+    if args.soak_tokens:
+        progress(f"soak: {args.soak_tokens} tokens")
+        out["soak"] = soak(args.model, args.soak_tokens)
+    print(json.dumps(out, indent=2))
+
+
+if __name__ == "__main__":
+    main()
