@@ -178,9 +178,11 @@ def run(model, sampler, system, max_tokens, n_gpu_layers, n_ctx, threads, seed, 
               help="Folder for generations.jsonl (resume cache) and the reports.")
 @click.option("--seed", type=click.IntRange(int(SEED.low), int(SEED.high)), default=0,
               show_default=True)
+@click.option("--threads", type=click.IntRange(min=1), default=None,
+              help="CPU threads (default: the physical cores, adapted to the load).")
 @user_errors
 def evaluate(model, tasks, prompts_file, n_dev, n_test, samples, max_tokens, gsm8k_n, full,
-             out, seed):
+             out, seed, threads):
     """Score every sampler as the paper does: rep-n, diversity, MAUVE, coherence, k, GSM8K."""
     from .eval.data import load_prompts_file
     from .eval.run import EvalConfig, Evaluator, require_extras
@@ -193,7 +195,7 @@ def evaluate(model, tasks, prompts_file, n_dev, n_test, samples, max_tokens, gsm
              if v is not None}
     make = EvalConfig.paper_sizes if full else EvalConfig
     config = make(model=model, tasks=tuple(t.strip() for t in tasks.split(",") if t.strip()),
-                  prompts_file=prompts_file, out=out, seed=seed,
+                  prompts_file=prompts_file, out=out, seed=seed, n_threads=threads,
                   command=" ".join(["adaptive-llama eval", *sys.argv[2:]]), **sizes)
     evaluator = Evaluator(config)
     try:

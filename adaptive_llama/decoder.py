@@ -213,7 +213,6 @@ class Decoder:
                 self._put(n, generation.next_token, generation.slot, 0, True)
                 wants.append((generation, n))
                 n += 1
-        generating = n
         for generation in self.live:
             if generation.todo and n < self.n_batch:
                 chunk = generation.todo[: self.n_batch - n]
@@ -226,10 +225,8 @@ class Decoder:
                     wants.append((generation, n - 1))
         self._batch.n_tokens = n
         try:
-            started = time.perf_counter()
             self._decode_or_forget([g.slot for g in self.live])
-            if generating == n:
-                self.tuner.observe(n, time.perf_counter() - started)
+            self.tuner.observe()
             for generation, _ in wants:  # the token it fed, if any, is in its cache now
                 if generation.next_token is not None:
                     generation.slot.tokens.append(generation.next_token)

@@ -124,8 +124,8 @@ class Engine:
             -1 offloads all).
         n_ctx: context window of each sequence in tokens, rounded up to a multiple of 256 as
             llama.cpp does (0: the model's training context).
-        n_threads: CPU threads; None: the physical cores this process may use, adapted while
-            it runs when other work slows decoding down (:mod:`adaptive_llama.threads`).
+        n_threads: CPU threads; None: the physical cores this process may use, fewer while
+            other processes keep some of them busy (:mod:`adaptive_llama.threads`).
         parallel: sequences decoded together (slots); the KV cache holds
             ``parallel x n_ctx`` tokens.
         seed: default seed of every generation, 0 to 2**32 - 1.

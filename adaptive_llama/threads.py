@@ -2,28 +2,27 @@
 
 The default is the physical cores this process may use (CPU affinity, no SMT siblings, a
 cgroup CPU quota), as llama.cpp's own tools choose. Measured on 2 cores with SmolLM2-135M
-(models.md): 2 threads decode 1.5x faster than 1 on a quiet machine, but with one other busy
-process they collapse to 0.43x of 1 thread, because llama.cpp's workers meet at a barrier
-after every operation and one of them is always waiting for a time slice. So with the default
-(``n_threads=None``) a :class:`ThreadTuner` watches the time of each decode step and, when
-the steps get slower than the best it has seen, or now and then, tries one thread fewer or
-more for a few steps and keeps whichever is faster. A thread count the user gives is kept.
+(models.md): 2 threads decode 1.5x faster than 1 on a quiet machine, but beside one other
+busy process they collapse to 0.43x of 1 thread: llama.cpp's workers meet at a barrier after
+every operation, and one of them is always waiting for a time slice. So with the default
+(``n_threads=None``) a :class:`ThreadTuner` looks, twice a second while decoding, at how much
+of this process's CPUs other processes used (``/proc/stat`` for our CPUs, minus our own CPU
+time) and decodes with the cores they leave: one thread fewer for every core's worth of
+foreign load, back up when it goes. A thread count the user gives is kept.
 """
 
 from __future__ import annotations
 
 import math
 import os
-import statistics
+import time
 from pathlib import Path
+from typing import Callable
 
 import llama_cpp
 
-PROBE_STEPS = 6          # steps timed at the other thread count
-FIRST_PROBE_AFTER = 128  # steps; doubled after a probe that changes nothing ...
-LAST_PROBE_AFTER = 4096  # ... up to this
-SLOWER = 1.3             # steps this much slower than the best seen start a probe now
-BETTER = 0.9             # a probe wins when its median step is below this fraction
+WINDOW_S = 0.5  # how often the load is looked at (while decoding)
+SHARE = 0.4     # a core counts as taken once others use more than 1 - SHARE of it
 
 
 def default_threads() -> int:
@@ -56,68 +55,59 @@ def _cgroup_cpus() -> float | None:
         return None
 
 
-class ThreadTuner:
-    """Adapts a llama.cpp context's thread count to the time its decode steps take.
+def _busy_seconds(cpus: list[int]) -> float | None:
+    """CPU seconds spent busy (not idle or iowait) on ``cpus`` since boot, from /proc/stat."""
+    wanted = {f"cpu{c}" for c in cpus}
+    try:
+        lines = Path("/proc/stat").read_text().splitlines()
+    except OSError:
+        return None
+    ticks = 0
+    for line in lines:
+        name, *fields = line.split()
+        if name in wanted:
+            values = [int(v) for v in fields]
+            ticks += sum(values) - values[3] - values[4]  # minus idle and iowait
+    return ticks / os.sysconf("SC_CLK_TCK") if ticks else None
 
-    Fed one ``observe`` per decode step (the seconds it took and the batch size: only steps
-    of the same size are compared). Not thread-safe: one decoder calls it.
+
+class ThreadTuner:
+    """Keeps a llama.cpp context's thread count at the cores other processes leave free.
+
+    ``observe()`` after each decode step; every :data:`WINDOW_S` it measures the foreign
+    load ``others`` (in cores) on this process's CPUs and sets
+    ``threads = max_threads - floor(others + SHARE)`` (at least 1). Adaptation is off for a
+    fixed thread count, on one core, without /proc/stat, and under a cgroup CPU quota
+    (there the host's load says little about this process's share).
     """
 
-    def __init__(self, ctx, max_threads: int, adaptive: bool):
+    def __init__(self, ctx, max_threads: int, adaptive: bool,
+                 busy_seconds: Callable[[list[int]], float | None] = _busy_seconds,
+                 clock: Callable[[], float] = time.monotonic,
+                 own_seconds: Callable[[], float] = time.process_time):
         self._ctx = ctx
         self.max_threads = max_threads
         self.threads = max_threads
-        self.adaptive = adaptive and max_threads > 1
-        self._size = None
-        self._recent: list[float] = []
-        self._best: dict[tuple[int, int], float] = {}  # (threads, size) -> best median
-        self._probe: list[float] | None = None
-        self._steps = 0
-        self._interval = FIRST_PROBE_AFTER
-        self._set(max_threads)
+        self._cpus = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") \
+            else list(range(os.cpu_count() or 1))
+        self._busy, self._clock, self._own = busy_seconds, clock, own_seconds
+        quota = _cgroup_cpus()
+        self.adaptive = (adaptive and max_threads > 1 and (quota is None or quota >= len(
+            self._cpus)) and busy_seconds(self._cpus) is not None)
+        self._mark = self._sample()
+        llama_cpp.llama_set_n_threads(ctx, max_threads, max_threads)
 
-    def _set(self, n: int) -> None:
-        llama_cpp.llama_set_n_threads(self._ctx, n, n)
-        self._current = n
+    def _sample(self) -> tuple[float, float, float]:
+        return self._clock(), self._busy(self._cpus) or 0.0, self._own()
 
-    def observe(self, batch_size: int, seconds: float) -> None:
-        if not self.adaptive:
+    def observe(self) -> None:
+        if not self.adaptive or self._clock() - self._mark[0] < WINDOW_S:
             return
-        if batch_size != self._size:  # a new batch size: earlier steps do not compare
-            self._size, self._recent, self._probe = batch_size, [], None
-            self._set(self.threads)
-        if self._probe is not None:
-            self._probe.append(seconds)
-            if len(self._probe) == PROBE_STEPS:
-                self._decide()
-            return
-        self._recent = (self._recent + [seconds])[-PROBE_STEPS:]
-        self._steps += 1
-        if len(self._recent) < PROBE_STEPS:
-            return
-        now = statistics.median(self._recent)
-        key = (self.threads, batch_size)
-        self._best[key] = min(self._best.get(key, now), now)
-        if self._steps >= self._interval or now > SLOWER * self._best[key]:
-            self._probe = []
-            self._set(self._other())
-
-    def _other(self) -> int:
-        if self.threads == self.max_threads:
-            return self.threads - 1
-        if self.threads == 1:
-            return 2
-        # In between: try the direction not tried last.
-        return self.threads + 1 if self._steps % 2 else self.threads - 1
-
-    def _decide(self) -> None:
-        probe, recent = statistics.median(self._probe), statistics.median(self._recent)
-        if probe < BETTER * recent:
-            self.threads = self._current
-            self._interval = FIRST_PROBE_AFTER
-            self._best[(self.threads, self._size)] = probe
-        else:  # the slower steps are the new normal here: no probe again until they worsen
-            self._interval = min(2 * self._interval, LAST_PROBE_AFTER)
-            self._best[(self.threads, self._size)] = recent
-            self._set(self.threads)
-        self._recent, self._probe, self._steps = [], None, 0
+        now = self._sample()
+        wall = now[0] - self._mark[0]
+        others = max(0.0, ((now[1] - self._mark[1]) - (now[2] - self._mark[2])) / wall)
+        self._mark = now
+        want = max(1, self.max_threads - math.floor(others + SHARE))
+        if want != self.threads:
+            self.threads = want
+            llama_cpp.llama_set_n_threads(self._ctx, want, want)

@@ -7,7 +7,8 @@ taken inside this run. Measured:
   bare batched llama_decode loop (llama-cpp-python's low-level API, one llama_batch holding a
   token of every sequence, numpy argmax per row) at B = 1, 2, 4, 8, 16, same threads;
 - ``serve``: aggregate tokens/s of ``adaptive-llama serve --parallel P`` answering C
-  concurrent clients (P = 1 and P = C), each asking for the same number of tokens;
+  concurrent clients (P = 1, 4 and C), each asking for the same number of tokens, and a bare
+  batched loop making the same number of tokens per request;
 - ``soak``: RSS before and after 10,000 tokens with sequences joining and leaving.
 
 Run on a quiet machine: llama.cpp's threads spin, so anything else running skews it.
@@ -48,39 +49,45 @@ def prompts(n: int) -> list[str]:
     return [PROMPTS[i % len(PROMPTS)] + f" ({i})" * (i >= len(PROMPTS)) for i in range(n)]
 
 
-def engine_rate(engine: Engine, b: int, tokens: int, seed: int) -> float:
-    """Generated tokens per second of wall time, prompts included, B sequences at once."""
+def engine_rate(engine: Engine, b: int, tokens: int, seed: int) -> tuple[float, list[int]]:
+    """(generated tokens per second of wall time, prompts included; tokens per sequence)."""
     engine.clear_cache()
     t0 = time.perf_counter()
     results = engine.generate_batch(prompts(b), sampler=SPEC, seed=list(range(seed, seed + b)),
                                     max_tokens=tokens)
-    return sum(r.completion_tokens for r in results) / (time.perf_counter() - t0)
+    counts = [r.completion_tokens for r in results]
+    return sum(counts) / (time.perf_counter() - t0), counts
 
 
-def bare_rate(model, ctx, batch, b: int, tokens: int) -> float:
-    """The runtime's limit: B sequences in one llama_batch per step, argmax per row."""
+def bare_rate(model, ctx, batch, counts: list[int]) -> float:
+    """The runtime's limit: the sequences in one llama_batch per step, argmax per row, each
+    retired after as many tokens as the run it is compared with made for it (sequences that
+    end early leave smaller batches behind, in both)."""
     llama_cpp.llama_memory_clear(llama_cpp.llama_get_memory(ctx.ctx), True)
     t0 = time.perf_counter()
-    seqs = [model.tokenize(p.encode(), True, False) for p in prompts(b)]
+    seqs = [model.tokenize(p.encode(), True, False) for p in prompts(len(counts))]
     batch.reset()
     for s, toks in enumerate(seqs):
         batch.add_sequence(toks, s, False)
     ctx.decode(batch)
-    rows = np.cumsum([len(t) for t in seqs]) - 1  # batch index of each sequence's logits
+    rows = dict(enumerate(np.cumsum([len(t) for t in seqs]) - 1))  # sequence -> logits row
     pos = [len(t) for t in seqs]
-    n_vocab, made = model.n_vocab(), 0
-    for _ in range(tokens):
-        nxt = [int(np.ctypeslib.as_array(llama_cpp.llama_get_logits_ith(ctx.ctx, int(i)),
-                                         shape=(n_vocab,)).argmax()) for i in rows]
-        b_ = batch.batch
-        b_.n_tokens = b
-        for s, token in enumerate(nxt):
-            b_.token[s], b_.pos[s], b_.n_seq_id[s], b_.logits[s] = token, pos[s], 1, True
-            b_.seq_id[s][0] = s
+    n_vocab, made, step = model.n_vocab(), 0, 0
+    while rows:
+        nxt = {s: int(np.ctypeslib.as_array(llama_cpp.llama_get_logits_ith(ctx.ctx, int(i)),
+                                            shape=(n_vocab,)).argmax()) for s, i in rows.items()}
+        made += len(nxt)
+        step += 1
+        live = [s for s in nxt if counts[s] > step]
+        raw = batch.batch
+        raw.n_tokens = len(live)
+        for i, s in enumerate(live):
+            raw.token[i], raw.pos[i], raw.n_seq_id[i], raw.logits[i] = nxt[s], pos[s], 1, True
+            raw.seq_id[i][0] = s
             pos[s] += 1
-        ctx.decode(batch)
-        rows = range(b)
-        made += b
+        if live:
+            ctx.decode(batch)
+        rows = {s: i for i, s in enumerate(live)}
     return made / (time.perf_counter() - t0)
 
 
@@ -102,8 +109,9 @@ def bench_batched(model_name: str, sizes: list[int], rounds: int, tokens: int) -
         ours, bare = [], []
         for r in range(rounds):
             progress(f"batched: B={b} round {r + 1}/{rounds}")
-            ours.append(engine_rate(engine, b, tokens, r * 100))
-            bare.append(bare_rate(engine._model, ctx, batch, b, tokens))
+            rate, counts = engine_rate(engine, b, tokens, r * 100)
+            ours.append(rate)
+            bare.append(bare_rate(engine._model, ctx, batch, counts))
         batch.close()
         ctx.close()
         engine.close()
@@ -135,16 +143,16 @@ def serve_rate(model_path: str, parallel: int, clients: int, tokens: int, rounds
                 break
             except OSError:
                 time.sleep(0.2)
-        rates = []
+        rates, counts = [], []
         for r in range(rounds):
-            made = []
+            made = [0] * clients
 
             def ask(i):
                 conn = http.client.HTTPConnection("127.0.0.1", port, timeout=300)
                 conn.request("POST", "/v1/completions", json.dumps({
                     "prompt": prompts(clients)[i], "max_tokens": tokens, "seed": r * 100 + i,
                     "sampler": SPEC}))
-                made.append(json.loads(conn.getresponse().read())["usage"]["completion_tokens"])
+                made[i] = json.loads(conn.getresponse().read())["usage"]["completion_tokens"]
 
             workers = [threading.Thread(target=ask, args=(i,)) for i in range(clients)]
             t0 = time.perf_counter()
@@ -153,7 +161,8 @@ def serve_rate(model_path: str, parallel: int, clients: int, tokens: int, rounds
             for w in workers:
                 w.join()
             rates.append(sum(made) / (time.perf_counter() - t0))
-        return rates
+            counts.append(made)
+        return rates, counts
     finally:
         proc.terminate()
         proc.wait(timeout=30)
@@ -161,15 +170,27 @@ def serve_rate(model_path: str, parallel: int, clients: int, tokens: int, rounds
 
 def bench_serve(model_name: str, clients: int, rounds: int, tokens: int) -> dict:
     path = str(BUNDLED[model_name].path()) if model_name in BUNDLED else model_name
-    samples = {1: [], clients: []}
+    levels = sorted({1, 4, clients})  # 4: the default of --parallel
+    samples = {**{p: [] for p in levels}, "bare": []}
+    model = _internals.LlamaModel(path_model=path, params=llama_cpp.llama_model_default_params(),
+                                  verbose=False)
+    ctx, batch = bare_context(model, clients, 256, default_threads())
     for r in range(rounds):  # interleaved: one round of each, again and again
-        for parallel in samples:
+        for parallel in levels:
             progress(f"serve: --parallel {parallel}, {clients} clients, round {r + 1}/{rounds}")
-            samples[parallel] += serve_rate(path, parallel, clients, tokens, 1)
+            rates, counts = serve_rate(path, parallel, clients, tokens, 1)
+            samples[parallel] += rates
+        # The same requests' token counts through a bare batched loop in this process.
+        samples["bare"].append(bare_rate(model, ctx, batch, counts[0]))
+    batch.close()
+    ctx.close()
+    model.close()
     med = {p: statistics.median(v) for p, v in samples.items()}
     return {"clients": clients, "tokens_per_request": tokens,
-            "tokens_per_s": {f"parallel_{p}": round(v, 1) for p, v in med.items()},
-            f"parallel_{clients}_vs_parallel_1": round(med[clients] / med[1], 3)}
+            "tokens_per_s": {f"parallel_{p}" if p != "bare" else "bare_batched_loop": round(v, 1)
+                             for p, v in med.items()},
+            f"parallel_{clients}_vs_parallel_1": round(med[clients] / med[1], 3),
+            f"parallel_{clients}_vs_bare_batched_loop": round(med[clients] / med["bare"], 3)}
 
 
 def rss_mb() -> float:

@@ -207,10 +207,41 @@ def test_more_streams_than_slots_is_a_clear_error(smollm2_path):
 def test_threads_default_to_the_physical_cores_and_can_be_fixed(smollm2_path, engine):
     from adaptive_llama.threads import default_threads
 
-    assert 1 <= default_threads() <= (os.cpu_count() or 1)
-    assert engine.threads_adaptive and engine.threads in range(1, default_threads() + 1)
+    assert 1 <= default_threads() <= len(os.sched_getaffinity(0))
+    assert engine.threads in range(1, default_threads() + 1)
     fixed = Engine(smollm2_path, n_ctx=256, n_threads=1)
     try:
         assert fixed.threads == 1 and not fixed.threads_adaptive
     finally:
         fixed.close()
+
+
+def test_thread_tuner_decodes_with_the_cores_others_leave(smollm2_path):
+    from adaptive_llama.threads import ThreadTuner
+
+    clock, busy, own = [0.0], [0.0], [0.0]
+    engine = Engine(smollm2_path, n_ctx=256, n_threads=1)  # any real context will do
+    try:
+        tuner = ThreadTuner(engine.ctx, 4, True, busy_seconds=lambda cpus: busy[0],
+                            clock=lambda: clock[0], own_seconds=lambda: own[0])
+        tuner.adaptive = True  # whatever this machine's cgroup says: the policy is tested
+
+        def window(ours, foreign):
+            """Half a second in which we used `ours` and others `foreign` CPU seconds."""
+            clock[0] += 0.5
+            own[0] += ours
+            busy[0] += ours + foreign
+            tuner.observe()
+            return tuner.threads
+
+        assert window(2.0, 0.0) == 4     # quiet: every core
+        assert window(1.5, 0.5) == 3     # one core's worth of foreign load: one fewer
+        assert window(1.5, 1.0) == 2     # two cores' worth: two fewer
+        assert window(1.0, 0.2) == 4     # it went away: back up
+        assert window(2.0, 0.25) == 4    # half a core of others is not worth a thread
+        clock[0] += 0.1
+        busy[0] += 5.0
+        assert tuner.observe() is None and tuner.threads == 4  # within a window: nothing
+        assert window(1.0, 10.0) == 1    # never below one
+    finally:
+        engine.close()

@@ -50,6 +50,7 @@ class EvalConfig:
     out: str = "benchmarks/results"
     seed: int = 0
     n_ctx: int = 1024
+    n_threads: int | None = None
     command: str = ""
 
     @classmethod
@@ -79,7 +80,8 @@ class Evaluator:
 
     def __init__(self, config: EvalConfig, engine: Engine | None = None):
         self.config = config
-        self.engine = engine or Engine(config.model, seed=config.seed, n_ctx=config.n_ctx)
+        self.engine = engine or Engine(config.model, seed=config.seed, n_ctx=config.n_ctx,
+                                       n_threads=config.n_threads)
         self.out = Path(config.out)
         self.cache = GenerationCache(self.out / "generations.jsonl")
         self._vectors: dict[str, object] = {}

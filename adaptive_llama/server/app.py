@@ -179,7 +179,7 @@ class Server:
         return Job(prompt_tokens=prompt_tokens, sampler=_sampler_for(self.sampler, body),
                    max_tokens=min(max_tokens or room, room),
                    seed=body.seed if body.seed is not None else secrets.randbits(32),
-                   stop=stop, loop=asyncio.get_running_loop())
+                   stop=stop, stream=body.stream, loop=asyncio.get_running_loop())
 
     async def respond(self, request: Request, job: Job, body: _Body, kind: str):
         """Queue the job; answer with an SSE stream or one JSON object."""

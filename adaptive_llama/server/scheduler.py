@@ -38,6 +38,7 @@ class Job:
     max_tokens: int
     seed: int
     stop: list[str]
+    stream: bool  # the client wants the pieces as they come (otherwise only the result)
     loop: asyncio.AbstractEventLoop
     events: asyncio.Queue = field(default_factory=asyncio.Queue)
     cancelled: threading.Event = field(default_factory=threading.Event)
@@ -111,8 +112,10 @@ class Scheduler:
                 active.clear()
                 continue
             for generation, job in list(active.items()):
-                for piece in generation.take():
-                    job.emit("piece", piece)
+                pieces = generation.take()
+                if job.stream:
+                    for piece in pieces:
+                        job.emit("piece", piece)
                 if generation.done:
                     job.emit("done", generation.result)
                     self._done("cancelled" if generation.result.finish_reason == "interrupted"
