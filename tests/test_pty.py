@@ -39,10 +39,21 @@ def expect_interrupted_and_history_kept(child):
     child.expect(pexpect.EOF)
 
 
+def drive(child, script) -> None:
+    """Run ``script(child)``; on a failure show what the terminal showed; close the child."""
+    try:
+        script(child)
+    except (pexpect.TIMEOUT, AssertionError) as exc:
+        raise AssertionError(f"{exc}\nthe REPL's terminal output:\n"
+                             f"{child.logfile_read.getvalue()}") from None
+    finally:
+        child.close(force=True)
+    assert child.exitstatus == 0
+
+
 @pytest.mark.parametrize("started_with", [None, ignore_sigint], ids=["default", "sigint-ignored"])
 def test_ctrl_c_stops_the_reply_and_keeps_the_history(tmp_path, started_with):
-    child = spawn(tmp_path, started_with)
-    try:
+    def script(child):
         child.expect(">>>")
         child.send("Write a very long story about a lighthouse keeper.\r")
         child.expect(r"keeper\.")       # the message went in,
@@ -50,26 +61,17 @@ def test_ctrl_c_stops_the_reply_and_keeps_the_history(tmp_path, started_with):
         child.expect(r"[A-Za-z]{3,}\W+[A-Za-z]{3,}")  # and the reply is streaming
         child.sendintr()
         expect_interrupted_and_history_kept(child)
-    except (pexpect.TIMEOUT, AssertionError) as exc:
-        raise AssertionError(f"{exc}\nthe REPL's terminal output:\n"
-                             f"{child.logfile_read.getvalue()}") from None
-    finally:
-        child.close(force=True)
-    assert child.exitstatus == 0
+
+    drive(spawn(tmp_path, started_with), script)
     assert (tmp_path / "adaptive-llama" / "history").exists()  # input history persists
 
 
 def test_ctrl_c_right_after_enter_stops_the_reply(tmp_path):
     # The Ctrl-C can reach prompt_toolkit in the same read as the Enter, while the terminal
     # is still raw: it used to wait as type-ahead for the next prompt (missed 2 times in 5).
-    child = spawn(tmp_path)
-    try:
+    def script(child):
         child.expect(">>>")
         child.send("Write a very long story about a lighthouse keeper.\r\x03")
         expect_interrupted_and_history_kept(child)
-    except (pexpect.TIMEOUT, AssertionError) as exc:
-        raise AssertionError(f"{exc}\nthe REPL's terminal output:\n"
-                             f"{child.logfile_read.getvalue()}") from None
-    finally:
-        child.close(force=True)
-    assert child.exitstatus == 0
+
+    drive(spawn(tmp_path), script)
