@@ -180,6 +180,11 @@ class SamplerChain:
         return TokenStats(k=s.k, token=s.token, kept_mass=s.kept_mass, entropy=s.entropy,
                           conf=s.conf, p_chosen=s.p_chosen)
 
+    @property
+    def fallbacks(self) -> int:
+        """Tokens the adaptive sampler chose by arg-max because memory ran out (0 normally)."""
+        return 0 if self._adaptive is None else self._stats.n_fallbacks
+
     def reset(self) -> None:
         llama_cpp.llama_sampler_reset(self.pointer)
 

@@ -29,6 +29,7 @@ class Stats(ctypes.Structure):
         ("conf", ctypes.c_double),
         ("p_chosen", ctypes.c_double),
         ("n_tokens", ctypes.c_int64),
+        ("n_fallbacks", ctypes.c_int64),
     ]
 
 
@@ -62,6 +63,8 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.al_adaptive_sampler_new.argtypes = [dbl, ctypes.c_int, ctypes.c_uint64, ctypes.c_int]
     lib.al_adaptive_sampler_stats.restype = stats_p
     lib.al_adaptive_sampler_stats.argtypes = [vp]
+    lib.al_test_fail_allocations.restype = None
+    lib.al_test_fail_allocations.argtypes = [ctypes.c_int]
     lib.al_eta_sampler_new.restype = vp
     lib.al_eta_sampler_new.argtypes = [dbl]
     for name in ("al_sizeof_token_data", "al_sizeof_token_data_array",

@@ -71,6 +71,7 @@ typedef struct {
     double conf;        /* 1 - H / ln V (NaN unless asked for) */
     double p_chosen;    /* probability of the chosen token in the whole distribution */
     int64_t n_tokens;   /* tokens recorded since the sampler was created or reset */
+    int64_t n_fallbacks; /* tokens chosen by arg-max because a buffer could not grow */
 } al_stats;
 
 typedef struct { double w; int32_t idx; } al_cand;
@@ -88,8 +89,16 @@ typedef struct {
 #define CHUNK 64               /* candidate search: test a chunk's max before looking inside */
 #define CANDIDATE_SLACK 0.99   /* collect p > 0.99 eps: the float32 sum only estimates S */
 
+/* Test hook: the next `n` buffer allocations fail, as if memory ran out. */
+static int fail_allocations;
+AL_EXPORT void al_test_fail_allocations(int n) { fail_allocations = n; }
+
 static int grow(void **buf, size_t *cap, size_t need, size_t elem) {
     if (need <= *cap) return 1;
+    if (fail_allocations > 0) {
+        fail_allocations--;
+        return 0;
+    }
     void *p = realloc(*buf, need * elem);
     if (!p) return 0;
     *buf = p;
@@ -389,23 +398,57 @@ static const char *adaptive_name(const struct llama_sampler *smpl) {
     return "adaptive";
 }
 
+/* A choice with nothing left to decide: k = 1, all the mass on `token`. */
+static void record_certain(al_adaptive_ctx *c, int32_t token) {
+    al_stats *s = &c->last;
+    s->k = 1;
+    s->token = token;
+    s->kept_mass = s->p_chosen = 1.0;
+    s->entropy = c->record ? 0.0 : NAN;
+    s->conf = NAN; /* 1 - H / ln V is undefined for V = 1 */
+    s->n_tokens++;
+}
+
+/* Out of memory: no buffer is needed to keep the most likely token, so that is the choice
+ * (llama.cpp aborts when a sampler leaves no selection). Counted in n_fallbacks. */
+static void choose_argmax(al_adaptive_ctx *c, al_token_data_array *cur) {
+    size_t best = 0;
+    for (size_t i = 1; i < cur->size; i++)
+        if (cur->data[i].logit > cur->data[best].logit) best = i;
+    al_token_data t = cur->data[best];
+    cur->data[best] = cur->data[0];
+    cur->data[0] = t;
+    cur->size = 1;
+    cur->selected = 0;
+    cur->sorted = true;
+    cur->data[0].p = 1.0f;
+    al_stats *s = &c->last;
+    s->k = 1;
+    s->token = t.id;
+    s->kept_mass = s->p_chosen = s->entropy = s->conf = NAN; /* not computed */
+    s->n_tokens++;
+    s->n_fallbacks++;
+}
+
 static void adaptive_apply(struct llama_sampler *smpl, al_token_data_array *cur) {
     al_adaptive_ctx *c = smpl->ctx;
     al_workspace *ws = c->ws;
     size_t n = cur->size;
-    if (n <= 1) { /* nothing to choose (an empty array is left to llama.cpp to report) */
-        if (n == 1) cur->selected = 0;
+    if (n == 0) return; /* nothing to choose: llama.cpp reports the empty array */
+    if (n == 1) {       /* one candidate: it is the choice, and the stats say so */
+        cur->selected = 0;
+        record_certain(c, cur->data[0].id);
         return;
     }
     const float *x = gather_logits(ws, cur);
-    if (!x || !reserve(ws, n)) return; /* out of memory: leave the array to the next sampler */
+    if (!x || !reserve(ws, n)) return choose_argmax(c, cur);
     float m = max_f32(x, n);
     double wd = 0.0;
     double S = c->record ? weights_entropy_f32(x, n, m, ws->w, &wd) : weights_f32(x, n, m, ws->w);
     size_t nc;
     double kept_mass;
     int32_t k = select_f32(x, n, m, S, c->eps, ws, &nc, &kept_mass);
-    if (k < 1 || !move_to_front(ws, cur->data, ws->cand, (size_t)k)) return;
+    if (k < 1 || !move_to_front(ws, cur->data, ws->cand, (size_t)k)) return choose_argmax(c, cur);
 
     double kept_w = 0.0;
     for (int32_t j = 0; j < k; j++) kept_w += ws->cand[j].w;
@@ -443,7 +486,7 @@ static void adaptive_apply(struct llama_sampler *smpl, al_token_data_array *cur)
 static void adaptive_reset(struct llama_sampler *smpl) {
     al_adaptive_ctx *c = smpl->ctx;
     c->rng = c->seed;
-    c->last.n_tokens = 0;
+    c->last.n_tokens = c->last.n_fallbacks = 0;
 }
 
 static void adaptive_free(struct llama_sampler *smpl) {
@@ -479,10 +522,17 @@ static const al_sampler_iface adaptive_iface = {
 
 static struct llama_sampler *adaptive_clone(const struct llama_sampler *smpl) {
     const al_adaptive_ctx *c = smpl->ctx;
+    if (!sampler_init) return NULL;
     al_adaptive_ctx *copy = adaptive_ctx_new(c->eps, c->uniform, c->seed, c->record);
-    if (!copy || !sampler_init) return NULL;
+    if (!copy) return NULL;
     copy->rng = c->rng;
-    return sampler_init(&adaptive_iface, copy);
+    copy->last = c->last;
+    struct llama_sampler *clone = sampler_init(&adaptive_iface, copy);
+    if (!clone) {
+        al_workspace_free(copy->ws);
+        free(copy);
+    }
+    return clone;
 }
 
 /* A new adaptive sampler owned by the caller (or by the chain it is added to). */
@@ -490,7 +540,13 @@ AL_EXPORT struct llama_sampler *al_adaptive_sampler_new(double eps, int uniform,
                                                         int record) {
     if (!sampler_init) return NULL;
     al_adaptive_ctx *c = adaptive_ctx_new(eps, uniform, seed, record);
-    return c ? sampler_init(&adaptive_iface, c) : NULL;
+    if (!c) return NULL;
+    struct llama_sampler *smpl = sampler_init(&adaptive_iface, c);
+    if (!smpl) {
+        al_workspace_free(c->ws);
+        free(c);
+    }
+    return smpl;
 }
 
 /* The statistics of the last token the sampler chose: valid while the sampler lives. */
@@ -570,7 +626,12 @@ AL_EXPORT struct llama_sampler *al_eta_sampler_new(double eps) {
     c->eps = eps;
     c->ws = al_workspace_new();
     if (!c->ws) { free(c); return NULL; }
-    return sampler_init(&eta_iface, c);
+    struct llama_sampler *smpl = sampler_init(&eta_iface, c);
+    if (!smpl) {
+        al_workspace_free(c->ws);
+        free(c);
+    }
+    return smpl;
 }
 
 static struct llama_sampler *eta_clone(const struct llama_sampler *smpl) {

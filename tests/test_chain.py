@@ -227,3 +227,45 @@ def test_use_sampler_with_a_users_own_llama(smollm2_path):
         assert "_init_sampler" not in vars(llm)  # restored afterwards
     finally:
         llm.close()
+
+
+def test_out_of_memory_keeps_the_arg_max_and_counts_it():
+    from adaptive_llama.chain import native_samplers
+
+    logits = np.log(np.array([0.1, 0.4, 0.2, 0.3]))
+    with SamplerChain("adaptive:eps=0.01", seed=1, n_vocab=4, record_stats=True) as chain:
+        native_samplers().al_test_fail_allocations(1)  # the next buffer cannot grow
+        kept, chosen = apply_to(chain, logits)
+        assert kept == [1] and chosen == 1 and chain.fallbacks == 1
+        assert chain.last_stats().k == 1 and chain.last_stats().token == 1
+        kept, chosen = apply_to(chain, logits)  # memory is back: the real kept set
+        assert kept == [1, 3, 2] and chain.fallbacks == 1
+
+
+def test_one_candidate_records_its_own_stats():
+    with SamplerChain("adaptive:eps=0.01", seed=1, n_vocab=4, record_stats=True) as chain:
+        apply_to(chain, np.log(np.array([0.1, 0.4, 0.2, 0.3])))
+        assert chain.last_stats().k == 3
+        data = (llama_cpp.llama_token_data * 1)()
+        data[0].id, data[0].logit = 7, 0.5
+        arr = llama_cpp.llama_token_data_array(data=data, size=1, selected=-1, sorted=False)
+        llama_cpp.llama_sampler_apply(chain.pointer, ctypes.byref(arr))
+        stats = chain.last_stats()
+        assert arr.selected == 0 and (stats.k, stats.token, stats.p_chosen) == (1, 7, 1.0)
+
+
+def test_a_cloned_chain_continues_the_same_sequence():
+    logits = np.log(np.array([0.1, 0.4, 0.2, 0.3]))
+    with SamplerChain("adaptive:eps=0.01", seed=5, n_vocab=4) as chain:
+        for _ in range(5):
+            apply_to(chain, logits)
+        clone = llama_cpp.llama_sampler_clone(chain.pointer)
+        try:
+            mine = [apply_to(chain, logits)[1] for _ in range(20)]
+
+            class Clone:
+                pointer = clone
+            theirs = [apply_to(Clone, logits)[1] for _ in range(20)]
+        finally:
+            llama_cpp.llama_sampler_free(clone)
+    assert mine == theirs and len(set(mine)) > 1
