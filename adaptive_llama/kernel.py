@@ -92,7 +92,8 @@ def validate_epsilon(epsilon: float) -> float:
     return EPSILON.validate(epsilon, name="epsilon")
 
 
-def _validated_logits(logits) -> np.ndarray:
+def _as_logits(logits) -> np.ndarray:
+    """A contiguous 1-D float32/float64 array, or ValueError; the values are not read."""
     x = np.asarray(logits)
     if x.ndim != 1:
         raise ValueError(f"`logits` has to be a 1-D array, but has shape {x.shape}")
@@ -102,13 +103,37 @@ def _validated_logits(logits) -> np.ndarray:
         if not np.issubdtype(x.dtype, np.number):
             raise ValueError(f"`logits` has to be float32 or float64, but is {x.dtype}")
         x = x.astype(np.float64)
-    if np.isnan(x).any():
-        raise ValueError(f"`logits` contains NaN at index {int(np.flatnonzero(np.isnan(x))[0])}")
-    if np.isposinf(x).any():
-        raise ValueError(f"`logits` contains +inf at index {int(np.flatnonzero(np.isposinf(x))[0])}")
-    if np.isneginf(x).all():
-        raise ValueError("every logit is -inf: at least one token has to be possible")
     return np.ascontiguousarray(x)
+
+
+def _check_values(x: np.ndarray) -> None:
+    """ValueError naming the first NaN or +inf, or an all -inf row (one pass when fine)."""
+    top = x.max()  # NaN propagates; +inf and an all -inf row show here too
+    if np.isnan(top):
+        raise ValueError(f"`logits` contains NaN at index {int(np.flatnonzero(np.isnan(x))[0])}")
+    if top == np.inf:
+        raise ValueError(f"`logits` contains +inf at index {int(np.flatnonzero(np.isposinf(x))[0])}")
+    if top == -np.inf:
+        raise ValueError("every logit is -inf: at least one token has to be possible")
+
+
+def _validated_logits(logits) -> np.ndarray:
+    x = _as_logits(logits)
+    _check_values(x)
+    return x
+
+
+def _run_kernel(x: np.ndarray, epsilon: float, want_stats: bool):
+    """The backend on x; the C kernel checks the values itself (it notices bad logits in its
+    normaliser), so only a failure costs the extra pass that names the problem."""
+    if x.shape[0] == 1:
+        _check_values(x)
+        return None
+    try:
+        return _kernel(x, epsilon, want_stats)
+    except native.InvalidLogits:
+        _check_values(x)
+        raise
 
 
 # ---- float64 reference: the documented formula over the fully sorted vocabulary ----
@@ -168,7 +193,11 @@ def _choose_backend():
     else:
         log.warning("adaptive kernel backend: numba, because %s; reinstall with a C compiler "
                     "for the faster C kernel", why)
-    return "numba", adaptive_numba
+    def numba_kernel(x, eps, want_stats):
+        _check_values(x)  # its fast-math loops cannot be trusted to notice NaN or inf
+        return adaptive_numba(x, eps, want_stats)
+
+    return "numba", numba_kernel
 
 
 BACKEND, _kernel = _choose_backend()
@@ -194,10 +223,8 @@ def adaptive_k(logits, epsilon: float) -> int:
     p > epsilon; runs on :data:`BACKEND`.
     """
     epsilon = validate_epsilon(epsilon)
-    x = _validated_logits(logits)
-    if x.shape[0] == 1:
-        return 1
-    return int(_kernel(x, epsilon, False)[0])
+    out = _run_kernel(_as_logits(logits), epsilon, False)
+    return 1 if out is None else int(out[0])
 
 
 def adaptive_stats(logits, epsilon: float) -> AdaptiveStats:
@@ -207,10 +234,11 @@ def adaptive_stats(logits, epsilon: float) -> AdaptiveStats:
     for the entropy.
     """
     epsilon = validate_epsilon(epsilon)
-    x = _validated_logits(logits)
-    if x.shape[0] == 1:
+    x = _as_logits(logits)
+    out = _run_kernel(x, epsilon, True)
+    if out is None:
         return AdaptiveStats(k=1, kept_mass=1.0, conf=math.nan, entropy=0.0)
-    k, kept, entropy = _kernel(x, epsilon, True)
+    k, kept, entropy = out
     return AdaptiveStats(
         k=int(k), kept_mass=float(kept), conf=1.0 - entropy / math.log(x.shape[0]),
         entropy=float(entropy),

@@ -16,6 +16,11 @@ from pathlib import Path
 import numpy as np
 
 LIBRARY_STEM = "_adaptive_native"
+INVALID_LOGITS = -2  # al_adaptive_*: NaN, +inf, or every logit -inf
+
+
+class InvalidLogits(ValueError):
+    """The C kernel found logits it cannot use (the caller says which and where)."""
 
 
 class Stats(ctypes.Structure):
@@ -125,6 +130,8 @@ def adaptive_native(lib: ctypes.CDLL, x: np.ndarray, eps: float, want_stats: boo
     fn = lib.al_adaptive_f32 if x.dtype == np.float32 else lib.al_adaptive_f64
     stats = Stats() if want_stats else None
     k = fn(x.ctypes.data, x.shape[0], eps, local.buffers.pointer, ctypes.byref(stats) if stats else None)
+    if k == INVALID_LOGITS:
+        raise InvalidLogits
     if k < 1:
         raise MemoryError("the adaptive kernel could not allocate its buffers")
     if stats is None:

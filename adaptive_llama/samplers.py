@@ -201,7 +201,7 @@ class SamplerSpec:
         items = dict(self.params)
         if self.sampler.takes_temp and self.temp != 1.0:
             items["temp"] = self.temp
-        args = ",".join(f"{k}={v:g}" if isinstance(v, float) else f"{k}={v}"
+        args = ",".join(f"{k}={_number_text(v)}" if isinstance(v, float) else f"{k}={v}"
                         for k, v in items.items())
         return f"{self.name}:{args}" if args else self.name
 
@@ -215,6 +215,12 @@ class SamplerSpec:
         if key == "temp":
             return SamplerSpec(self.name, dict(self.params), value)
         return SamplerSpec(self.name, {**self.params, key: value}, self.temp)
+
+
+def _number_text(value: float) -> str:
+    """The shortest text that parses back to the same float (5.0 reads as 5)."""
+    text = repr(value)
+    return text[:-2] if text.endswith(".0") else text
 
 
 def parse_spec(text: str) -> SamplerSpec:

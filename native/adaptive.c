@@ -309,6 +309,34 @@ DEFINE_SELECT(double, f64, exp)
 
 /* ---- array API (adaptive_llama.adaptive_k / adaptive_stats) ---- */
 
+/* Bad logits, found in the max pass at the cost of one add per token: +inf or an all -inf
+ * row leave the max infinite, and a NaN makes the plain sum NaN (the max may step over it:
+ * vectorised max instructions drop NaN operands). Read from the bits, because -ffast-math
+ * lets the compiler assume isnan() and isinf() are always false. */
+#define AL_INVALID_LOGITS (-2)
+static int is_finite(double v) {
+    uint64_t bits;
+    memcpy(&bits, &v, sizeof bits);
+    return ((bits >> 52) & 0x7FF) != 0x7FF;
+}
+static int is_nan(double v) {
+    uint64_t bits;
+    memcpy(&bits, &v, sizeof bits);
+    return ((bits >> 52) & 0x7FF) == 0x7FF && (bits & 0xFFFFFFFFFFFFFull) != 0;
+}
+#define DEFINE_MAX_SUM(T, SUFFIX)                                                           \
+    static T max_sum_##SUFFIX(const T *x, size_t n, double *total) {                        \
+        T m = x[0], sum = 0;                                                                 \
+        for (size_t i = 0; i < n; i++) {                                                     \
+            m = x[i] > m ? x[i] : m;                                                         \
+            sum += x[i];                                                                     \
+        }                                                                                    \
+        *total = (double)sum;                                                                \
+        return m;                                                                            \
+    }
+DEFINE_MAX_SUM(float, f32)
+DEFINE_MAX_SUM(double, f64)
+
 #define DEFINE_ARRAY_API(T, SUFFIX)                                                         \
     AL_EXPORT int32_t al_adaptive_##SUFFIX(const T *x, size_t n, double eps,                \
                                            al_workspace *ws, al_stats *out) {               \
@@ -317,7 +345,9 @@ DEFINE_SELECT(double, f64, exp)
             return 1;                                                                        \
         }                                                                                    \
         if (!reserve(ws, n)) return -1;                                                      \
-        T m = max_##SUFFIX(x, n);                                                            \
+        double total;                                                                        \
+        T m = max_sum_##SUFFIX(x, n, &total);                                                \
+        if (!is_finite((double)m) || is_nan(total)) return AL_INVALID_LOGITS;                \
         double wd = 0.0;                                                                     \
         double S = out ? weights_entropy_##SUFFIX(x, n, m, ws->w, &wd)                       \
                        : weights_##SUFFIX(x, n, m, ws->w);                                   \

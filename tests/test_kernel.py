@@ -110,6 +110,20 @@ def test_input_is_not_modified():
 
 # ---- validation ----
 
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+@pytest.mark.parametrize("where", [0, 4_999, 9_999])
+@pytest.mark.parametrize("bad,message", [(np.nan, "NaN at index"), (np.inf, r"\+inf at index")])
+def test_bad_values_anywhere_in_a_large_row_are_found(dtype, where, bad, message):
+    # The C kernel finds them in its max pass (a vectorised max can step over a NaN, so it
+    # also sums the row); the message names the first one.
+    x = np.random.default_rng(where).normal(0, 3, 10_000).astype(dtype)
+    x[:50] = -np.inf  # masked tokens are fine
+    x[where] = bad
+    for fn in (adaptive_k, adaptive_stats):
+        with pytest.raises(ValueError, match=f"{message} {where}"):
+            fn(x, 5e-4)
+
+
 @pytest.mark.parametrize("logits,message", [
     (np.array([1.0, np.nan]), "NaN at index 1"),
     (np.array([1.0, np.inf]), r"\+inf at index 1"),

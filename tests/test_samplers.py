@@ -22,6 +22,7 @@ from adaptive_llama.samplers import (EPSILON, SAMPLERS, SEED, SamplerSpec, SpecE
     (" ADAPTIVE ", "adaptive", {"eps": 0.0005, "mode": "multinomial"}, 1.0),
     ("top-k:k=1e3", "top-k", {"k": 1000}, 1.0),   # an integer written as a float is fine
     ("adaptive:eps=1e-300", "adaptive", {"eps": 1e-300, "mode": "multinomial"}, 1.0),
+    ("mirostat:tau=1000001", "mirostat", {"tau": 1000001.0, "eta": 0.1}, 1.0),  # was 1e+06
 ])
 def test_parse(text, name, params, temp):
     spec = parse_spec(text)
