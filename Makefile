@@ -11,7 +11,7 @@ DEPS := pyproject.toml setup.py native/adaptive.c
 # Show the llama.cpp build's progress ([n/193] lines) instead of minutes of silence.
 PROGRESS := grep --line-buffered -E '^\s*\[[0-9]+/[0-9]+\]|Successfully installed|rror' | cut -c1-110
 
-.PHONY: chat test bench eval asan clean
+.PHONY: chat test bench eval asan sanitize clean
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -49,6 +49,8 @@ asan: $(VENV)/.installed-test
 	UBSAN_OPTIONS=print_stacktrace=1:halt_on_error=1 \
 	$(PY) -m pytest -q -p no:cacheprovider tests/test_fuzz.py tests/test_kernel.py \
 	    tests/test_chain.py tests/test_cli.py tests/test_server.py
+
+sanitize: asan
 
 clean:
 	rm -rf $(VENV) build *.egg-info adaptive_llama/*.so
