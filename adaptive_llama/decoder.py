@@ -8,9 +8,10 @@ own chain (``llama_sampler_sample(chain, ctx, i)`` for its batch index i). Seque
 and finish independently (continuous batching); a finished one leaves its KV cells in its
 slot, so the next prompt that shares a prefix with them re-evaluates only the rest.
 
-Logits depend a little on what else is in the batch (llama.cpp computes a batch with other
-kernels than a single row), so the same seed repeats the same text only with the same
-company: alone, or with the same batch.
+A sequence's logits may depend on what else is in the batch: llama.cpp does not promise
+otherwise, and backends such as CUDA compute a batch with other kernels than a single row. On
+the CPU build tested here they did not (tests/test_server.py), but the same seed is promised
+to repeat its text only in the same company: alone, or with the same batch.
 """
 
 from __future__ import annotations
@@ -153,12 +154,7 @@ class Decoder:
         if not free:
             raise RuntimeError("every slot is busy")
         slot = max(free, key=lambda s: (_shared_prefix(s.tokens, prompt), -s.index))
-        # Re-evaluate at least two tokens: llama.cpp computes a one-token batch with other
-        # kernels, and a repeated request would not repeat under its seed.
-        shared = max(0, min(_shared_prefix(slot.tokens, prompt), len(prompt) - 2))
-        llama_cpp.llama_memory_seq_rm(self._memory, slot.index, shared, -1)
-        del slot.tokens[shared:]
-        generation.todo = prompt[shared:]
+        generation.todo = self._reuse(slot, prompt)
         generation.slot, slot.generation = slot, generation
         self.live.append(generation)
 
@@ -166,25 +162,36 @@ class Decoder:
         """Evaluate tokens in the first slot, outside any generation (its cache is reused for
         a shared prefix); the logits of the last one stay in the context."""
         slot = self.slots[0]
+        rest = self._reuse(slot, tokens)
+        try:
+            for start in range(0, len(rest), self.n_batch):
+                chunk = rest[start:start + self.n_batch]
+                for j, token in enumerate(chunk):
+                    self._put(j, token, slot, j, j == len(chunk) - 1)
+                self._batch.n_tokens = len(chunk)
+                self._decode()
+                slot.tokens += chunk
+        except BaseException:
+            self._forget(slot)
+            raise
+
+    def _reuse(self, slot: Slot, tokens: list[int]) -> list[int]:
+        """Keep the slot's cache for the prefix it shares with ``tokens``; the rest, to
+        evaluate. At least two tokens are evaluated again: llama.cpp computes a one-token
+        batch with other kernels, and a repeated request would not repeat under its seed."""
         shared = max(0, min(_shared_prefix(slot.tokens, tokens), len(tokens) - 2))
         llama_cpp.llama_memory_seq_rm(self._memory, slot.index, shared, -1)
         del slot.tokens[shared:]
-        rest = tokens[shared:]
-        for start in range(0, len(rest), self.n_batch):
-            chunk = rest[start:start + self.n_batch]
-            for j, token in enumerate(chunk):
-                self._put(j, token, slot, j, j == len(chunk) - 1)
-            self._batch.n_tokens = len(chunk)
-            self._decode_or_forget([slot])
-            slot.tokens += chunk
+        return tokens[shared:]
 
-    def _decode_or_forget(self, slots: list[Slot]) -> None:
-        """llama_decode the batch; on failure the slots' caches are emptied (unknown now)."""
+    def _forget(self, slot: Slot) -> None:
+        """Empty one slot's cache (after a failure, what it holds is no longer known)."""
+        slot.tokens.clear()
+        llama_cpp.llama_memory_seq_rm(self._memory, slot.index, 0, -1)
+
+    def _decode(self) -> None:
         code = llama_cpp.llama_decode(self._ctx, self._batch)
         if code != 0:
-            for slot in slots:
-                slot.tokens.clear()
-                llama_cpp.llama_memory_seq_rm(self._memory, slot.index, 0, -1)
             raise RuntimeError(f"llama_decode returned {code}: the context is full or the "
                                "batch is malformed")
 
@@ -225,7 +232,7 @@ class Decoder:
                     wants.append((generation, n - 1))
         self._batch.n_tokens = n
         try:
-            self._decode_or_forget([g.slot for g in self.live])
+            self._decode()
             self.tuner.observe()
             for generation, _ in wants:  # the token it fed, if any, is in its cache now
                 if generation.next_token is not None:
@@ -239,8 +246,7 @@ class Decoder:
         except BaseException:
             # A Ctrl-C or an error mid-step: what the KV cells hold is no longer known.
             for generation in list(self.live):
-                generation.slot.tokens.clear()
-                llama_cpp.llama_memory_seq_rm(self._memory, generation.slot.index, 0, -1)
+                self._forget(generation.slot)
                 self._finish(generation, "interrupted")
             raise
 

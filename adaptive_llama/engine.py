@@ -18,6 +18,7 @@ generates for many prompts at once.
 from __future__ import annotations
 
 import ctypes
+import re
 import secrets
 import sys
 from pathlib import Path
@@ -164,7 +165,7 @@ class Engine:
                                ThreadTuner(self.ctx, threads, adaptive=n_threads is None))
         self.metadata = self._model.metadata()
         self._formatter = self._chat_formatter()
-        self._special_texts: list[tuple[str, int]] | None = None
+        self._specials: tuple[re.Pattern, dict[str, int]] | None = None
 
     def _load_model(self, n_gpu_layers: int, verbose: bool):
         params = llama_cpp.llama_model_default_params()
@@ -285,30 +286,29 @@ class Engine:
 
     def _split_specials(self, markup: str) -> Iterator[tuple[str, int | None]]:
         """Markup split into plain text and control tokens (longest match first)."""
-        if self._special_texts is None:
-            self._special_texts = self._control_tokens()
+        if self._specials is None:
+            by_text = self._control_tokens()
+            self._specials = (re.compile("|".join(
+                re.escape(t) for t in sorted(by_text, key=len, reverse=True))), by_text)
+        pattern, by_text = self._specials
         pos = 0
-        while pos < len(markup):
-            hits = [(markup.find(t, pos), -len(t), t, i) for t, i in self._special_texts]
-            hits = [h for h in hits if h[0] >= 0]
-            if not hits:
-                break
-            at, _, text, token = min(hits)
-            if at > pos:
-                yield markup[pos:at], None
-            yield text, token
-            pos = at + len(text)
+        for match in pattern.finditer(markup) if by_text else ():
+            if match.start() > pos:
+                yield markup[pos:match.start()], None
+            yield match.group(), by_text[match.group()]
+            pos = match.end()
         if pos < len(markup):
             yield markup[pos:], None
 
-    def _control_tokens(self) -> list[tuple[str, int]]:
+    def _control_tokens(self) -> dict[str, int]:
+        """The text of every control or user-defined token -> its id (read once, lazily)."""
         wanted = llama_cpp.LLAMA_TOKEN_ATTR_CONTROL | llama_cpp.LLAMA_TOKEN_ATTR_USER_DEFINED
-        out = []
+        out = {}
         for token in range(self.n_vocab):
             if llama_cpp.llama_vocab_get_attr(self._vocab, token) & wanted:
                 text = self.piece(token, special=True).decode("utf-8", "replace")
                 if text:
-                    out.append((text, token))
+                    out.setdefault(text, token)
         return out
 
     # ---- generation ----
