@@ -47,6 +47,7 @@ as a warning. ``ADAPTIVE_LLAMA_BACKEND=numba`` (or ``c``) forces one.
 
 from __future__ import annotations
 
+import functools
 import logging
 import math
 import os
@@ -106,8 +107,9 @@ def _as_logits(logits) -> np.ndarray:
     return np.ascontiguousarray(x)
 
 
-def _check_values(x: np.ndarray) -> None:
-    """ValueError naming the first NaN or +inf, or an all -inf row (one pass when fine)."""
+def _check_values(x: np.ndarray):
+    """The max of x, or ValueError naming the first NaN or +inf, or an all -inf row (one pass
+    when fine)."""
     top = x.max()  # NaN propagates; +inf and an all -inf row show here too
     if np.isnan(top):
         raise ValueError(f"`logits` contains NaN at index {int(np.flatnonzero(np.isnan(x))[0])}")
@@ -115,6 +117,7 @@ def _check_values(x: np.ndarray) -> None:
         raise ValueError(f"`logits` contains +inf at index {int(np.flatnonzero(np.isposinf(x))[0])}")
     if top == -np.inf:
         raise ValueError("every logit is -inf: at least one token has to be possible")
+    return top
 
 
 def _validated_logits(logits) -> np.ndarray:
@@ -123,14 +126,15 @@ def _validated_logits(logits) -> np.ndarray:
     return x
 
 
-def _run_kernel(x: np.ndarray, epsilon: float, want_stats: bool):
+def _run_kernel(x: np.ndarray, epsilon: float, want_stats: bool, backend: str | None):
     """The backend on x; the C kernel checks the values itself (it notices bad logits in its
     normaliser), so only a failure costs the extra pass that names the problem."""
     if x.shape[0] == 1:
         _check_values(x)
         return None
     try:
-        return _kernel(x, epsilon, want_stats)
+        run = _kernel if backend is None else _kernel_for(backend)
+        return run(x, epsilon, want_stats)
     except native.InvalidLogits:
         _check_values(x)
         raise
@@ -174,36 +178,67 @@ def adaptive_k_reference(logits, epsilon: float) -> int:
 # ---- backend selection: once, at import ----
 
 
-def _choose_backend():
+def _make_c_kernel():
+    lib, why = native.load()
+    if lib is None:
+        raise ValueError(f"the C backend is not available: {why}")
+
+    def c_kernel(x, eps, want_stats):
+        return native.adaptive_native(lib, x, eps, want_stats)
+
+    return c_kernel
+
+
+def _make_numba_kernel():
+    from .kernel_numba import adaptive_numba  # numba's import costs a second: only when used
+
+    def numba_kernel(x, eps, want_stats):
+        # its fast-math loops cannot be trusted to notice NaN or inf; the check finds the max
+        return adaptive_numba(x, _check_values(x), eps, want_stats)
+
+    return numba_kernel
+
+
+_KERNEL_FACTORIES = {"c": _make_c_kernel, "numba": _make_numba_kernel}
+
+
+@functools.cache
+def _kernel_for(backend: str):
+    """The kernel of one backend (built once), or ValueError naming what is wrong."""
+    try:
+        make = _KERNEL_FACTORIES[backend]
+    except KeyError:
+        raise ValueError(f"`backend` has to be 'c' or 'numba', but is {backend!r}") from None
+    return make()
+
+
+def _choose_backend() -> str:
+    """The backend that runs: C when its library loads, else numba; logged once (a missing C
+    library is a warning: numba is slower), and ADAPTIVE_LLAMA_BACKEND=c|numba forces one."""
     forced = os.environ.get("ADAPTIVE_LLAMA_BACKEND", "").strip().lower()
     if forced not in ("", "c", "numba"):
         raise ImportError(
             f"ADAPTIVE_LLAMA_BACKEND has to be 'c' or 'numba', but is {forced!r}"
         )
     lib, why = native.load()
-    if forced != "numba" and lib is not None:
-        log.debug("adaptive kernel backend: C (native/adaptive.c)")
-        return "c", lambda x, eps, stats: native.adaptive_native(lib, x, eps, stats)
-    if forced == "c":
+    if forced == "c" and lib is None:
         raise ImportError(f"ADAPTIVE_LLAMA_BACKEND=c, but {why}")
-    from .kernel_numba import adaptive_numba
-
-    if forced == "numba":
-        log.debug("adaptive kernel backend: numba (forced by ADAPTIVE_LLAMA_BACKEND)")
-    else:
-        log.warning("adaptive kernel backend: numba, because %s; reinstall with a C compiler "
-                    "for the faster C kernel", why)
-    def numba_kernel(x, eps, want_stats):
-        _check_values(x)  # its fast-math loops cannot be trusted to notice NaN or inf
-        return adaptive_numba(x, eps, want_stats)
-
-    return "numba", numba_kernel
+    if forced:
+        log.info("adaptive backend: %s (forced by ADAPTIVE_LLAMA_BACKEND)", forced)
+        return forced
+    if lib is not None:
+        log.info("adaptive backend: c (native/adaptive.c)")
+        return "c"
+    log.warning("adaptive backend: numba, because %s; reinstall with a C compiler "
+                "for the faster C kernel", why)
+    return "numba"
 
 
-BACKEND, _kernel = _choose_backend()
+BACKEND = _choose_backend()
+_kernel = _kernel_for(BACKEND)
 
 
-def adaptive_k(logits, epsilon: float) -> int:
+def adaptive_k(logits, epsilon: float, backend: str | None = None) -> int:
     """The candidate-set size k* of adaptive decoding (formula in the module docstring).
 
     Args:
@@ -211,23 +246,26 @@ def adaptive_k(logits, epsilon: float) -> int:
             masked token. Not modified.
         epsilon: the threshold on the confidence gain, in (0, 1). The paper recommends
             0.0005 for open-ended text (about 1e-4 to 1e-3); larger keeps fewer tokens.
+        backend: ``"c"`` or ``"numba"`` to run that kernel; None (default) runs
+            :data:`BACKEND`.
 
     Returns:
         k* in [1, number of finite logits].
 
     Raises:
         ValueError: NaN or +inf in ``logits``, an empty or non-1-D array, every logit
-            ``-inf``, or ``epsilon`` not a finite number in (0, 1).
+            ``-inf``, ``epsilon`` not a finite number in (0, 1), or an unknown or
+            unavailable ``backend``.
 
     Cost: O(V) (three passes over the logits) plus a sort of the < 1/epsilon tokens with
     p > epsilon; runs on :data:`BACKEND`.
     """
     epsilon = validate_epsilon(epsilon)
-    out = _run_kernel(_as_logits(logits), epsilon, False)
+    out = _run_kernel(_as_logits(logits), epsilon, False, backend)
     return 1 if out is None else int(out[0])
 
 
-def adaptive_stats(logits, epsilon: float) -> AdaptiveStats:
+def adaptive_stats(logits, epsilon: float, backend: str | None = None) -> AdaptiveStats:
     """k*, kept probability mass, Conf and entropy of one step (see :class:`AdaptiveStats`).
 
     Same arguments, validation and cost as :func:`adaptive_k`, plus one multiply-add per token
@@ -235,7 +273,7 @@ def adaptive_stats(logits, epsilon: float) -> AdaptiveStats:
     """
     epsilon = validate_epsilon(epsilon)
     x = _as_logits(logits)
-    out = _run_kernel(x, epsilon, True)
+    out = _run_kernel(x, epsilon, True, backend)
     if out is None:
         return AdaptiveStats(k=1, kept_mass=1.0, conf=math.nan, entropy=0.0)
     k, kept, entropy = out

@@ -2,15 +2,20 @@
 
 The formula and its edge cases are documented in :mod:`adaptive_llama.kernel`. numba's LLVM
 has no vector math library here (llvmlite ships without SVML), so ``math.exp`` over float32
-would run one scalar call per token; :func:`_exp_f32` is a branch-free Cody-Waite/Cephes
-``expf`` that LLVM vectorises instead (about 1 ulp, like glibc's vector ``expf``). The
-tokens that decide k* get exact float64 weights anyway, so its error only reaches the sum
-of the tail, where it is harmless.
+would run one scalar call per token; :func:`_exp_weight` is the C kernel's branch-free
+Cody-Waite/Cephes ``expf`` (within 1 ulp, exactly 0 below -87.3), which LLVM vectorises. The
+tokens that decide k* get exact float64 weights anyway, so its error only reaches the sum of
+the tail, where it is harmless.
+
+:func:`decide` is shared by the array API (:func:`adaptive_numba`) and the in-chain sampler
+(:mod:`adaptive_llama.chain_numba`); it works in buffers the caller owns, so a token costs no
+allocation of vocabulary size.
 """
 
 from __future__ import annotations
 
 import math
+import threading
 
 import numpy as np
 from llvmlite import ir
@@ -20,11 +25,9 @@ from numba.extending import intrinsic
 _LOG2E = np.float32(1.4426950408889634)
 _LN2_HI = np.float32(0.693359375)
 _LN2_LO = np.float32(-2.12194440e-4)
-# exp(-87.3) is the smallest normal float32; below it the 2^n trick needs subnormals.
-# A masked token then weighs 1e-38 instead of 0, which no sum or threshold can notice.
-_EXP_ARG_MIN_F32 = np.float32(-87.3)
-_EXP_ARG_MIN_F64 = -745.0
-_CHUNK = 64
+# Below exp(-87.3) float32 turns subnormal and the 2^n trick fails: such a weight is 0,
+# as for a masked (-inf) token.
+_EXP_ARG_MIN = np.float32(-87.3)
 _CANDIDATE_SLACK = 0.99  # collect p > 0.99 eps: the float32 weights only estimate S
 
 
@@ -40,10 +43,12 @@ def _float_from_bits(typingctx, bits):
 
 
 @njit(inline="always", fastmath=True)
-def _exp_f32(d):
-    """exp(d) for float32 d in [-87.3, 0]: d = n ln2 + r, exp(r) by a degree-7 polynomial."""
-    n = np.floor(d * _LOG2E + np.float32(0.5))
-    r = d - n * _LN2_HI - n * _LN2_LO
+def _exp_weight(d):
+    """exp(d) for float32 d <= 0: d = n ln2 + r, exp(r) by a degree-7 polynomial; 0 below
+    -87.3 (see native/adaptive.c exp_weight)."""
+    c = d if d > _EXP_ARG_MIN else _EXP_ARG_MIN
+    n = np.floor(c * _LOG2E + np.float32(0.5))
+    r = c - n * _LN2_HI - n * _LN2_LO
     p = np.float32(1.9875691500e-4)
     p = p * r + np.float32(1.3981999507e-3)
     p = p * r + np.float32(8.3334519073e-3)
@@ -51,124 +56,161 @@ def _exp_f32(d):
     p = p * r + np.float32(1.6666665459e-1)
     p = p * r + np.float32(5.0000001201e-1)
     p = p * r * r + r + np.float32(1.0)
-    return p * _float_from_bits((np.int32(n) + np.int32(127)) << np.int32(23))
+    v = p * _float_from_bits((np.int32(n) + np.int32(127)) << np.int32(23))
+    return v if d >= _EXP_ARG_MIN else np.float32(0.0)
 
 
 @njit(cache=True, fastmath=True)
-def _weights_f32(x, m, w, want_entropy):
-    s = 0.0
-    sd = 0.0
-    for i in range(x.shape[0]):
-        d = max(x[i] - m, _EXP_ARG_MIN_F32)
-        v = _exp_f32(d)
-        w[i] = v
-        s += np.float64(v)
-        if want_entropy:
-            sd += np.float64(v) * np.float64(d)
-    return s, sd
-
-
-@njit(cache=True, fastmath=True)
-def _weights_f64(x, m, w, want_entropy):
-    s = 0.0
-    sd = 0.0
-    for i in range(x.shape[0]):
-        d = max(x[i] - m, _EXP_ARG_MIN_F64)
-        v = np.float32(math.exp(d))
-        w[i] = v
-        s += np.float64(v)
-        if want_entropy:
-            sd += np.float64(v) * d
-    return s, sd
-
-
-@njit(cache=True, fastmath=True)
-def _max(x):
+def max_of(x):
     m = x[0]
     for i in range(1, x.shape[0]):
-        m = max(m, x[i])
+        m = x[i] if x[i] > m else m  # not max(): its NaN rule keeps LLVM from vectorising
     return m
 
 
 @njit(cache=True, fastmath=True)
-def _collect(w, threshold, cand):
-    """Indices with w > threshold into cand; returns (count, sum of the other weights)."""
+def weights(x, m, w, want_entropy):
+    """w_i = exp(x_i - m) in float32 (x float32 or float64); returns (S, sum w_i (x_i - m)).
+
+    Without the entropy S is a float32 sum, as in the C kernel: it only places the candidate
+    threshold, which has slack, and the tail is summed again in float64."""
+    if want_entropy:
+        return _weights_entropy(x, m, w)
+    s = np.float32(0.0)
+    for i in range(x.shape[0]):
+        v = _exp_weight(np.float32(x[i] - m))
+        w[i] = v
+        s += v
+    return np.float64(s), 0.0
+
+
+@njit(cache=True, fastmath=True)
+def _weights_entropy(x, m, w):
+    s = 0.0
+    sd = 0.0
+    for i in range(x.shape[0]):
+        d = np.float32(x[i] - m)
+        v = _exp_weight(d)
+        w[i] = v
+        s += np.float64(v)
+        d = d if d > _EXP_ARG_MIN else _EXP_ARG_MIN  # 0 * -inf would be NaN
+        sd += np.float64(v) * np.float64(d)
+    return s, sd
+
+
+@njit(cache=True, fastmath=True)
+def _collect(w, threshold, cand, flags):
+    """Indices with w > threshold into cand, in order; returns (count, sum of the others).
+
+    Two loops LLVM vectorises (flag every token, sum the unflagged ones in float64), then
+    the flags read 8 at a time as one word, which is 0 nearly everywhere."""
     n = w.shape[0]
-    nc = 0
     tail = 0.0
-    for i0 in range(0, n, _CHUNK):
-        end = min(i0 + _CHUNK, n)
-        cmax = np.float32(0.0)
-        csum = 0.0
-        for j in range(i0, end):
-            cmax = max(cmax, w[j])
-            csum += np.float64(w[j])
-        if cmax <= threshold:
-            tail += csum
-            continue
-        for j in range(i0, end):
-            if w[j] > threshold:
-                cand[nc] = j
-                nc += 1
-            else:
-                tail += np.float64(w[j])
+    for i in range(n):
+        v = w[i]
+        hot = v > threshold
+        flags[i] = hot
+        tail += 0.0 if hot else np.float64(v)
+    nc = 0
+    whole = n // 8 * 8
+    words = flags[:whole].view(np.uint64)
+    for k in range(words.shape[0]):
+        if words[k] != 0:
+            for j in range(8 * k, 8 * k + 8):
+                if flags[j]:
+                    cand[nc] = j
+                    nc += 1
+    for j in range(whole, n):
+        if flags[j]:
+            cand[nc] = j
+            nc += 1
     return nc, tail
 
 
 @njit(cache=True)
-def _scan(weights, tail, V, eps):
-    """Algorithm 1 over sorted candidate weights; tail[j] = S R_j. Returns k* (0 if none)."""
-    S = tail[0]
-    ln_v = math.log(V)
-    kstar = 0
-    for k in range(1, weights.shape[0] + 1):
-        p = weights[k - 1] / S
-        r = tail[k] / S
-        r_prev = tail[k - 1] / S
-        n_after = V - k
-        if k == V or r <= 0.0:
-            gain = p * math.log(n_after + 1.0)  # the limit R_k -> 0
-        else:
-            # p_k ln(p_k (V-k)/R_k) + R_{k-1} ln((R_k/(V-k)) / (R_{k-1}/(V-k+1))), the second
-            # log split in two, each ratio by log1p when it is near 1 (see native/adaptive.c).
-            if r < 0.5 * r_prev:
-                tail_ratio_log = math.log(r / r_prev)
-            else:
-                tail_ratio_log = math.log1p(-p / r_prev)
-            gain = p * math.log(p * n_after / r) + r_prev * (
-                tail_ratio_log + math.log1p(1.0 / n_after))
-        if gain > eps * ln_v:
-            kstar = k
-    return kstar
+def _gain(p, r, r_prev, n_after):
+    """dConf_k ln V from p_k, R_k, R_{k-1} and V - k (see native/adaptive.c gains)."""
+    if n_after <= 0 or r <= 0.0:
+        return p * math.log(n_after + 1.0)  # the limit R_k -> 0
+    # p_k ln(p_k (V-k)/R_k) + R_{k-1} ln((R_k/(V-k)) / (R_{k-1}/(V-k+1))), the second log
+    # split in two, each ratio by log1p when it is near 1.
+    if r < 0.5 * r_prev:
+        tail_ratio_log = math.log(r / r_prev)
+    else:
+        tail_ratio_log = math.log1p(-p / r_prev)
+    return p * math.log(p * n_after / r) + r_prev * (tail_ratio_log + math.log1p(1.0 / n_after))
 
 
 @njit(cache=True)
-def _select(x, w, m, S, eps):
-    """(k*, kept mass) from the weights of pass 2; see native/adaptive.c select_*."""
+def _scan(exact, tail, nc, V, eps):
+    """Algorithm 1 over sorted candidate weights; tail[j] = S R_j. Returns k* (0 if none).
+
+    From the back: the first k found above epsilon is the last one."""
+    S = tail[0]
+    bar = eps * math.log(V)
+    for k in range(nc, 0, -1):
+        if _gain(exact[k - 1] / S, tail[k] / S, tail[k - 1] / S, V - k) > bar:
+            return k
+    return 0
+
+
+@njit(cache=True)
+def decide(x, w, m, S, eps, cand, exact, tail, flags):
+    """k* and the kept mass from the weights of pass 2, as native/adaptive.c select_*.
+
+    Leaves the candidates' indices in cand[:nc] and their exact float64 weights in exact[:nc],
+    sorted by weight (descending, ties in index order); returns (k*, kept mass, nc). With no
+    token above epsilon: the arg-max alone, nc = 1. Buffers: cand, exact and flags (uint8)
+    hold n entries, tail n + 1.
+    """
     n = x.shape[0]
-    cap = min(int(1.0 / (eps * _CANDIDATE_SLACK)) + 2, n)
-    cand = np.empty(cap, dtype=np.int64)
-    nc, rest = _collect(w, np.float32(eps * _CANDIDATE_SLACK * S), cand)
-    if nc == 0:  # p_max <= eps: k* = 1
-        return 1, 1.0 / S
-    exact = np.empty(nc)
+    nc, rest = _collect(w[:n], np.float32(eps * _CANDIDATE_SLACK * S), cand, flags)
+    if nc == 0:  # p_max <= eps: k* = 1, the arg-max, whose weight is exp(0) = 1
+        best = 0
+        for i in range(n):
+            if x[i] == m:
+                best = i
+                break
+        cand[0] = best
+        exact[0] = 1.0
+        return 1, 1.0 / S, 1
     for j in range(nc):
         exact[j] = math.exp(np.float64(x[cand[j]]) - np.float64(m))
-    exact = -np.sort(-exact)
-    tail = np.empty(nc + 1)
+    order = np.argsort(-exact[:nc], kind="mergesort")  # stable: ties keep index order
+    cand[:nc] = cand[:nc][order]
+    exact[:nc] = exact[:nc][order]
     tail[nc] = rest
     for j in range(nc, 0, -1):
         tail[j - 1] = tail[j] + exact[j - 1]
-    k = max(_scan(exact, tail, n, eps), 1)
-    return k, exact[:k].sum() / tail[0]
+    k = max(_scan(exact, tail, nc, n, eps), 1)
+    return k, exact[:k].sum() / tail[0], nc
 
 
-def adaptive_numba(x: np.ndarray, eps: float, want_stats: bool):
-    """Returns (k*, kept mass, entropy); entropy is NaN unless want_stats. x: 1-D, n >= 2."""
-    w = np.empty(x.shape[0], dtype=np.float32)
-    m = _max(x)
-    weights = _weights_f32 if x.dtype == np.float32 else _weights_f64
+class _Workspace(threading.local):
+    """Per-thread buffers of the array API, grown to the largest vocabulary seen."""
+
+    def __init__(self):
+        self.size = -1
+
+    def buffers(self, n: int):
+        if n > self.size:
+            self.w = np.empty(n, dtype=np.float32)
+            self.cand = np.empty(n, dtype=np.int64)
+            self.exact = np.empty(n)
+            self.tail = np.empty(n + 1)
+            self.flags = np.empty(n, dtype=np.uint8)
+            self.size = n
+        return self.w, self.cand, self.exact, self.tail, self.flags
+
+
+_workspace = _Workspace()
+
+
+def adaptive_numba(x: np.ndarray, m: float, eps: float, want_stats: bool):
+    """Returns (k*, kept mass, entropy); entropy is NaN unless want_stats. x: 1-D, n >= 2,
+    m its max (numpy's max is vectorised, numba's is not)."""
+    w, cand, exact, tail, flags = _workspace.buffers(x.shape[0])
     S, wd = weights(x, m, w, want_stats)
-    k, kept = _select(x, w, m, S, eps)
+    k, kept, _ = decide(x, w, m, S, eps, cand, exact, tail, flags)
     entropy = math.log(S) - wd / S if want_stats else math.nan
     return k, kept, entropy
