@@ -27,8 +27,11 @@ $(VENV)/.installed-%: $(DEPS) | $(PY)
 chat: $(VENV)/.installed-default-model
 	$(VENV)/bin/adaptive-llama run
 
+# The whole suite twice: with the backend a normal install picks (C), then with the numba
+# kernel and in-chain samplers forced, as on a machine without a C compiler.
 test: $(VENV)/.installed-test
 	$(PY) -m pytest -q
+	ADAPTIVE_LLAMA_BACKEND=numba $(PY) -m pytest -q -p no:cacheprovider
 
 bench: $(VENV)/.installed-bench
 	$(PY) benchmarks/bench_kernel.py

@@ -1,7 +1,10 @@
 """The llama.cpp binding: sampler chains built from specs, with native adaptive and eta samplers.
 
-The adaptive and eta samplers are real ``llama_sampler`` objects whose ``apply`` is the C code
-in ``native/adaptive.c``: no Python runs inside them. A chain is ``[grammar] -> [temp] ->
+The adaptive and eta samplers are real ``llama_sampler`` objects whose ``apply`` is machine
+code: the C code in ``native/adaptive.c``, or, where that library is missing or
+``ADAPTIVE_LLAMA_BACKEND=numba`` asks, the numba cfuncs of :mod:`adaptive_llama.chain_numba`
+(the backend :data:`adaptive_llama.kernel.BACKEND` names, chosen once). No Python runs per
+token. A chain is ``[grammar] -> [temp] ->
 truncation -> final choice``, built from the spec's entry in the sampler table
 (:mod:`adaptive_llama.samplers`); it holds exactly the samplers its spec names (llama-cpp-python's
 default top_k 40 / top_p 0.95 / min_p 0.05 never run behind a spec that did not ask for them).
@@ -19,6 +22,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import functools
 from dataclasses import dataclass
 
 from .compat import check_llama_cpp_version
@@ -28,12 +32,12 @@ LLAMA_CPP_VERSION = check_llama_cpp_version()  # before anything touches llama.c
 import llama_cpp  # noqa: E402
 from llama_cpp import _internals  # noqa: E402
 
-from . import native  # noqa: E402
+from . import kernel, native  # noqa: E402
 from .samplers import SEED, SamplerSpec, spec_of  # noqa: E402
 
 
 class NativeSamplersUnavailable(RuntimeError):
-    """The C library with the adaptive and eta samplers is missing."""
+    """The C library with the adaptive and eta samplers is missing or does not fit."""
 
 
 def native_samplers() -> ctypes.CDLL:
@@ -67,6 +71,43 @@ def _check_layouts(lib: ctypes.CDLL) -> None:
             "this llama-cpp-python's structs differ from the ones native/adaptive.c was "
             f"written for: {', '.join(wrong)}"
         )
+
+
+class _CSamplers:
+    """The samplers of native/adaptive.c."""
+
+    name = "c"
+
+    def __init__(self):
+        self.lib = native_samplers()
+
+    def adaptive(self, eps, uniform, seed, record, n_vocab) -> int:
+        return self.lib.al_adaptive_sampler_new(eps, int(uniform), seed, int(record))
+
+    def stats(self, address) -> native.Stats:
+        return self.lib.al_adaptive_sampler_stats(address).contents
+
+    def eta(self, eps, n_vocab) -> int:
+        return self.lib.al_eta_sampler_new(eps)
+
+
+class _NumbaSamplers:
+    """The samplers of chain_numba (compiled, or read from numba's cache, on first use)."""
+
+    name = "numba"
+
+    def __init__(self):
+        from . import chain_numba
+
+        self.adaptive = chain_numba.adaptive_sampler_new
+        self.stats = chain_numba.adaptive_sampler_stats
+        self.eta = chain_numba.eta_sampler_new
+
+
+@functools.cache
+def in_chain_samplers():
+    """The adaptive and eta sampler makers of :data:`kernel.BACKEND`."""
+    return _CSamplers() if kernel.BACKEND == "c" else _NumbaSamplers()
 
 
 @dataclass(frozen=True)
@@ -141,16 +182,21 @@ class SamplerChain:
         self._chain.add_mirostat_v2(self.seed, tau, eta)
 
     def eta(self, epsilon: float) -> None:
-        self._add_native(native_samplers().al_eta_sampler_new(epsilon))
+        self._add_native(in_chain_samplers().eta(epsilon, self._n_vocab))
 
     def adaptive(self, epsilon: float, uniform: bool) -> None:
-        lib = native_samplers()
-        self._adaptive = self._add_native(lib.al_adaptive_sampler_new(
-            epsilon, int(uniform), self.seed, int(self._record_stats)))
-        self._stats = lib.al_adaptive_sampler_stats(self._adaptive).contents
+        samplers = in_chain_samplers()
+        self._adaptive = self._add_native(samplers.adaptive(
+            epsilon, uniform, self.seed, self._record_stats, self._n_vocab))
+        self._stats = samplers.stats(self._adaptive)
+
+    @property
+    def backend(self) -> str:
+        """Which implementation runs the adaptive and eta samplers: "c" or "numba"."""
+        return in_chain_samplers().name
 
     def _add_native(self, address: int | None) -> int:
-        """Hand a sampler made by the C library to the chain, which frees it with itself."""
+        """Hand a sampler made by a backend to the chain, which frees it with itself."""
         if not address:
             raise MemoryError("llama.cpp could not create the sampler")
         pointer = ctypes.cast(address, llama_cpp.llama_sampler_p_ctypes)

@@ -38,6 +38,7 @@ class GenerationResult:
     completion_tokens: int
     sampler: str
     seed: int
+    backend: str = ""             # what runs the adaptive and eta samplers: "c" or "numba"
     tokens: list[int] = field(default_factory=list)
     token_stats: list = field(default_factory=list)   # TokenStats, adaptive only
     prompt_eval_s: float = 0.0
@@ -56,7 +57,8 @@ class GenerationResult:
     def summary(self) -> dict:
         """The figures of the reply, for the REPL's /stats, the server's ``sampler_stats``
         and ``generate --json``: speed, finish, and for adaptive the spread of k and Conf."""
-        out = {"sampler": self.sampler, "seed": self.seed, "finish_reason": self.finish_reason,
+        out = {"sampler": self.sampler, "seed": self.seed, "backend": self.backend,
+               "finish_reason": self.finish_reason,
                "completion_tokens": self.completion_tokens,
                "decode_tokens_per_s": round(self.decode_tokens_per_s, 2),
                "time_to_first_token_s": round(self.time_to_first_token_s, 4)}
@@ -89,7 +91,7 @@ class Generation:
         self.stop = stop
         self.result = GenerationResult(
             text="", finish_reason="interrupted", prompt_tokens=len(prompt_tokens),
-            completion_tokens=0, sampler=str(chain.spec), seed=chain.seed)
+            completion_tokens=0, sampler=str(chain.spec), seed=chain.seed, backend=chain.backend)
         self.pieces: list[str] = []
         self.done = False
         self.slot: Slot | None = None

@@ -42,7 +42,7 @@ def _float_from_bits(typingctx, bits):
     return sig, codegen
 
 
-@njit(inline="always", fastmath=True)
+@njit(inline="always", fastmath=True, error_model="numpy")
 def _exp_weight(d):
     """exp(d) for float32 d <= 0: d = n ln2 + r, exp(r) by a degree-7 polynomial; 0 below
     -87.3 (see native/adaptive.c exp_weight)."""
@@ -60,7 +60,7 @@ def _exp_weight(d):
     return v if d >= _EXP_ARG_MIN else np.float32(0.0)
 
 
-@njit(cache=True, fastmath=True)
+@njit(cache=True, fastmath=True, error_model="numpy")
 def max_of(x):
     m = x[0]
     for i in range(1, x.shape[0]):
@@ -68,7 +68,7 @@ def max_of(x):
     return m
 
 
-@njit(cache=True, fastmath=True)
+@njit(cache=True, fastmath=True, error_model="numpy")
 def weights(x, m, w, want_entropy):
     """w_i = exp(x_i - m) in float32 (x float32 or float64); returns (S, sum w_i (x_i - m)).
 
@@ -84,7 +84,7 @@ def weights(x, m, w, want_entropy):
     return np.float64(s), 0.0
 
 
-@njit(cache=True, fastmath=True)
+@njit(cache=True, fastmath=True, error_model="numpy")
 def _weights_entropy(x, m, w):
     s = 0.0
     sd = 0.0
@@ -98,7 +98,7 @@ def _weights_entropy(x, m, w):
     return s, sd
 
 
-@njit(cache=True, fastmath=True)
+@njit(cache=True, fastmath=True, error_model="numpy")
 def _collect(w, threshold, cand, flags):
     """Indices with w > threshold into cand, in order; returns (count, sum of the others).
 
@@ -127,7 +127,7 @@ def _collect(w, threshold, cand, flags):
     return nc, tail
 
 
-@njit(cache=True)
+@njit(cache=True, error_model="numpy")
 def _gain(p, r, r_prev, n_after):
     """dConf_k ln V from p_k, R_k, R_{k-1} and V - k (see native/adaptive.c gains)."""
     if n_after <= 0 or r <= 0.0:
@@ -141,7 +141,7 @@ def _gain(p, r, r_prev, n_after):
     return p * math.log(p * n_after / r) + r_prev * (tail_ratio_log + math.log1p(1.0 / n_after))
 
 
-@njit(cache=True)
+@njit(cache=True, error_model="numpy")
 def _scan(exact, tail, nc, V, eps):
     """Algorithm 1 over sorted candidate weights; tail[j] = S R_j. Returns k* (0 if none).
 
@@ -154,7 +154,7 @@ def _scan(exact, tail, nc, V, eps):
     return 0
 
 
-@njit(cache=True)
+@njit(cache=True, error_model="numpy")
 def decide(x, w, m, S, eps, cand, exact, tail, flags):
     """k* and the kept mass from the weights of pass 2, as native/adaptive.c select_*.
 

@@ -15,6 +15,7 @@ import sys
 import tempfile
 from pathlib import Path
 
+from . import kernel
 from .chat import Chat
 from .engine import ContextOverflow, Engine, GenerationResult
 from .samplers import INT32_MAX, SEED, Param, SpecError, parse_spec, table
@@ -241,6 +242,7 @@ class Repl:
         outside = f", {chat.dropped} outside the window" if chat.dropped else ""
         self.say(f"model       {self.engine.path}\n"
                  f"sampler     {chat.sampler}\n"
+                 f"backend     {kernel.BACKEND} (adaptive and eta samplers)\n"
                  f"seed        {_seed_text(chat.seed)}\n"
                  f"max-tokens  {chat.max_tokens}\n"
                  f"system      {chat.system or '(none)'}\n"

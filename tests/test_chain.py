@@ -6,9 +6,24 @@ import llama_cpp
 import numpy as np
 import pytest
 
-from adaptive_llama import adaptive_k
+from adaptive_llama import adaptive_k, chain as chain_module, kernel
 from adaptive_llama.kernel import adaptive_k_reference
 from adaptive_llama.chain import SamplerChain, use_sampler
+
+
+@pytest.fixture(autouse=True)
+def backend_chosen_again_after_each_test():
+    """Tests that switch kernel.BACKEND leave the chain's choice as it was."""
+    yield
+    chain_module.in_chain_samplers.cache_clear()
+
+
+@pytest.fixture(params=["c", "numba"])
+def backend(request, monkeypatch):
+    """Run the test with the adaptive and eta samplers of one backend in the chain."""
+    monkeypatch.setattr(kernel, "BACKEND", request.param)
+    chain_module.in_chain_samplers.cache_clear()
+    return request.param
 
 
 def current_logits(engine):
@@ -45,7 +60,7 @@ def test_chain_holds_what_the_spec_names_and_nothing_more(engine, spec, names):
         assert chain.names() == names
 
 
-def test_adaptive_keeps_exactly_the_kernels_k_on_real_logits(engine):
+def test_adaptive_keeps_exactly_the_kernels_k_on_real_logits(engine, backend):
     eps = 5e-4
     tokens = engine.tokenize("Rivers of Europe include the")
     with SamplerChain(f"adaptive:eps={eps}", seed=3, n_vocab=engine.n_vocab,
@@ -68,7 +83,7 @@ def test_adaptive_keeps_exactly_the_kernels_k_on_real_logits(engine):
             tokens.append(token)
 
 
-def test_adaptive_on_a_hand_made_distribution():
+def test_adaptive_on_a_hand_made_distribution(backend):
     # p = (0.4, 0.3, 0.2, 0.1): dConf = 0.039, 0.0255, 0.0123, 0 (see test_kernel).
     logits = np.log(np.array([0.1, 0.4, 0.2, 0.3]))
     with SamplerChain("adaptive:eps=0.02", seed=1, n_vocab=4) as chain:
@@ -96,7 +111,7 @@ def draw(spec, logits, n, seed=7):
     return ids
 
 
-def test_uniform_mode_samples_uniformly_in_the_kept_set():
+def test_uniform_mode_samples_uniformly_in_the_kept_set(backend):
     # p = (0.4, 0.3, 0.2, 0.1) shuffled; eps 0.02 keeps ids 1 and 3 (0.4 and 0.3).
     counts = draw("adaptive:eps=0.02,mode=uniform", np.log([0.1, 0.4, 0.2, 0.3]), 4000)
     assert set(counts) == {1, 3}
@@ -104,7 +119,7 @@ def test_uniform_mode_samples_uniformly_in_the_kept_set():
     assert chi_square_p([counts[1], counts[3]], [4 / 7, 3 / 7]) < 0.001  # not proportional
 
 
-def test_multinomial_mode_samples_in_proportion_to_p():
+def test_multinomial_mode_samples_in_proportion_to_p(backend):
     # eps 0.01 keeps 0.4, 0.3, 0.2 (k* = 3): draws follow p renormalised over the kept set.
     counts = draw("adaptive:eps=0.01", np.log([0.1, 0.4, 0.2, 0.3]), 6000)
     assert set(counts) == {1, 3, 2}
@@ -113,7 +128,7 @@ def test_multinomial_mode_samples_in_proportion_to_p():
     assert chi_square_p(observed, [1 / 3, 1 / 3, 1 / 3]) < 0.001
 
 
-def test_reset_restores_the_seeded_sequence():
+def test_reset_restores_the_seeded_sequence(backend):
     logits = np.log(np.array([0.1, 0.4, 0.2, 0.3]))
     with SamplerChain("adaptive:eps=0.01", seed=3, n_vocab=4) as chain:
         first = [apply_to(chain, logits)[1] for _ in range(30)]
@@ -123,7 +138,7 @@ def test_reset_restores_the_seeded_sequence():
 
 
 @pytest.mark.parametrize("scale,branch", [(6.0, "eps"), (1.0, "entropy")])
-def test_eta_keeps_exactly_what_its_formula_says(scale, branch):
+def test_eta_keeps_exactly_what_its_formula_says(scale, branch, backend):
     # The cut is min(eps, sqrt(eps) exp(-H)): a peaked distribution (low H) cuts at eps, a
     # broad one (H > ln(1/eps) / 2 = 3.5 nats here) at the entropy term: test both.
     rng = np.random.default_rng(11)
@@ -144,7 +159,7 @@ def test_eta_keeps_exactly_what_its_formula_says(scale, branch):
 
 
 @pytest.mark.parametrize("eps", [1e-20, 1e-300, 5e-324])
-def test_a_tiny_epsilon_keeps_every_possible_token(eps):
+def test_a_tiny_epsilon_keeps_every_possible_token(eps, backend):
     # Below about 1/V every token with p > 0 adds confidence; the C kernel once overflowed
     # its candidate buffer here (exit 139).
     logits = np.random.default_rng(5).normal(0, 3, 50_000)
@@ -155,7 +170,7 @@ def test_a_tiny_epsilon_keeps_every_possible_token(eps):
     assert len(kept) > 49_000
 
 
-def test_nan_logits_do_not_crash_the_sampler():
+def test_nan_logits_do_not_crash_the_sampler(backend):
     logits = np.full(1000, np.nan)
     with SamplerChain("adaptive:eps=0.001", seed=1, n_vocab=1000) as chain:
         kept, chosen = apply_to(chain, logits)
@@ -229,8 +244,11 @@ def test_use_sampler_with_a_users_own_llama(smollm2_path):
         llm.close()
 
 
-def test_out_of_memory_keeps_the_arg_max_and_counts_it():
+def test_out_of_memory_keeps_the_arg_max_and_counts_it(monkeypatch):
     from adaptive_llama.chain import native_samplers
+
+    monkeypatch.setattr(kernel, "BACKEND", "c")
+    chain_module.in_chain_samplers.cache_clear()
 
     logits = np.log(np.array([0.1, 0.4, 0.2, 0.3]))
     with SamplerChain("adaptive:eps=0.01", seed=1, n_vocab=4, record_stats=True) as chain:
@@ -242,7 +260,7 @@ def test_out_of_memory_keeps_the_arg_max_and_counts_it():
         assert kept == [1, 3, 2] and chain.fallbacks == 1
 
 
-def test_one_candidate_records_its_own_stats():
+def test_one_candidate_records_its_own_stats(backend):
     with SamplerChain("adaptive:eps=0.01", seed=1, n_vocab=4, record_stats=True) as chain:
         apply_to(chain, np.log(np.array([0.1, 0.4, 0.2, 0.3])))
         assert chain.last_stats().k == 3
@@ -254,7 +272,7 @@ def test_one_candidate_records_its_own_stats():
         assert arr.selected == 0 and (stats.k, stats.token, stats.p_chosen) == (1, 7, 1.0)
 
 
-def test_a_cloned_chain_continues_the_same_sequence():
+def test_a_cloned_chain_continues_the_same_sequence(backend):
     logits = np.log(np.array([0.1, 0.4, 0.2, 0.3]))
     with SamplerChain("adaptive:eps=0.01", seed=5, n_vocab=4) as chain:
         for _ in range(5):
@@ -269,3 +287,31 @@ def test_a_cloned_chain_continues_the_same_sequence():
         finally:
             llama_cpp.llama_sampler_free(clone)
     assert mine == theirs and len(set(mine)) > 1
+
+
+def test_numba_sampler_without_room_keeps_the_arg_max_and_counts_it(monkeypatch):
+    """The numba sampler's buffers hold n_vocab tokens; a larger array is its out of memory
+    (the C sampler grows its buffers: its out-of-memory test is above)."""
+    monkeypatch.setattr(kernel, "BACKEND", "numba")
+    chain_module.in_chain_samplers.cache_clear()
+    logits = np.log(np.array([0.1, 0.4, 0.2, 0.3]))
+    with SamplerChain("adaptive:eps=0.01", seed=1, n_vocab=3, record_stats=True) as chain:
+        kept, chosen = apply_to(chain, logits)
+        assert kept == [1] and chosen == 1 and chain.fallbacks == 1
+        assert chain.last_stats().k == 1 and chain.last_stats().token == 1
+    with SamplerChain("eta:eps=0.1", seed=1, n_vocab=3) as chain:
+        assert apply_to(chain, logits)[1] in range(4)  # no truncation, dist samples
+
+
+@pytest.mark.parametrize("spec", ["adaptive:eps=0.0005", "adaptive:eps=0.001,mode=uniform",
+                                  "adaptive:eps=0.0003,temp=1.5", "eta:eps=0.0009"])
+def test_same_seed_same_text_under_both_backends(engine, monkeypatch, spec):
+    texts = {}
+    for name in ("c", "numba"):
+        monkeypatch.setattr(kernel, "BACKEND", name)
+        chain_module.in_chain_samplers.cache_clear()
+        result = engine.generate("The old lighthouse keeper", sampler=spec, max_tokens=48,
+                                 seed=11)
+        assert result.backend == name and result.summary()["backend"] == name
+        texts[name] = (result.tokens, [s.k for s in result.token_stats])
+    assert texts["c"] == texts["numba"] and len(texts["c"][0]) == 48

@@ -5,6 +5,7 @@ import json
 import pytest
 from click.testing import CliRunner
 
+from adaptive_llama.kernel import BACKEND
 from adaptive_llama.cli import main
 
 
@@ -19,7 +20,7 @@ def chat(*lines, args=()):
 def show_block(out: str, index: int = -1) -> dict:
     """One /show block as {field: value}."""
     block = out.split("model       ")[index]
-    rows = [line.split(None, 1) for line in ("model " + block).splitlines()[:7]]
+    rows = [line.split(None, 1) for line in ("model " + block).splitlines()[:8]]
     return {row[0]: row[1] if len(row) > 1 else "" for row in rows}
 
 
@@ -108,6 +109,7 @@ def test_save_and_load_roundtrip(tmp_path):
     show = show_block(out)
     assert show["sampler"].startswith("adaptive:eps=0.002") and show["seed"] == "3"
     assert show["system"] == "Be brief." and "(2 messages)" in show["context"]
+    assert show["backend"].split()[0] == BACKEND
 
 
 @pytest.mark.parametrize("content,why", [

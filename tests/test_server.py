@@ -15,6 +15,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from adaptive_llama import kernel
 from test_fuzz import spec_texts
 
 API_KEY = "test-key"
@@ -109,6 +110,7 @@ def test_chat_non_streaming_fills_usage_and_sampler_stats(client):
     stats = r.model_extra["sampler_stats"]
     assert stats["sampler"].startswith("adaptive:eps=0.0005")  # the server's default
     assert stats["mean_k"] >= 1
+    assert stats["backend"] == kernel.BACKEND  # the server runs in a process of its own
 
 
 def test_chat_streaming_matches_non_streaming_and_ends_with_done(client, server):

@@ -1,0 +1,341 @@
+"""The adaptive and eta samplers for llama.cpp's chain, in numba: the fallback of the C ones.
+
+When the C library is missing (a prebuilt llama-cpp-python wheel on a machine without a C
+compiler) or ``ADAPTIVE_LLAMA_BACKEND=numba`` asks for it, these are the samplers
+:class:`adaptive_llama.chain.SamplerChain` adds. They keep the C samplers' contract
+(``native/adaptive.c``): the same kept set in the same order, the same splitmix64 random
+stream, the same statistics record (``al_stats``, read through :class:`native.Stats`), the
+same out-of-memory rule (a vocabulary larger than the buffers: the arg-max, counted in
+``n_fallbacks``). So a seed gives the same text under both backends.
+
+``apply`` and ``reset`` are ``numba.cfunc`` functions: llama.cpp calls machine code, no Python
+runs per token. ``name``, ``clone`` and ``free`` run rarely and are ctypes callbacks. Each
+sampler's state and buffers are one numpy record and arrays, kept alive in a registry until
+llama.cpp frees the sampler.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import math
+import threading
+
+import numpy as np
+from llvmlite import ir
+from numba import carray, cfunc, njit, types
+from numba.extending import intrinsic
+
+from . import native
+from .kernel_numba import decide, weights
+
+# al_stats first, at the offsets native.Stats gives, then the sampler's own fields.
+STATE = np.dtype([
+    ("k", np.int32), ("token", np.int32), ("kept_mass", np.float64), ("entropy", np.float64),
+    ("conf", np.float64), ("p_chosen", np.float64), ("n_tokens", np.int64),
+    ("n_fallbacks", np.int64),
+    ("eps", np.float64), ("uniform", np.int64), ("seed", np.uint64), ("rng", np.uint64),
+    ("record", np.int64), ("cap", np.int64),
+    # buffer addresses (numpy arrays this module keeps alive)
+    ("x", np.int64), ("w", np.int64), ("cand", np.int64), ("exact", np.int64),
+    ("tail", np.int64), ("flags", np.int64), ("kept", np.int64),
+], align=True)
+_SORTED_OFFSET = 24  # llama_token_data_array.sorted (bool) after data, size, selected
+
+
+@intrinsic
+def _pointer(typingctx, address):
+    """An int64 address as a void pointer, for numba.carray."""
+    sig = types.voidptr(types.int64)
+
+    def codegen(context, builder, signature, args):
+        return builder.inttoptr(args[0], ir.IntType(8).as_pointer())
+
+    return sig, codegen
+
+
+@njit(inline="always", error_model="numpy")
+def _next_uniform(state):
+    """splitmix64, as native/adaptive.c next_uniform: (uniform in [0, 1), next state)."""
+    state = state + np.uint64(0x9E3779B97F4A7C15)
+    z = state
+    z = (z ^ (z >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
+    z = (z ^ (z >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
+    z = z ^ (z >> np.uint64(31))
+    return np.float64(z >> np.uint64(11)) * (1.0 / 9007199254740992.0), state
+
+
+@njit(inline="always", error_model="numpy")
+def _state_of(smpl):
+    """The sampler's state record: llama_sampler is {iface, ctx}."""
+    return carray(_pointer(carray(smpl, 2, np.int64)[1]), 1, STATE)
+
+
+@njit(cache=True, error_model="numpy")
+def _move_to_front(rows, pos, k, kept, mark):
+    """Rows pos[0..k) to the front, in that order, every other row kept somewhere (a
+    permutation, as native/adaptive.c move_to_front); rows are (id, logit, p) as int32."""
+    for j in range(k):
+        kept[j] = rows[pos[j]]
+        mark[j] = 0
+    for j in range(k):
+        if pos[j] < k:
+            mark[pos[j]] = 1
+    front = 0
+    for j in range(k):
+        if pos[j] < k:
+            continue
+        while mark[front]:
+            front += 1
+        rows[pos[j]] = rows[front]
+        front += 1
+    rows[:k] = kept[:k]
+
+
+@njit(cache=True, error_model="numpy")
+def _choose_argmax(s, rows, logits, cur):
+    """Out of room: the most likely token alone (llama.cpp aborts on no selection)."""
+    n = rows.shape[0]
+    best = 0
+    for i in range(1, n):
+        if logits[i, 1] > logits[best, 1]:
+            best = i
+    for f in range(3):
+        rows[best, f], rows[0, f] = rows[0, f], rows[best, f]
+    logits[0, 2] = 1.0
+    cur[1] = 1
+    cur[2] = 0
+    s.k = 1
+    s.token = rows[0, 0]
+    s.kept_mass = s.p_chosen = s.entropy = s.conf = math.nan
+    s.n_tokens += 1
+    s.n_fallbacks += 1
+
+
+@cfunc(types.void(types.voidptr, types.voidptr), cache=True, error_model="numpy")
+def _adaptive_apply(smpl, cur_p):
+    s = _state_of(smpl)[0]
+    cur = carray(cur_p, 3, np.int64)  # data, size, selected
+    n = cur[1]
+    if n == 0:
+        return
+    rows = carray(_pointer(cur[0]), (n, 3), np.int32)
+    logits = carray(_pointer(cur[0]), (n, 3), np.float32)
+    if n == 1:  # one candidate: it is the choice
+        cur[2] = 0
+        s.k = 1
+        s.token = rows[0, 0]
+        s.kept_mass = s.p_chosen = 1.0
+        s.entropy = 0.0 if s.record else math.nan
+        s.conf = math.nan
+        s.n_tokens += 1
+        return
+    if n > s.cap:
+        _choose_argmax(s, rows, logits, cur)
+        return
+    x = carray(_pointer(s.x), n, np.float32)
+    m = logits[0, 1]
+    for i in range(n):
+        v = logits[i, 1]
+        x[i] = v
+        m = v if v > m else m
+    w = carray(_pointer(s.w), n, np.float32)
+    cand = carray(_pointer(s.cand), n, np.int64)
+    exact = carray(_pointer(s.exact), n, np.float64)
+    tail = carray(_pointer(s.tail), n + 1, np.float64)
+    flags = carray(_pointer(s.flags), n, np.uint8)
+    S, wd = weights(x, m, w, s.record != 0)
+    k, kept_mass, nc = decide(x, w, m, S, s.eps, cand, exact, tail, flags)
+    _move_to_front(rows, cand, k, carray(_pointer(s.kept), (n, 3), np.int32), flags)
+
+    kept_w = 0.0
+    for j in range(k):
+        kept_w += exact[j]
+    for j in range(k):
+        logits[j, 2] = np.float32(1.0 / k) if s.uniform else np.float32(exact[j] / kept_w)
+    cur[1] = k
+    carray(cur_p, 32, np.uint8)[_SORTED_OFFSET] = 1
+
+    u, rng = _next_uniform(s.rng)
+    s.rng = rng
+    if s.uniform:
+        chosen = min(int(u * k), k - 1)
+    else:
+        target = u * kept_w
+        acc = 0.0
+        chosen = 0
+        while chosen < k - 1:
+            acc += exact[chosen]
+            if acc > target:
+                break
+            chosen += 1
+    cur[2] = chosen
+    s.k = k
+    s.token = rows[chosen, 0]
+    s.kept_mass = kept_mass
+    s.p_chosen = exact[chosen] * kept_mass / kept_w
+    if s.record:
+        s.entropy = math.log(S) - wd / S
+        s.conf = 1.0 - s.entropy / math.log(n)
+    s.n_tokens += 1
+
+
+@cfunc(types.void(types.voidptr), cache=True, error_model="numpy")
+def _adaptive_reset(smpl):
+    s = _state_of(smpl)[0]
+    s.rng = s.seed
+    s.n_tokens = 0
+    s.n_fallbacks = 0
+
+
+@cfunc(types.void(types.voidptr, types.voidptr), cache=True, error_model="numpy")
+def _eta_apply(smpl, cur_p):
+    """Keep p > min(eps, sqrt(eps) e^-H), as native/adaptive.c eta_apply."""
+    s = _state_of(smpl)[0]
+    cur = carray(cur_p, 3, np.int64)
+    n = cur[1]
+    if n < 2 or n > s.cap:  # out of room: no truncation, the chain samples from every token
+        return
+    rows = carray(_pointer(cur[0]), (n, 3), np.int32)
+    logits = carray(_pointer(cur[0]), (n, 3), np.float32)
+    x = carray(_pointer(s.x), n, np.float32)
+    m = logits[0, 1]
+    for i in range(n):
+        v = logits[i, 1]
+        x[i] = v
+        m = v if v > m else m
+    w = carray(_pointer(s.w), n, np.float32)
+    S, wd = weights(x, m, w, True)
+    H = math.log(S) - wd / S
+    cut = min(s.eps, math.sqrt(s.eps) * math.exp(-H))
+    threshold = np.float32(cut * S)
+    kept = 0
+    for i in range(n):
+        if w[i] > threshold:  # swap into the kept prefix: a permutation
+            for f in range(3):
+                rows[i, f], rows[kept, f] = rows[kept, f], rows[i, f]
+            kept += 1
+    if kept == 0:  # every p <= cut: the most likely token, as transformers does
+        best = 0
+        for i in range(n):
+            if x[i] == m:
+                best = i
+                break
+        for f in range(3):
+            rows[best, f], rows[0, f] = rows[0, f], rows[best, f]
+        kept = 1
+    cur[1] = kept
+    carray(cur_p, 32, np.uint8)[_SORTED_OFFSET] = 0
+
+
+# ---- creation, clone, free: rare, in Python ----
+
+class _Iface(ctypes.Structure):
+    """llama_sampler_i with plain addresses (its layout is checked against llama_cpp's)."""
+
+    _fields_ = [(name, ctypes.c_void_p) for name in (
+        "name", "accept", "apply", "reset", "clone", "free", "backend_init", "backend_accept",
+        "backend_apply", "backend_set_input", "backend_reset", "copy_state")]
+
+
+_NAME_HOOK = ctypes.CFUNCTYPE(ctypes.c_void_p, ctypes.c_void_p)
+_CLONE_HOOK = ctypes.CFUNCTYPE(ctypes.c_void_p, ctypes.c_void_p)
+_FREE_HOOK = ctypes.CFUNCTYPE(None, ctypes.c_void_p)
+
+_lock = threading.Lock()
+_live: dict[int, tuple] = {}  # state address -> (state, buffers): alive until llama.cpp frees
+
+
+def _ctx_of(smpl: int) -> int:
+    return ctypes.c_void_p.from_address(smpl + ctypes.sizeof(ctypes.c_void_p)).value
+
+
+def _new_state(n_vocab: int, **fields) -> np.ndarray:
+    state = np.zeros(1, STATE)
+    buffers = {
+        "x": np.empty(n_vocab, np.float32), "w": np.empty(n_vocab, np.float32),
+        "cand": np.empty(n_vocab, np.int64), "exact": np.empty(n_vocab),
+        "tail": np.empty(n_vocab + 1), "flags": np.empty(n_vocab, np.uint8),
+        "kept": np.empty((n_vocab, 3), np.int32),
+    }
+    for name, array in buffers.items():
+        state[0][name] = array.ctypes.data
+    state[0]["cap"] = n_vocab
+    state[0]["entropy"] = state[0]["conf"] = math.nan
+    for name, value in fields.items():
+        state[0][name] = value
+    with _lock:
+        _live[state.ctypes.data] = (state, buffers)
+    return state
+
+
+class _Kind:
+    """One sampler kind: its interface table and hooks, alive as long as the module."""
+
+    def __init__(self, name: bytes, apply, reset=None):
+        self.label = ctypes.create_string_buffer(name)
+        self.hooks = (_NAME_HOOK(lambda smpl: ctypes.addressof(self.label)),
+                      _CLONE_HOOK(self._clone), _FREE_HOOK(_free))
+        self.iface = _Iface(
+            name=ctypes.cast(self.hooks[0], ctypes.c_void_p).value, apply=apply.address,
+            reset=reset.address if reset else None,
+            clone=ctypes.cast(self.hooks[1], ctypes.c_void_p).value,
+            free=ctypes.cast(self.hooks[2], ctypes.c_void_p).value)
+
+    def create(self, state: np.ndarray) -> int:
+        import llama_cpp
+
+        iface = ctypes.cast(ctypes.pointer(self.iface), ctypes.POINTER(llama_cpp.llama_sampler_i))
+        sampler = llama_cpp.llama_sampler_init(iface, ctypes.c_void_p(state.ctypes.data))
+        address = ctypes.cast(sampler, ctypes.c_void_p).value
+        if not address:
+            _forget(state.ctypes.data)
+        return address or 0
+
+    def _clone(self, smpl) -> int:
+        with _lock:
+            original = _live[_ctx_of(smpl)][0][0]
+        fields = {name: original[name] for name in STATE.names
+                  if name not in ("x", "w", "cand", "exact", "tail", "flags", "kept", "cap")}
+        return self.create(_new_state(int(original["cap"]), **fields))
+
+
+def _forget(address: int) -> None:
+    with _lock:
+        _live.pop(address, None)
+
+
+def _free(smpl) -> None:
+    _forget(_ctx_of(smpl))
+
+
+_init_lock = threading.Lock()
+_kinds: dict[str, _Kind] = {}
+
+
+def _kind(name: str) -> _Kind:
+    with _init_lock:
+        if not _kinds:
+            import llama_cpp
+
+            if ctypes.sizeof(_Iface) != ctypes.sizeof(llama_cpp.llama_sampler_i):
+                raise RuntimeError("llama_sampler_i's layout differs from the numba samplers'")
+            _kinds["adaptive"] = _Kind(b"adaptive", _adaptive_apply, _adaptive_reset)
+            _kinds["eta"] = _Kind(b"eta", _eta_apply)
+        return _kinds[name]
+
+
+def adaptive_sampler_new(eps: float, uniform: bool, seed: int, record: bool,
+                         n_vocab: int) -> int:
+    """A new adaptive sampler (address of its llama_sampler), 0 if llama.cpp refused."""
+    state = _new_state(n_vocab, eps=eps, uniform=int(uniform), seed=seed, rng=seed,
+                       record=int(record))
+    return _kind("adaptive").create(state)
+
+
+def adaptive_sampler_stats(smpl: int) -> native.Stats:
+    """The record of the sampler's last token (a view that stays current)."""
+    return native.Stats.from_address(_ctx_of(smpl))
+
+
+def eta_sampler_new(eps: float, n_vocab: int) -> int:
+    return _kind("eta").create(_new_state(n_vocab, eps=eps))
