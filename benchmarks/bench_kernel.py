@@ -1,11 +1,11 @@
 """Kernel speed on every distribution shape: adaptive_k (C and numba) against one numpy softmax.
 
 Prints one JSON object: per shape and vocabulary size the median microseconds per call of each
-method through the public API (``kernel.adaptive_k(x, eps, backend=...)``), the C kernel
-called directly (the wrapper's own overhead is the difference), the ratios to one numpy
+method through the public API (``kernel.adaptive_k(x, eps, backend=...)``), the wrapper's own
+overhead (public API minus the C kernel called directly, paired A B B A), the ratios to one numpy
 softmax of the same logits measured in the same run, k*, and whether the targets hold
 (C <= 0.5x softmax, numba <= 1.0x, wrapper <= 10 us). Methods are interleaved round by round
-so that load on this shared machine hits them alike.
+so that load on this shared machine hits them alike, in an order that rotates every round.
 
 Shapes (synthetic at V = 32k, 49k, 152k, 262k; real rows at the bundled models' own V):
 
@@ -25,14 +25,19 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import platform
 import statistics
 import time
 
-import numpy as np
+# OpenBLAS's idle threads spin for a while after numpy starts them: on 2 cores they take time
+# from whatever is measured. Nothing here multiplies matrices.
+os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
 
-from adaptive_llama import kernel, native
-from adaptive_llama.models import BUNDLED
+import numpy as np  # noqa: E402
+
+from adaptive_llama import kernel, native  # noqa: E402
+from adaptive_llama.models import BUNDLED  # noqa: E402
 
 VOCAB_SIZES = (32_000, 49_152, 151_936, 262_144)
 TARGETS = {"c": 0.5, "numba": 1.0}
@@ -113,11 +118,31 @@ def measure(methods, rows, rounds):
     for fn in methods.values():  # warm up: JIT, caches, workspaces
         fn(rows[0])
     samples = {name: [] for name in methods}
+    names = list(methods)
     for r in range(rounds):
         x = rows[r % len(rows)]
-        for name, fn in methods.items():
-            samples[name].append(time_once(fn, x))
+        # Rotate the order each round: whoever runs first after softmax (which allocates and
+        # evicts) finds colder caches than whoever follows.
+        for name in names[r % len(names):] + names[:r % len(names)]:
+            samples[name].append(time_once(methods[name], x))
     return {name: statistics.median(v) for name, v in samples.items()}
+
+
+def wrapper_overhead_us(public, direct, rows, rounds):
+    """Median of (public API - direct C call) on the same row, in A B B A and B A A B order,
+    so that neither side always meets the row first (a 1 MB row costs its cache misses to
+    whichever call touches it first)."""
+    diffs = []
+    for r in range(rounds):
+        x = rows[r % len(rows)]
+        first, second = (public, direct) if r % 2 else (direct, public)  # A B B A, B A A B
+        a1 = time_once(first, x)
+        b1 = time_once(second, x)
+        b2 = time_once(second, x)
+        a2 = time_once(first, x)
+        diff = (a1 + a2 - b1 - b2) / 2
+        diffs.append(diff if first is public else -diff)
+    return statistics.median(diffs)
 
 
 def main():
@@ -135,8 +160,8 @@ def main():
         "softmax": softmax,
         "c": lambda x: kernel.adaptive_k(x, eps, backend="c"),
         "numba": lambda x: kernel.adaptive_k(x, eps, backend="numba"),
-        "c_direct": lambda x: native.adaptive_native(lib, x, eps, False),
     }
+    c_direct = lambda x: native.adaptive_native(lib, x, eps, False)  # noqa: E731
     cases = []  # (shape, V, rows)
     rng = np.random.default_rng(0)
     for V in VOCAB_SIZES:
@@ -154,7 +179,7 @@ def main():
             time_once(lambda x: naive_port(x, eps), rows[r % len(rows)])
             for r in range(args.naive_rounds))
         ratios = {name: med[name] / med["softmax"] for name in ("c", "numba")}
-        wrapper_us = med["c"] - med["c_direct"]
+        wrapper_us = wrapper_overhead_us(methods["c"], c_direct, rows, args.rounds)
         ks = [kernel.adaptive_k(x, eps) for x in rows]
         above = [int((softmax(x.astype(np.float64)) > eps).sum()) for x in rows]
         results.append({

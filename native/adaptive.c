@@ -87,6 +87,7 @@ typedef struct {
 
 #define EXP_ARG_MIN (-87.3f)  /* below, exp() is subnormal in float32: weigh 0 (masked tokens) */
 #define CHUNK 64               /* the scan computes dConf a block of CHUNK at a time */
+#define BLOCK 256              /* collect sums the tail in float32 over BLOCK tokens at a time */
 #define CANDIDATE_SLACK 0.99   /* collect p > 0.99 eps: the float32 sum only estimates S */
 
 /* Test hook: the next `n` buffer allocations fail, as if memory ran out. */
@@ -141,7 +142,7 @@ static int reserve_candidates(al_workspace *ws, size_t n) {
  * several times slower, and it is about 1.5x slower than this even without them.
  */
 static inline float exp_weight(float d) {
-    const float c = d < EXP_ARG_MIN ? EXP_ARG_MIN : d;
+    const float c = d >= EXP_ARG_MIN ? d : EXP_ARG_MIN; /* NaN too: n stays an integer */
     const float n = floorf(c * 1.44269504088896341f + 0.5f);
     float r = fmaf(n, -0.693359375f, c);
     r = fmaf(n, 2.12194440e-4f, r);
@@ -152,7 +153,7 @@ static inline float exp_weight(float d) {
     p = p * r + 1.6666665459e-1f;
     p = p * r + 5.0000001201e-1f;
     p = p * r * r + r + 1.0f;
-    const int32_t bits = ((int32_t)n + 127) << 23;
+    const uint32_t bits = (uint32_t)((int32_t)n + 127) << 23;
     float scale;
     memcpy(&scale, &bits, sizeof scale);
     return d < EXP_ARG_MIN ? 0.0f : p * scale;
@@ -199,16 +200,21 @@ DEFINE_PASSES(double, f64)
 
 /*
  * Returns the number of candidates, or cap + 1 when more than cap qualify (nothing past
- * cand[cap - 1] is written). Two loops GCC vectorises (flag every token, sum the unflagged
- * ones in float64), then the flags read 8 at a time as one word, which is 0 nearly everywhere.
+ * cand[cap - 1] is written). A loop GCC vectorises (flag every token, sum the unflagged ones),
+ * then the flags read 8 at a time as one word, which is 0 nearly everywhere.
  */
 static size_t collect(const float *w, size_t n, float threshold, al_cand *cand, size_t cap,
                       unsigned char *flags, double *rest) {
     double tail = 0.0;
-    for (size_t i = 0; i < n; i++) {
-        const int hot = w[i] > threshold;
-        flags[i] = (unsigned char)hot;
-        tail += hot ? 0.0 : (double)w[i];
+    for (size_t b = 0; b < n; b += BLOCK) { /* float32 sums over a block, float64 across */
+        const size_t end = b + BLOCK < n ? b + BLOCK : n;
+        float block_tail = 0.0f;
+        for (size_t i = b; i < end; i++) {
+            const int hot = w[i] > threshold;
+            flags[i] = (unsigned char)hot;
+            block_tail += hot ? 0.0f : w[i];
+        }
+        tail += (double)block_tail;
     }
     *rest = tail;
     size_t nc = 0;
