@@ -9,6 +9,7 @@ import pytest
 from click.testing import CliRunner
 
 from adaptive_llama.cli import main
+from adaptive_llama.kernel import BACKEND
 
 
 def run_cli(*args, input=None):
@@ -112,18 +113,21 @@ def test_generate_json():
     again = json.loads(run_cli("generate", "smollm2", "--prompt", "The sea is", "--max-tokens",
                                "12", "--seed", "4", "--json").stdout)
     assert again["text"] == out["text"]
-    assert out["backend"] == "c"  # this build has its C library
+    assert out["backend"] == BACKEND
 
 
 def test_without_the_c_library_generation_runs_on_numba_and_says_so_once():
     """A wheel installed without a C compiler: the numba samplers run in llama.cpp's chain,
     one warning says why, and the text is the C samplers' text."""
-    args = ("generate", "smollm2", "--prompt", "The sea is", "--sampler",
-            "adaptive:eps=0.0005", "--max-tokens", "12", "--seed", "4", "--json")
-    with_c = json.loads(run_cli(*args).stdout)
-    env = {**os.environ, "ADAPTIVE_LLAMA_NATIVE_LIB": "/nonexistent/_adaptive_native.so"}
-    result = subprocess.run([sys.executable, "-m", "adaptive_llama.cli", *args],
-                            capture_output=True, text=True, timeout=300, env=env)
+    args = [sys.executable, "-m", "adaptive_llama.cli", "generate", "smollm2", "--prompt",
+            "The sea is", "--sampler", "adaptive:eps=0.0005", "--max-tokens", "12", "--seed",
+            "4", "--json"]
+    chosen = {k: v for k, v in os.environ.items() if k != "ADAPTIVE_LLAMA_BACKEND"}
+    with_c = json.loads(subprocess.run(args, capture_output=True, text=True, timeout=300,
+                                       env=chosen, check=True).stdout)
+    assert with_c["backend"] == "c"  # this build has its C library
+    env = {**chosen, "ADAPTIVE_LLAMA_NATIVE_LIB": "/nonexistent/_adaptive_native.so"}
+    result = subprocess.run(args, capture_output=True, text=True, timeout=300, env=env)
     assert result.returncode == 0, result.stderr
     warning, = result.stderr.strip().splitlines()
     assert warning.startswith("adaptive backend: numba, because the C library")

@@ -2,7 +2,8 @@
 
 ``adaptive-llama serve`` puts one model, with one llama.cpp context, behind
 ``GET /v1/models``, ``POST /v1/chat/completions`` and ``POST /v1/completions`` (streaming as
-server-sent events ending with ``data: [DONE]``, or one JSON object), plus ``GET /health``.
+server-sent events ending with ``data: [DONE]``, or one JSON object), plus ``GET /health``,
+and Ollama's routes under ``/api/`` (:mod:`adaptive_llama.server.ollama`).
 
 Sampling: the body field ``sampler`` takes a spec (``adaptive:eps=0.001``, ``min-p:p=0.05``,
 ...); without it the server's default (adaptive) runs. OpenAI fields map onto the spec:
@@ -64,9 +65,13 @@ class APIError(Exception):
         self.status, self.message, self.type = status, message, type
         self.param, self.code, self.headers = param, code, headers
 
-    def response(self) -> JSONResponse:
-        body = {"error": {"message": self.message, "type": self.type,
-                          "param": self.param, "code": self.code}}
+    def response(self, path: str = "") -> JSONResponse:
+        """OpenAI's error shape; Ollama's, ``{"error": message}``, on its routes (/api/)."""
+        if path.startswith("/api/"):
+            body = {"error": self.message}
+        else:
+            body = {"error": {"message": self.message, "type": self.type,
+                              "param": self.param, "code": self.code}}
         return JSONResponse(body, status_code=self.status, headers=self.headers)
 
 
@@ -181,8 +186,8 @@ class Server:
                    seed=body.seed if body.seed is not None else secrets.randbits(32),
                    stop=stop, stream=body.stream, loop=asyncio.get_running_loop())
 
-    async def respond(self, request: Request, job: Job, body: _Body, kind: str):
-        """Queue the job; answer with an SSE stream or one JSON object."""
+    def submit(self, job: Job) -> None:
+        """Queue the job, or 503 with Retry-After when the queue is full."""
         try:
             self.scheduler.submit(job)
         except QueueFull as exc:
@@ -190,15 +195,21 @@ class Server:
                            f"retry in {RETRY_AFTER_S} s", type="server_busy",
                            code="queue_full",
                            headers={"Retry-After": str(RETRY_AFTER_S)}) from None
+
+    async def respond(self, request: Request, job: Job, body: _Body, kind: str):
+        """Queue the job; answer with an SSE stream or one JSON object."""
+        self.submit(job)
         head = {"id": f"{'chatcmpl' if kind == 'chat' else 'cmpl'}-{next(self._ids)}",
                 "created": int(time.time()), "model": self.model_id}
         if body.stream:
             usage = bool((body.stream_options or {}).get("include_usage"))
             return EventSourceResponse(self._events(job, head, kind, usage),
                                        ping=15, sep="\n")
-        return await self._whole(request, job, head, kind)
+        return self._final(await self.wait(request, job), head, kind)
 
-    async def _whole(self, request: Request, job: Job, head: dict, kind: str):
+    async def wait(self, request: Request, job: Job) -> GenerationResult:
+        """The job's result, for an answer in one piece; a client that leaves stops the job
+        (and gets 499, which nobody reads)."""
         loop = asyncio.get_running_loop()
         checked = loop.time()
         try:
@@ -210,12 +221,12 @@ class Server:
                 if what == "error":
                     raise APIError(500, f"generation failed: {value}", type="server_error")
                 if what == "done":  # the result holds the whole text; pieces are for streams
-                    return self._final(value, head, kind)
+                    return value
                 # Pieces arrive every few ms, so look for a client that left on a clock.
                 if loop.time() - checked >= DISCONNECT_POLL_S:
                     checked = loop.time()
                     if await request.is_disconnected():
-                        return JSONResponse({}, status_code=499)  # finally: stops the job
+                        raise APIError(499, "the client disconnected")  # finally: stops the job
         finally:
             job.cancelled.set()  # no-op once done; stops the generation if we were cancelled
 
@@ -326,7 +337,7 @@ class Guard:
             if error is None and length.isdigit() and int(length) > self.max_body:
                 error = _too_large(self.max_body)
             if error is not None:
-                return await error.response()(scope, receive, send)
+                return await error.response(scope["path"])(scope, receive, send)
         return await self.app(scope, receive, send)
 
 
@@ -352,12 +363,12 @@ def create_app(engine: Engine, sampler: SamplerSpec | str = "adaptive", *,
     app.add_middleware(Guard, server=server, max_body=max_body)
 
     @app.exception_handler(APIError)
-    async def api_error(_request, exc: APIError):
-        return exc.response()
+    async def api_error(request: Request, exc: APIError):
+        return exc.response(request.url.path)
 
     @app.exception_handler(StarletteHTTPException)
-    async def http_error(_request, exc: StarletteHTTPException):
-        return APIError(exc.status_code, str(exc.detail)).response()
+    async def http_error(request: Request, exc: StarletteHTTPException):
+        return APIError(exc.status_code, str(exc.detail)).response(request.url.path)
 
     @app.get("/health")
     async def health():
@@ -401,4 +412,7 @@ def create_app(engine: Engine, sampler: SamplerSpec | str = "adaptive", *,
         job = server.job(tokens, body, body.max_tokens or 16, "prompt")
         return await server.respond(request, job, body, "completion")
 
+    from . import ollama  # imports this module's Server and errors
+
+    ollama.add_routes(app, server, max_body)
     return app

@@ -1,0 +1,183 @@
+"""Per-model settings: ``$XDG_CONFIG_HOME/adaptive-llama/config.toml`` (``~/.config/...``).
+
+::
+
+    [defaults]                      # every model
+    threads = 2
+
+    [models.smollm2]                # a bundled name, a GGUF file name, or its path
+    sampler = "adaptive:eps=0.001"
+    system = "You are terse."
+    ctx = 4096
+    n_gpu_layers = 0
+
+Keys: ``sampler`` (a spec), ``system`` (the REPL's system prompt), ``ctx``, ``n_gpu_layers``,
+``threads``. ``run``, ``generate`` and ``serve`` use them; the command line wins over the file,
+a model's table over ``[defaults]``, and the file over the built-in defaults. Each value comes
+with where it came from, which ``/show`` and ``adaptive-llama models`` print. The whole file is
+checked before anything starts: a bad one is one error naming the file, the line and the key.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover - Python 3.10
+    import tomli as tomllib
+
+from .samplers import SpecError, parse_spec
+
+DEFAULTS_TABLE = "defaults"
+MODELS_TABLE = "models"
+
+
+class ConfigError(ValueError):
+    """The config file cannot be used; the message names the file, line and key."""
+
+
+def _sampler(value):
+    if not isinstance(value, str):
+        raise ValueError(f"has to be a sampler spec in quotes, but is {value!r}")
+    try:
+        return parse_spec(value)
+    except SpecError as exc:
+        raise ValueError(str(exc)) from None
+
+
+def _integer(low: int, high: int | None = None, also: tuple = ()):
+    def check(value):
+        ok = isinstance(value, int) and not isinstance(value, bool) and (
+            value in also or (value >= low and (high is None or value <= high)))
+        if not ok:
+            span = f">= {low}" if high is None else f"in [{low}, {high}]"
+            extra = f" (or {', '.join(map(str, also))})" if also else ""
+            raise ValueError(f"has to be an integer {span}{extra}, but is {value!r}")
+        return value
+    return check
+
+
+def _text(value):
+    if not isinstance(value, str):
+        raise ValueError(f"has to be text in quotes, but is {value!r}")
+    return value
+
+
+# key -> check (returns the value to use, raises ValueError with what is wrong)
+KEYS = {
+    "sampler": _sampler,
+    "system": _text,
+    "ctx": _integer(256, also=(0,)),
+    "n_gpu_layers": _integer(-1),
+    "threads": _integer(1, 4096),
+}
+
+
+@dataclass
+class Settings:
+    """The values for one model and where each came from (``source``)."""
+
+    values: dict[str, Any] = field(default_factory=dict)
+    source: dict[str, str] = field(default_factory=dict)
+
+
+def config_path() -> Path:
+    base = os.environ.get("XDG_CONFIG_HOME") or Path.home() / ".config"
+    return Path(base) / "adaptive-llama" / "config.toml"
+
+
+def _line_of(text: str, table: str, key: str | None) -> int:
+    """The line of ``key`` inside ``[table]`` (or of the table's header), 1-based; 0 if not
+    found (keys written as dotted names elsewhere)."""
+    current, header_line = None, 0
+    header = re.compile(r"^\s*\[\s*([^\]]+?)\s*\]\s*(#.*)?$")
+    for number, line in enumerate(text.splitlines(), 1):
+        match = header.match(line)
+        if match:
+            current = re.sub(r"\s*\.\s*", ".", match.group(1)).replace('"', "")
+            if current == table:
+                header_line = number
+            continue
+        if current == table and key is not None and re.match(
+                rf"^\s*\"?{re.escape(key)}\"?\s*=", line):
+            return number
+    return header_line
+
+
+def load(path: Path | None = None) -> dict[str, dict[str, Any]]:
+    """{table name: checked values}: "defaults" and "models.NAME"; {} without a file."""
+    path = path or config_path()
+    try:
+        text = path.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        return {}
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ConfigError(f"{path}: cannot be read ({exc})") from None
+    try:
+        data = tomllib.loads(text)
+    except tomllib.TOMLDecodeError as exc:
+        raise ConfigError(f"{path}: {exc}") from None
+
+    def error(table: str, key: str | None, what: str) -> ConfigError:
+        line = _line_of(text, table, key)
+        where = f"{path}, line {line}" if line else str(path)
+        return ConfigError(f"{where}: {what}")
+
+    tables: dict[str, dict] = {}
+    for name, value in data.items():
+        if name == DEFAULTS_TABLE and isinstance(value, dict):
+            tables[name] = value
+        elif name == MODELS_TABLE and isinstance(value, dict):
+            for model, settings in value.items():
+                if not isinstance(settings, dict):
+                    raise error(MODELS_TABLE, model, f"`{MODELS_TABLE}.{model}` has to be a "
+                                f"table, [{MODELS_TABLE}.{model}]")
+                tables[f"{MODELS_TABLE}.{model}"] = settings
+        else:
+            raise error(name, name, f"unknown `{name}`: the file holds [{DEFAULTS_TABLE}] "
+                        f"and [{MODELS_TABLE}.NAME] tables")
+    checked: dict[str, dict[str, Any]] = {}
+    for table, settings in tables.items():
+        checked[table] = {}
+        for key, value in settings.items():
+            if key not in KEYS:
+                raise error(table, key, f"unknown key `{key}` in [{table}]; the keys are "
+                            f"{', '.join(KEYS)}")
+            try:
+                checked[table][key] = KEYS[key](value)
+            except ValueError as exc:
+                raise error(table, key, f"`{key}` in [{table}] {exc}") from None
+    return checked
+
+
+def _names(model: str | None) -> list[str]:
+    """The table names that can mean ``model``: as given, its file name and stem."""
+    if model is None:
+        from .models import DEFAULT_MODEL
+
+        return [DEFAULT_MODEL]
+    path = Path(model)
+    names = [model, str(path.expanduser().resolve()), path.name, path.stem]
+    return list(dict.fromkeys(names))
+
+
+def settings_for(model: str | None, path: Path | None = None) -> Settings:
+    """The file's values for ``model`` (a model's table over [defaults]), with their source."""
+    tables = load(path)
+    shown = path or config_path()
+    out = Settings()
+    for key, value in tables.get(DEFAULTS_TABLE, {}).items():
+        out.values[key] = value
+        out.source[key] = f"{shown} [{DEFAULTS_TABLE}]"
+    for name in reversed(_names(model)):  # the most specific name wins
+        table = f"{MODELS_TABLE}.{name}"
+        for key, value in tables.get(table, {}).items():
+            out.values[key] = value
+            out.source[key] = f"{shown} [{table}]"
+    return out

@@ -1,0 +1,233 @@
+"""Ollama-compatible routes, beside the OpenAI ones, for desktop clients that speak Ollama's API.
+
+``GET /api/version``, ``GET /api/tags``, ``POST /api/show``, ``POST /api/chat`` and
+``POST /api/generate``: newline-delimited JSON as pieces come (the default), or one object
+with ``"stream": false``. The same queue, slots, API key and limits as the OpenAI routes; errors
+in Ollama's shape, ``{"error": "message"}``, with the HTTP status.
+
+``options``: ``temperature`` (0: greedy), ``seed``, ``num_predict`` (max new tokens; -1 or
+absent: until the context is full), ``stop``, and the sampler: our ``sampler`` spec
+(``"adaptive:eps=0.001"``), or, without it, one of Ollama's truncation options: ``min_p``
+above 0, else ``top_p`` below 1, else ``top_k`` above 0 (in that order; llama.cpp's chain here
+runs one truncation sampler). Without any of them the server's default sampler runs. Other
+Ollama options (``num_ctx``, ``repeat_penalty``, ...) are accepted and ignored.
+
+The model: one model is served under every name; ``/api/tags`` lists it under the server's
+model id.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import datetime
+import hashlib
+import json
+import secrets
+from pathlib import Path
+
+from fastapi import Request
+from fastapi.responses import StreamingResponse
+from pydantic import BaseModel, ConfigDict, Field
+
+from .. import __version__
+from ..engine import GenerationResult
+from ..samplers import SEED, SamplerSpec, SpecError, parse_spec
+from .app import FINISH_REASONS, APIError, Message, Server, _parse
+from .scheduler import Job
+
+NDJSON = "application/x-ndjson"
+
+
+class Options(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    temperature: float | None = Field(None, ge=0, le=2)
+    top_p: float | None = Field(None, gt=0, le=1)
+    top_k: int | None = Field(None, ge=0)
+    min_p: float | None = Field(None, ge=0, le=1)
+    seed: int | None = Field(None, ge=0, le=SEED.high)
+    num_predict: int | None = Field(None, ge=-2)
+    stop: list[str] | None = None
+    sampler: str | None = None
+
+
+class _Body(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    model: str = Field(min_length=1)
+    stream: bool = True
+    options: Options = Field(default_factory=Options)
+
+
+class ChatBody(_Body):
+    messages: list[Message] = Field(min_length=1)
+
+
+class GenerateBody(_Body):
+    prompt: str = ""
+    system: str | None = None
+    raw: bool = False
+
+
+class ShowBody(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    model: str = Field(min_length=1)
+
+
+def sampler_for(default: SamplerSpec, options: Options) -> SamplerSpec:
+    """The spec for Ollama's options (see the module docstring)."""
+    try:
+        if options.sampler is not None:
+            spec = parse_spec(options.sampler)
+        elif options.min_p:
+            spec = parse_spec("min-p").with_param("p", options.min_p)
+        elif options.top_p is not None and options.top_p < 1:
+            spec = parse_spec("top-p").with_param("p", options.top_p)
+        elif options.top_k:
+            spec = parse_spec("top-k").with_param("k", options.top_k)
+        else:
+            spec = default
+        if options.temperature == 0:
+            return parse_spec("greedy")
+        if options.temperature is not None and spec.sampler.takes_temp:
+            spec = spec.with_param("temp", options.temperature)
+        return spec
+    except SpecError as exc:
+        raise APIError(400, f"options.sampler: {exc}", param="options.sampler") from None
+
+
+def _now() -> str:
+    return datetime.datetime.now(datetime.timezone.utc).isoformat().replace("+00:00", "Z")
+
+
+def _ns(seconds: float) -> int:
+    return int(seconds * 1e9)
+
+
+def _final_fields(result: GenerationResult) -> dict:
+    """The figures Ollama puts in its last object (durations in nanoseconds)."""
+    return {
+        "done_reason": "length" if FINISH_REASONS[result.finish_reason] == "length" else "stop",
+        "total_duration": _ns(result.prompt_eval_s + result.decode_s),
+        "load_duration": 0,
+        "prompt_eval_count": result.prompt_tokens,
+        "prompt_eval_duration": _ns(result.prompt_eval_s),
+        "eval_count": result.completion_tokens,
+        "eval_duration": _ns(result.decode_s),
+        "sampler_stats": result.summary(),
+    }
+
+
+def _line(value: dict) -> bytes:
+    return (json.dumps(value, ensure_ascii=False) + "\n").encode()
+
+
+def _details(server: Server) -> dict:
+    meta = server.engine.metadata
+    return {"format": "gguf", "family": meta.get("general.architecture", ""),
+            "families": [meta.get("general.architecture", "")],
+            "parameter_size": meta.get("general.size_label", ""),
+            "quantization_level": meta.get("general.file_type", "")}
+
+
+def add_routes(app, server: Server, max_body: int) -> None:
+    """Add the Ollama routes to ``app`` (the OpenAI server's application)."""
+    engine = server.engine
+    path = Path(engine.path)
+    digest = hashlib.sha256(f"{path.resolve()}:{path.stat().st_size}".encode()).hexdigest()
+
+    def job(tokens: list[int], body: _Body, field: str) -> Job:
+        room = engine.n_ctx - len(tokens)
+        if room < 1:
+            raise APIError(400, f"the prompt has {len(tokens)} tokens, but the context window "
+                           f"holds {engine.n_ctx}: shorten it", param=field)
+        options = body.options
+        wanted = options.num_predict if options.num_predict and options.num_predict > 0 else room
+        return Job(prompt_tokens=tokens, sampler=sampler_for(server.sampler, options),
+                   max_tokens=min(wanted, room),
+                   seed=options.seed if options.seed is not None else secrets.randbits(32),
+                   stop=[s for s in options.stop or [] if s], stream=body.stream,
+                   loop=asyncio.get_running_loop())
+
+    async def respond(request: Request, job: Job, body: _Body, kind: str):
+        server.submit(job)
+        head = {"model": body.model}
+
+        def piece(text: str) -> dict:
+            if kind == "chat":
+                return {**head, "created_at": _now(),
+                        "message": {"role": "assistant", "content": text}, "done": False}
+            return {**head, "created_at": _now(), "response": text, "done": False}
+
+        def last(result: GenerationResult, text: str) -> dict:
+            out = piece(text)
+            out.update(done=True, **_final_fields(result))
+            return out
+
+        if not body.stream:
+            result = await server.wait(request, job)
+            return last(result, result.text)
+
+        async def lines():
+            try:
+                while True:
+                    what, value = await job.events.get()
+                    if what == "piece":
+                        yield _line(piece(value))
+                    elif what == "error":
+                        yield _line({"error": f"generation failed: {value}"})
+                        return
+                    else:
+                        yield _line(last(value, ""))
+                        return
+            finally:
+                job.cancelled.set()  # a client that left stops the generation
+
+        return StreamingResponse(lines(), media_type=NDJSON)
+
+    @app.get("/api/version")
+    async def version():
+        return {"version": __version__}
+
+    @app.get("/api/tags")
+    async def tags():
+        modified = datetime.datetime.fromtimestamp(path.stat().st_mtime, datetime.timezone.utc)
+        return {"models": [{
+            "name": server.model_id, "model": server.model_id,
+            "modified_at": modified.isoformat().replace("+00:00", "Z"),
+            "size": path.stat().st_size, "digest": digest, "details": _details(server)}]}
+
+    @app.post("/api/show")
+    async def show(request: Request):
+        await _parse(request, ShowBody, max_body)
+        return {"modelfile": "", "parameters": f"sampler {server.sampler}",
+                "template": engine.metadata.get("tokenizer.chat_template", ""),
+                "details": _details(server),
+                "model_info": {"general.architecture": _details(server)["family"],
+                               "n_ctx": engine.n_ctx, "n_vocab": engine.n_vocab},
+                "capabilities": ["completion"], "modified_at": _now()}
+
+    @app.post("/api/chat")
+    async def chat(request: Request):
+        body = await _parse(request, ChatBody, max_body)
+        messages = [m.as_template_message() for m in body.messages]
+        try:
+            tokens = await asyncio.to_thread(engine.chat_prompt_tokens, messages)
+        except Exception as exc:  # no template, or the template rejects the roles given
+            raise APIError(400, f"messages: {exc}", param="messages") from None
+        return await respond(request, job(tokens, body, "messages"), body, "chat")
+
+    @app.post("/api/generate")
+    async def generate(request: Request):
+        body = await _parse(request, GenerateBody, max_body)
+        if not body.prompt:  # Ollama's way to load a model: nothing to generate
+            return {"model": body.model, "created_at": _now(), "response": "", "done": True,
+                    "done_reason": "load"}
+        if body.raw or not engine.has_chat_template:
+            text = body.prompt if body.system is None else f"{body.system}\n\n{body.prompt}"
+            tokens = await asyncio.to_thread(engine.tokenize, text)
+        else:
+            messages = ([{"role": "system", "content": body.system}] if body.system else [])
+            messages.append({"role": "user", "content": body.prompt})
+            tokens = await asyncio.to_thread(engine.chat_prompt_tokens, messages)
+        return await respond(request, job(tokens, body, "prompt"), body, "generate")

@@ -1,0 +1,121 @@
+"""Ollama's routes on `adaptive-llama serve`, driven by the `ollama` Python client (end to end)."""
+
+import json
+
+import ollama
+import pytest
+
+from test_server import API_KEY, raw, server, server_log, wait_idle  # noqa: F401 (fixtures)
+
+MODEL = "SmolLM2-135M-Instruct.Q4_1.gguf"
+HELLO = [{"role": "user", "content": "Name one colour."}]
+
+
+@pytest.fixture
+def client(server):  # noqa: F811
+    return ollama.Client(host=f"http://127.0.0.1:{server}",
+                         headers={"Authorization": f"Bearer {API_KEY}"}, timeout=120)
+
+
+def test_tags_show_and_version_describe_the_served_model(client, server):  # noqa: F811
+    models = client.list().models
+    assert [m.model for m in models] == [MODEL]
+    assert models[0].size > 50_000_000 and models[0].details.format == "gguf"
+    shown = client.show(MODEL)
+    assert "im_start" in shown.template  # SmolLM2's chat template
+    status, _, body = raw("GET", server, "/api/version")
+    assert status == 200 and body["version"]
+
+
+def test_chat_streams_the_same_text_as_one_object(client):
+    options = {"seed": 5, "num_predict": 16, "sampler": "adaptive:eps=0.0005"}
+    whole = client.chat(MODEL, messages=HELLO, options=options)
+    assert whole.done and whole.message.role == "assistant" and whole.message.content
+    assert whole.done_reason in ("stop", "length") and 1 <= whole.eval_count <= 16
+    assert whole.prompt_eval_count > 5 and whole.eval_duration > 0
+    parts = list(client.chat(MODEL, messages=HELLO, options=options, stream=True))
+    assert all(not p.done for p in parts[:-1]) and parts[-1].done
+    assert "".join(p.message.content for p in parts) == whole.message.content
+    assert parts[-1].eval_count == whole.eval_count
+
+
+def test_chat_history_reaches_the_model(client):
+    messages = [{"role": "system", "content": "Answer with one word."},
+                {"role": "user", "content": "Say 'banana'."},
+                {"role": "assistant", "content": "banana"},
+                {"role": "user", "content": "Again, the same word."}]
+    reply = client.chat(MODEL, messages=messages, options={"temperature": 0, "num_predict": 8})
+    assert "banana" in reply.message.content.lower()
+
+
+def test_generate_counts_on_greedily_and_stops_where_asked(client):
+    reply = client.generate(MODEL, prompt="1, 2, 3, 4, 5,", raw=True,
+                            options={"temperature": 0, "num_predict": 12})
+    assert reply.response.startswith(" 6, 7")
+    stopped = client.generate(MODEL, prompt="1, 2, 3, 4, 5,", raw=True,
+                              options={"temperature": 0, "num_predict": 12, "stop": ["8"]})
+    assert stopped.response.rstrip(", ").endswith("7") and "8" not in stopped.response
+    assert stopped.done_reason == "stop"
+    loaded = client.generate(MODEL, prompt="")  # Ollama's way to load a model
+    assert loaded.done and loaded.response == ""
+
+
+@pytest.mark.parametrize("options,sampler", [
+    ({}, "adaptive:eps=0.0005"),
+    ({"sampler": "eta:eps=0.0009"}, "eta:eps=0.0009"),
+    ({"min_p": 0.1, "top_p": 0.9, "top_k": 40}, "min-p:p=0.1"),
+    ({"top_p": 0.9, "top_k": 40}, "top-p:p=0.9"),
+    ({"top_k": 40, "temperature": 0.7}, "top-k:k=40,temp=0.7"),
+    ({"temperature": 0, "sampler": "adaptive"}, "greedy"),
+])
+def test_options_choose_the_sampler(server, options, sampler):  # noqa: F811
+    status, _, body = raw("POST", server, "/api/generate", {
+        "model": MODEL, "prompt": "Hello", "stream": False,
+        "options": {"num_predict": 2, **options}})
+    assert status == 200, body
+    assert body["sampler_stats"]["sampler"].startswith(sampler)
+
+
+def test_a_client_that_streams_gets_ndjson(server):  # noqa: F811
+    status, headers, payload = raw("POST", server, "/api/chat", {
+        "model": MODEL, "messages": HELLO, "options": {"num_predict": 4, "seed": 1}},
+        parse=False)
+    assert status == 200 and headers["content-type"].startswith("application/x-ndjson")
+    lines = [json.loads(line) for line in payload.decode().splitlines()]
+    assert lines[-1]["done"] and "sampler_stats" in lines[-1]
+    assert all("message" in line for line in lines)
+
+
+@pytest.mark.parametrize("path,body,status,needle", [
+    ("/api/chat", b"{not json", 400, "not valid JSON"),
+    ("/api/chat", {"messages": HELLO}, 400, "`model`"),
+    ("/api/chat", {"model": MODEL, "messages": []}, 400, "`messages`"),
+    ("/api/chat", {"model": MODEL, "messages": HELLO, "options": {"sampler": "nucleus"}},
+     400, "options.sampler"),
+    ("/api/generate", {"model": MODEL, "prompt": "x", "options": {"temperature": "hot"}},
+     400, "options.temperature"),
+    ("/api/generate", {"model": MODEL, "prompt": "x", "options": {"seed": -1}}, 400,
+     "options.seed"),
+    ("/api/generate", {"model": MODEL, "prompt": "word " * 600, "raw": True}, 400,
+     "context window"),
+    ("/api/show", {}, 400, "`model`"),
+    ("/api/nothing", {}, 404, "Not Found"),
+])
+def test_bad_requests_get_ollamas_error_shape_and_the_server_keeps_serving(
+        server, client, path, body, status, needle):  # noqa: F811
+    got, _, answer = raw("POST", server, path, body)
+    assert got == status and set(answer) == {"error"} and needle in answer["error"], answer
+    with pytest.raises(ollama.ResponseError) as caught:
+        client.chat(MODEL, messages=HELLO, options={"sampler": "top-k:k=1e400"})
+    assert caught.value.status_code == 400 and "k" in caught.value.error
+    assert client.chat(MODEL, messages=HELLO, options={"num_predict": 4}).done
+    wait_idle(server)
+
+
+def test_the_api_key_guards_the_ollama_routes_too(server):  # noqa: F811
+    status, headers, body = raw("GET", server, "/api/tags", key=None)
+    assert status == 401 and set(body) == {"error"} and "API key" in body["error"]
+    assert headers["WWW-Authenticate"] == "Bearer"
+    with pytest.raises(ollama.ResponseError) as caught:
+        ollama.Client(host=f"http://127.0.0.1:{server}").list()
+    assert caught.value.status_code == 401
