@@ -14,7 +14,9 @@ import socket
 import sys
 
 import click
+from click.core import ParameterSource
 
+from . import config
 from .models import ModelError, describe_models
 from .samplers import SEED, SpecError, parse_spec, table, valid_specs
 
@@ -44,6 +46,38 @@ def _spec(ctx, param, value):
         return parse_spec(value)
     except SpecError as exc:
         fail(f"--sampler: {exc}")
+
+
+# config.toml key -> the commands' parameter; the command line (or its environment variable)
+# wins over the file, the file over the built-in default.
+CONFIG_PARAMS = {"sampler": "sampler", "system": "system", "ctx": "n_ctx",
+                 "n_gpu_layers": "n_gpu_layers", "threads": "threads"}
+GIVEN = (ParameterSource.COMMANDLINE, ParameterSource.ENVIRONMENT)
+
+
+def configured(fn):
+    """Fill the options the command line left out from config.toml (the model's table, then
+    [defaults]); where each value came from goes to the click context's meta["sources"]."""
+
+    @functools.wraps(fn)
+    def wrapper(**kwargs):
+        ctx = click.get_current_context()
+        settings = config.settings_for(kwargs.get("model"))  # ConfigError: one line, exit 2
+        sources = {}
+        for key, name in CONFIG_PARAMS.items():
+            if name not in kwargs:
+                continue
+            if ctx.get_parameter_source(name) in GIVEN:
+                sources[key] = "command line"
+            elif key in settings.values:
+                kwargs[name] = settings.values[key]
+                sources[key] = settings.source[key]
+            else:
+                sources[key] = "built-in default"
+        ctx.meta["sources"] = sources
+        return fn(**kwargs)
+
+    return wrapper
 
 
 def model_options(fn):
@@ -83,9 +117,16 @@ def main():
 
 @main.command()
 @click.option("--json", "as_json", is_flag=True, help="Print JSON.")
+@user_errors
 def models(as_json):
-    """List the bundled models: path, vocabulary, chat template, installed."""
+    """List the bundled models: path, vocabulary, chat template, installed, and the settings
+    config.toml gives each (with the table they come from)."""
     rows = describe_models()
+    for r in rows:
+        settings = config.settings_for(r["name"])
+        r["settings"] = {key: {"value": str(value), "source": settings.source[key]}
+                         for key, value in settings.values.items()}
+    path = config.config_path()
     if as_json:
         click.echo(json.dumps(rows, indent=2))
         return
@@ -94,6 +135,9 @@ def models(as_json):
         click.echo(f"{r['name']:<12} vocab {r['vocab_size']:>7,}  chat template: "
                    f"{'yes' if r['chat_template'] else 'no ':<3}  start eps {r['start_eps']:g}"
                    f"  {r['description']}\n{'':<12} {state}")
+        for key, s in r["settings"].items():
+            click.echo(f"{'':<12} {key} = {s['value']}  (from {s['source']})")
+    click.echo(f"settings file: {path}{'' if path.exists() else ' (none yet)'}")
 
 
 @main.command()
@@ -113,6 +157,7 @@ def samplers():
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object with the figures.")
 @model_options
 @user_errors
+@configured
 def generate(model, prompt, sampler, max_tokens, chat, stop, as_json, n_gpu_layers, n_ctx,
              threads, seed, verbose):
     """Generate a continuation (or, with --chat, a reply) of a prompt."""
@@ -143,6 +188,7 @@ def generate(model, prompt, sampler, max_tokens, chat, stop, as_json, n_gpu_laye
 @click.option("--max-tokens", type=click.IntRange(min=1), default=256, show_default=True)
 @model_options
 @user_errors
+@configured
 def run(model, sampler, system, max_tokens, n_gpu_layers, n_ctx, threads, seed, verbose):
     """Chat with MODEL (default: the bundled SmolLM2-135M-Instruct). /help inside."""
     from .repl import Repl
@@ -155,7 +201,7 @@ def run(model, sampler, system, max_tokens, n_gpu_layers, n_ctx, threads, seed, 
              f"chat; continue text with it instead: adaptive-llama generate {model} "
              "--prompt TEXT")
     Repl(engine, sampler=sampler, system=system, max_tokens=max_tokens, seed=seed,
-         interactive=interactive).loop()
+         interactive=interactive, sources=click.get_current_context().meta["sources"]).loop()
 
 
 @main.command("eval")
@@ -246,6 +292,7 @@ def _check_port_free(host: str, port: int) -> None:
                    "tokens.")
 @model_options
 @user_errors
+@configured
 def serve(model, host, port, allow_remote, api_key, sampler, max_queue, max_body, parallel,
           n_gpu_layers, n_ctx, threads, seed, verbose):
     """Serve MODEL over the OpenAI API (/v1/chat/completions, /v1/completions, /v1/models)."""

@@ -110,6 +110,15 @@ def _line_of(text: str, table: str, key: str | None) -> int:
     return header_line
 
 
+def _first_line_naming(text: str, name: str) -> int:
+    """The first line that opens table ``name`` (or one under it) or sets key ``name``."""
+    pattern = re.compile(rf'^\s*(\[\s*)?"?{re.escape(name)}"?\s*[.\]=]')
+    for number, line in enumerate(text.splitlines(), 1):
+        if pattern.match(line):
+            return number
+    return 0
+
+
 def load(path: Path | None = None) -> dict[str, dict[str, Any]]:
     """{table name: checked values}: "defaults" and "models.NAME"; {} without a file."""
     path = path or config_path()
@@ -140,8 +149,10 @@ def load(path: Path | None = None) -> dict[str, dict[str, Any]]:
                                 f"table, [{MODELS_TABLE}.{model}]")
                 tables[f"{MODELS_TABLE}.{model}"] = settings
         else:
-            raise error(name, name, f"unknown `{name}`: the file holds [{DEFAULTS_TABLE}] "
-                        f"and [{MODELS_TABLE}.NAME] tables")
+            line = _first_line_naming(text, name)
+            where = f"{path}, line {line}" if line else str(path)
+            raise ConfigError(f"{where}: unknown `{name}`: the file holds [{DEFAULTS_TABLE}] "
+                              f"and [{MODELS_TABLE}.NAME] tables")
     checked: dict[str, dict[str, Any]] = {}
     for table, settings in tables.items():
         checked[table] = {}

@@ -57,8 +57,10 @@ RESET = "\033[0m"
 
 class Repl:
     def __init__(self, engine: Engine, sampler="adaptive", system=None, max_tokens=256,
-                 seed=None, interactive=False, out=None, read_line=None):
+                 seed=None, interactive=False, out=None, read_line=None, sources=None):
         self.engine = engine
+        # where sampler, system, ctx, threads... came from (command line, config.toml, /set)
+        self.sources = dict(sources or {})
         self.chat = Chat(engine, system=system, sampler=sampler, max_tokens=max_tokens,
                          seed=seed)
         self.interactive = interactive
@@ -234,6 +236,8 @@ class Repl:
         except SpecError as exc:
             self.note(f"{exc}; kept the old value")
             return
+        self.sources["system" if key == "system" else "sampler"
+                     if key in ("sampler", "eps", "temp") else key] = "/set"
         self.note(f"{key} set; sampler {chat.sampler}, seed {_seed_text(chat.seed)}, "
                   f"max-tokens {chat.max_tokens}")
 
@@ -250,6 +254,9 @@ class Repl:
                  f"{' (adapted to the load)' if self.engine.threads_adaptive else ''}\n"
                  f"context     {chat.context_used()} of {self.engine.n_ctx} tokens "
                  f"({len(chat.messages)} messages{outside})")
+        if self.sources:
+            self.say("from        " + "; ".join(f"{key}: {source}"
+                                                  for key, source in self.sources.items()))
 
     def cmd_clear(self, arg):
         self.chat.clear()
