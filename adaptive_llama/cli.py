@@ -186,12 +186,36 @@ def generate(model, prompt, sampler, max_tokens, chat, stop, as_json, n_gpu_laye
               help="Sampler spec (see generate --help).")
 @click.option("--system", default=None, help="System prompt.")
 @click.option("--max-tokens", type=click.IntRange(min=1), default=256, show_default=True)
+@click.option("--resume", "resume", is_flag=False, flag_value="", default=None,
+              metavar="[NAME]", help="Continue the newest saved chat, or the one named "
+              "(/chats lists them).")
+@click.option("--no-save", is_flag=True, help="Do not keep this chat in the saved chats.")
 @model_options
 @user_errors
 @configured
-def run(model, sampler, system, max_tokens, n_gpu_layers, n_ctx, threads, seed, verbose):
-    """Chat with MODEL (default: the bundled SmolLM2-135M-Instruct). /help inside."""
-    from .repl import Repl
+def run(model, sampler, system, max_tokens, resume, no_save, n_gpu_layers, n_ctx, threads,
+        seed, verbose):
+    """Chat with MODEL (default: the bundled SmolLM2-135M-Instruct). /help inside.
+
+    Each chat is saved as it goes, in $XDG_STATE_HOME/adaptive-llama/chats (a reply cut off
+    by a crash or Ctrl-C keeps what was shown); --resume continues one."""
+    from .chats import ChatStore
+    from .repl import Repl, check_saved_chat
+
+    store = None if no_save else ChatStore()
+    if resume is not None:
+        if store is None:
+            fail("--resume continues a saved chat, which --no-save turns off")
+        resume = resume or store.latest()
+        if resume is None:
+            fail(f"there is no saved chat to resume yet (in {store.folder})")
+        try:
+            saved = store.load(resume)
+        except FileNotFoundError:
+            known = ", ".join(store.names()[:5]) or "none"
+            fail(f"there is no saved chat {resume!r} in {store.folder} (newest: {known})")
+        except (OSError, UnicodeDecodeError, ValueError) as exc:
+            fail(f"cannot read the saved chat {resume!r} ({exc}); /chats lists the others")
 
     interactive = sys.stdin.isatty() and sys.stdout.isatty()
     engine = load_engine(model, n_gpu_layers, n_ctx, threads, seed, verbose,
@@ -200,8 +224,16 @@ def run(model, sampler, system, max_tokens, n_gpu_layers, n_ctx, threads, seed, 
         fail(f"{engine.name} is a base model (no chat template in its GGUF), so it cannot "
              f"chat; continue text with it instead: adaptive-llama generate {model} "
              "--prompt TEXT")
-    Repl(engine, sampler=sampler, system=system, max_tokens=max_tokens, seed=seed,
-         interactive=interactive, sources=click.get_current_context().meta["sources"]).loop()
+    repl = Repl(engine, sampler=sampler, system=system, max_tokens=max_tokens, seed=seed,
+                interactive=interactive, sources=click.get_current_context().meta["sources"],
+                store=store, chat_name=resume)
+    if resume is not None:
+        try:
+            repl.restore(check_saved_chat(saved, repl.chat))
+        except (ValueError, RecursionError) as exc:
+            fail(f"the saved chat {resume!r} cannot be continued: {exc}")
+        repl.note(f"continuing {resume}: {len(repl.chat.messages)} messages")
+    repl.loop()
 
 
 @main.command("eval")

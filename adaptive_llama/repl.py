@@ -12,11 +12,11 @@ import json
 import os
 import signal
 import sys
-import tempfile
 from pathlib import Path
 
 from . import kernel
 from .chat import Chat
+from .chats import ChatStore, write_atomically
 from .engine import ContextOverflow, Engine, GenerationResult
 from .samplers import INT32_MAX, SEED, Param, SpecError, parse_spec, table
 
@@ -29,6 +29,7 @@ COMMANDS = {
     "/undo": "drop the last exchange",
     "/regen": "answer the last message again",
     "/save": "/save FILE: conversation and settings as JSON",
+    "/chats": "the saved chats (run --resume [NAME] continues one)",
     "/load": "/load FILE: restore a /save",
     "/stats": "figures of the last reply",
     "/trace": "/trace on|off: colour each token by its candidate-set size k",
@@ -57,8 +58,12 @@ RESET = "\033[0m"
 
 class Repl:
     def __init__(self, engine: Engine, sampler="adaptive", system=None, max_tokens=256,
-                 seed=None, interactive=False, out=None, read_line=None, sources=None):
+                 seed=None, interactive=False, out=None, read_line=None, sources=None,
+                 store: ChatStore | None = None, chat_name: str | None = None):
         self.engine = engine
+        # every message and command is saved as it happens (None: nothing is kept)
+        self.store = store
+        self.chat_name = chat_name or (store.new_name() if store else None)
         # where sampler, system, ctx, threads... came from (command line, config.toml, /set)
         self.sources = dict(sources or {})
         self.chat = Chat(engine, system=system, sampler=sampler, max_tokens=max_tokens,
@@ -151,6 +156,7 @@ class Repl:
                     return
             else:
                 self.reply(lambda: self.chat.send(text))
+            self.autosave()
 
     def reply(self, start) -> None:
         try:
@@ -161,18 +167,23 @@ class Repl:
         except KeyboardInterrupt:  # before the first token
             self.note("[interrupted]")
             return
-        self.last = self.show_stream(stream)
+        if self.autosave():  # the message, before its reply; then the reply as it shows
+            self.store.begin_reply(self.chat_name)
+        self.last = self.show_stream(stream, keep=self.store.piece if self.store else None)
         if self.chat.dropped > self.warned_dropped and self.warned_dropped == 0:
             self.note("(the conversation outgrew the context window: the oldest messages "
                       "are being dropped from what the model sees; /save keeps them all)")
         self.warned_dropped = self.chat.dropped
 
-    def show_stream(self, stream) -> GenerationResult:
+    def show_stream(self, stream, keep=None) -> GenerationResult:
+        """Print the reply as it comes (``keep`` gets each piece just before it shows)."""
         try:
             for piece in stream:
                 if self.interrupt_pending:
                     self.interrupt_pending = False
                     raise KeyboardInterrupt
+                if keep is not None:  # kept before it shows: nothing shown can be lost
+                    keep(piece)
                 self.say(self._traced(stream, piece) if self.trace else piece, end="")
         except KeyboardInterrupt:
             stream.cancel()
@@ -312,13 +323,42 @@ class Repl:
             return
         self.say(format_stats(self.show_stream(stream).summary()))
 
+    def saved_data(self) -> dict:
+        """The conversation and its settings, as /save writes them."""
+        return {"version": 1, "model": str(self.engine.path), "sampler": str(self.chat.sampler),
+                "seed": self.chat.seed, "max_tokens": self.chat.max_tokens,
+                "system": self.chat.system, "messages": self.chat.messages}
+
+    def autosave(self) -> bool:
+        """Keep the chat in the store (once it has a message); False when nothing was saved."""
+        if self.store is None or not (self.chat.messages or
+                                      self.store.path(self.chat_name).exists()):
+            return False
+        try:
+            self.store.save(self.chat_name, self.saved_data())
+        except OSError as exc:
+            self.note(f"could not save the chat in {self.store.folder}: "
+                      f"{exc.strerror or exc}; it goes on unsaved")
+            self.store = None
+            return False
+        return True
+
+    def cmd_chats(self, arg):
+        if self.store is None:
+            self.note("chats are not being saved (run --no-save)")
+            return
+        names = self.store.names()
+        for name in names[:20]:
+            mark = "* " if name == self.chat_name else "  "
+            self.say(mark + self.store.describe(name))
+        self.note(f"{len(names)} saved in {self.store.folder}; "
+                  "adaptive-llama run --resume NAME continues one")
+
     def cmd_save(self, arg):
         if not arg:
             self.note("usage: /save FILE")
             return
-        data = {"version": 1, "model": str(self.engine.path), "sampler": str(self.chat.sampler),
-                "seed": self.chat.seed, "max_tokens": self.chat.max_tokens,
-                "system": self.chat.system, "messages": self.chat.messages}
+        data = self.saved_data()
         path = Path(arg).expanduser()
         try:
             write_atomically(path, json.dumps(data, indent=2, ensure_ascii=False))
@@ -340,13 +380,17 @@ class Repl:
         except (ValueError, UnicodeDecodeError, RecursionError) as exc:
             self.note(f"{path} is not a saved chat ({exc}); the chat is unchanged")
             return
+        self.restore(saved)
+        self.note(f"loaded {len(self.chat.messages)} messages; sampler {self.chat.sampler}, "
+                  f"seed {_seed_text(self.chat.seed)}")
+
+    def restore(self, saved: dict) -> None:
+        """Take over a checked saved chat (:func:`check_saved_chat`): messages and settings."""
         chat = self.chat
         chat.clear()
         chat.messages, chat.sampler, chat.seed = saved["messages"], saved["sampler"], saved["seed"]
         chat.max_tokens, chat.system = saved["max_tokens"], saved["system"]
         self.last = None
-        self.note(f"loaded {len(chat.messages)} messages; sampler {chat.sampler}, "
-                  f"seed {_seed_text(chat.seed)}")
 
 
 MAX_TOKENS = Param("max-tokens", int, 256, "the longest reply, in tokens", low=1, high=INT32_MAX)
@@ -355,7 +399,11 @@ MAX_TOKENS = Param("max-tokens", int, 256, "the longest reply, in tokens", low=1
 def read_saved_chat(path: Path, current: Chat) -> dict:
     """A /save file, every field checked (ValueError says which is wrong); fields it lacks
     keep the current chat's values."""
-    data = json.loads(path.read_text(encoding="utf-8"))
+    return check_saved_chat(json.loads(path.read_text(encoding="utf-8")), current)
+
+
+def check_saved_chat(data, current: Chat) -> dict:
+    """Saved chat data (a /save file's, or a saved chat's), as :func:`read_saved_chat`."""
     if not isinstance(data, dict):
         raise ValueError("it is not a JSON object")
     messages = data.get("messages")
@@ -392,19 +440,6 @@ def format_stats(summary: dict) -> str:
         if summary["mean_conf"] is not None:
             line += f"; mean confidence {summary['mean_conf']:.3f}"
     return line
-
-
-def write_atomically(path: Path, text: str) -> None:
-    """Write via a temporary file in the same folder and rename: never a half-written file."""
-    fd, tmp = tempfile.mkstemp(dir=path.parent if str(path.parent) else ".",
-                               prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            f.write(text)
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
 
 
 def _plain_reader(prompt: str) -> str | None:

@@ -5,6 +5,14 @@ import pytest
 from adaptive_llama.models import BUNDLED
 
 
+@pytest.fixture(autouse=True)
+def private_user_folders(tmp_path_factory, monkeypatch):
+    """Saved chats, REPL history and config.toml of the tests (and of the commands they
+    start) live in temporary folders, never in the user's."""
+    monkeypatch.setenv("XDG_STATE_HOME", str(tmp_path_factory.mktemp("state")))
+    monkeypatch.setenv("XDG_CONFIG_HOME", str(tmp_path_factory.mktemp("config")))
+
+
 @pytest.fixture(scope="session")
 def smollm2_path():
     # Installed by the `test` extra: a missing model is a broken install, not a skip.
