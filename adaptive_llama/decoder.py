@@ -23,9 +23,24 @@ import time
 from dataclasses import dataclass, field
 
 import llama_cpp
+import numpy as np
 
 from .chain import SamplerChain
 from .threads import ThreadTuner
+
+
+MAX_LOGPROBS = 20  # alternatives per token, as OpenAI's top_logprobs allows
+
+
+@dataclass(frozen=True)
+class TokenLogprob:
+    """A generated token's log-probability in the distribution the model gave (before
+    temperature and truncation), and the most likely tokens there: (id, bytes, logprob)."""
+
+    token: int
+    text: bytes
+    logprob: float
+    top: tuple[tuple[int, bytes, float], ...] = ()
 
 
 @dataclass
@@ -41,6 +56,7 @@ class GenerationResult:
     backend: str = ""             # what runs the adaptive and eta samplers: "c" or "numba"
     tokens: list[int] = field(default_factory=list)
     token_stats: list = field(default_factory=list)   # TokenStats, adaptive only
+    logprobs: list = field(default_factory=list)      # TokenLogprob, when asked for
     prompt_eval_s: float = 0.0
     time_to_first_token_s: float = 0.0
     decode_s: float = 0.0
@@ -84,11 +100,12 @@ class Generation:
     """
 
     def __init__(self, prompt_tokens: list[int], chain: SamplerChain, max_tokens: int,
-                 stop: list[str]):
+                 stop: list[str], logprobs: int | None = None):
         self.prompt_tokens = list(prompt_tokens)
         self.chain = chain
         self.max_tokens = max_tokens
         self.stop = stop
+        self.logprobs = logprobs  # None: none; n: each token's, and n alternatives
         self.result = GenerationResult(
             text="", finish_reason="interrupted", prompt_tokens=len(prompt_tokens),
             completion_tokens=0, sampler=str(chain.spec), seed=chain.seed, backend=chain.backend)
@@ -274,6 +291,8 @@ class Decoder:
             return self._finish(generation, "stop")
         result.tokens.append(token)
         result.completion_tokens += 1
+        if generation.logprobs is not None:
+            result.logprobs.append(self._logprob(index, token, generation.logprobs))
         stats = generation.chain.last_stats()
         if stats is not None:
             result.token_stats.append(stats)
@@ -288,6 +307,19 @@ class Decoder:
                 or len(generation.slot.tokens) + 1 >= self.n_ctx_seq):
             return self._finish(generation, "length")
         generation.next_token = token
+
+    def _logprob(self, index: int, token: int, n_top: int) -> TokenLogprob:
+        """From the logits the model gave at batch ``index`` (the chain works on a copy)."""
+        engine = self._engine
+        x = np.ctypeslib.as_array(llama_cpp.llama_get_logits_ith(self._ctx, index),
+                                  shape=(engine.n_vocab,))
+        top = float(x.max())
+        log_norm = top + math.log(float(np.exp((x - top).astype(np.float64)).sum()))
+        best = np.argpartition(x, -n_top)[-n_top:] if n_top else np.array([], dtype=int)
+        best = best[np.argsort(-x[best], kind="stable")]
+        return TokenLogprob(token, engine.piece(token), float(x[token]) - log_norm,
+                            tuple((int(i), engine.piece(int(i)), float(x[i]) - log_norm)
+                                  for i in best))
 
     def _finish(self, generation: Generation, reason: str) -> None:
         result = generation.result

@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import Callable, Iterator
 
 from .chain import SamplerChain
-from .decoder import Decoder, Generation, GenerationResult
+from .decoder import MAX_LOGPROBS, Decoder, Generation, GenerationResult, TokenLogprob  # noqa: F401
 from .models import ModelError, resolve_model
 from .samplers import SEED, SamplerSpec, spec_of
 from .threads import ThreadTuner, default_threads
@@ -76,6 +76,11 @@ class Stream:
         self._release = release  # frees what the generation holds, if it never ran
         self._callbacks: list[Callable[[GenerationResult], None]] = []
         self.result: GenerationResult | None = None
+
+    @property
+    def last_logprob(self):
+        """The newest token's :class:`TokenLogprob` (when the stream was asked for them)."""
+        return self._live.logprobs[-1] if self._live.logprobs else None
 
     @property
     def last_k(self) -> int | None:
@@ -323,10 +328,13 @@ class Engine:
 
     def start(self, prompt_tokens: list[int], *, sampler: SamplerSpec | str = "adaptive",
               max_tokens: int = 256, seed: int | None = None, stop: list[str] | tuple = (),
-              grammar=None, record_stats: bool = True) -> Generation:
+              grammar=None, record_stats: bool = True,
+              logprobs: int | None = None) -> Generation:
         """A :class:`Generation` ready for :attr:`decoder` (arguments as :meth:`stream`)."""
         spec = spec_of(sampler)
         _check_int("max_tokens", max_tokens, low=1)
+        if logprobs is not None:
+            _check_int("logprobs", logprobs, low=0, high=MAX_LOGPROBS)
         if not prompt_tokens:
             raise ValueError("the prompt is empty")
         if len(prompt_tokens) >= self.n_ctx:
@@ -337,12 +345,16 @@ class Engine:
                              grammar=grammar, vocab_model=self._model,
                              record_stats=record_stats)
         # An empty stop string would end every reply at once: it is no stop string.
-        return Generation(prompt_tokens, chain, max_tokens, [s for s in stop if s])
+        return Generation(prompt_tokens, chain, max_tokens, [s for s in stop if s], logprobs)
 
     def stream(self, prompt_tokens: list[int], *, sampler: SamplerSpec | str = "adaptive",
                max_tokens: int = 256, seed: int | None = None, stop: list[str] | tuple = (),
-               grammar=None, record_stats: bool = True) -> Stream:
+               grammar=None, record_stats: bool = True, logprobs: int | None = None) -> Stream:
         """Generate after ``prompt_tokens``; iterate the returned :class:`Stream` for text.
+
+        ``logprobs``: None, or record each token's log-probability in the model's own
+        distribution (before temperature and truncation) with that many of the most likely
+        alternatives (0 to 20) in ``result.logprobs``.
 
         Raises ContextOverflow (at once) when the prompt leaves no room in the context window;
         generation itself stops at the window with finish_reason "length". Other streams of
@@ -350,7 +362,7 @@ class Engine:
         """
         generation = self.start(prompt_tokens, sampler=sampler, max_tokens=max_tokens,
                                 seed=seed, stop=stop, grammar=grammar,
-                                record_stats=record_stats)
+                                record_stats=record_stats, logprobs=logprobs)
         return Stream(self._drive(generation), generation.result,
                       lambda: self.decoder.cancel(generation))
 
@@ -428,9 +440,11 @@ class Engine:
         self._model.close()
 
 
-def _check_int(name: str, value, low: int) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value < low:
-        raise ValueError(f"`{name}` has to be an integer >= {low}, but is {value!r}")
+def _check_int(name: str, value, low: int, high: int | None = None) -> None:
+    if (isinstance(value, bool) or not isinstance(value, int) or value < low
+            or (high is not None and value > high)):
+        span = f">= {low}" if high is None else f"in [{low}, {high}]"
+        raise ValueError(f"`{name}` has to be an integer {span}, but is {value!r}")
 
 
 def _split_marks(rendered: str, by_mark: dict[str, str]) -> Iterator[tuple[str, bool]]:

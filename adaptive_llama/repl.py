@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import difflib
 import json
+import math
 import os
 import signal
 import sys
@@ -32,7 +33,8 @@ COMMANDS = {
     "/chats": "the saved chats (run --resume [NAME] continues one)",
     "/load": "/load FILE: restore a /save",
     "/stats": "figures of the last reply",
-    "/trace": "/trace on|off: colour each token by its candidate-set size k",
+    "/trace": "/trace on|top|off: colour each token by its candidate-set size k (top: and "
+              "show the model's most likely alternatives)",
     "/compare": "/compare SPEC: the last reply again, same seed, another sampler",
     "/bye": "quit (also Ctrl-D)",
 }
@@ -71,7 +73,7 @@ class Repl:
         self.interactive = interactive
         self.out = out or sys.stdout
         self.read_line = read_line or (self._terminal_reader() if interactive else _plain_reader)
-        self.trace = False
+        self.trace = "off"  # "on": each token's k; "top": and its likeliest alternatives
         self.interrupt_pending = False  # a Ctrl-C that came with the Enter of a message
         self.last: GenerationResult | None = None  # the last reply, while it is the last message
         self.warned_dropped = 0
@@ -155,7 +157,7 @@ class Repl:
                 if self.command(text.strip()) == "quit":
                     return
             else:
-                self.reply(lambda: self.chat.send(text))
+                self.reply(lambda: self.chat.send(text, **self._reply_options()))
             self.autosave()
 
     def reply(self, start) -> None:
@@ -184,7 +186,7 @@ class Repl:
                     raise KeyboardInterrupt
                 if keep is not None:  # kept before it shows: nothing shown can be lost
                     keep(piece)
-                self.say(self._traced(stream, piece) if self.trace else piece, end="")
+                self.say(piece if self.trace == "off" else self._traced(stream, piece), end="")
         except KeyboardInterrupt:
             stream.cancel()
             self.say("")
@@ -194,11 +196,23 @@ class Repl:
         return stream.result
 
     def _traced(self, stream, piece: str) -> str:
-        """The piece marked with the k of its token: coloured, or piece[k] when piped."""
+        """The piece marked with the k of its token: coloured, or piece[k] when piped; with
+        /trace top, then {the likeliest tokens and their probabilities}."""
         k = stream.last_k
-        if k is None:
-            return piece
-        return f"{k_colour(k)}{piece}{RESET}" if self.interactive else f"{piece}[{k}]"
+        marked = piece
+        if k is not None:
+            marked = f"{k_colour(k)}{piece}{RESET}" if self.interactive else f"{piece}[{k}]"
+        entry = stream.last_logprob if self.trace == "top" else None
+        if entry is None:
+            return marked
+        alternatives = ", ".join(f"{text.decode('utf-8', 'replace')!r} {math.exp(lp):.0%}"
+                                 for _, text, lp in entry.top)
+        return marked + (f"\033[2m{{{alternatives}}}{RESET}" if self.interactive
+                         else f"{{{alternatives}}}")
+
+    def _reply_options(self) -> dict:
+        """What a reply needs for the current /trace: the alternatives of each token."""
+        return {"logprobs": TRACE_ALTERNATIVES} if self.trace == "top" else {}
 
     # ---- commands ----
 
@@ -283,7 +297,7 @@ class Repl:
         if len(self.chat.window) == 0:
             self.note("nothing to regenerate yet")
             return
-        self.reply(self.chat.regenerate)
+        self.reply(lambda: self.chat.regenerate(**self._reply_options()))
 
     def cmd_stats(self, arg):
         if self.last is None:
@@ -292,10 +306,10 @@ class Repl:
         self.say(format_stats(self.last.summary()))
 
     def cmd_trace(self, arg):
-        if arg not in ("on", "off"):
-            self.note("usage: /trace on|off")
+        if arg not in ("on", "top", "off"):
+            self.note("usage: /trace on|top|off")
             return
-        self.trace = arg == "on"
+        self.trace = arg
         self.note(f"trace {arg}")
 
     def cmd_compare(self, arg):
@@ -392,6 +406,8 @@ class Repl:
         chat.max_tokens, chat.system = saved["max_tokens"], saved["system"]
         self.last = None
 
+
+TRACE_ALTERNATIVES = 3  # tokens /trace top shows beside each one
 
 MAX_TOKENS = Param("max-tokens", int, 256, "the longest reply, in tokens", low=1, high=INT32_MAX)
 

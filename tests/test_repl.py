@@ -1,6 +1,7 @@
 """The chat REPL driven through its input (piped mode), on the bundled model."""
 
 import json
+import re
 
 import pytest
 from click.testing import CliRunner
@@ -177,3 +178,14 @@ def test_a_message_too_long_for_the_window_is_refused_and_history_stays():
     assert out.count("The conversation is unchanged.") == 2
     shows = out.split("context     ")[1:]
     assert all("(4 messages)" in s for s in shows)
+
+
+def test_trace_top_shows_each_tokens_likeliest_alternatives():
+    out = chat("/trace top", "Name a colour.", "/trace off", "Again.")
+    traced = out.split("trace top")[1].split("trace off")[0]
+    marks = re.findall(r"\[(\d+)\]\{([^{}]*)\}", traced)
+    assert len(marks) >= 3
+    for k, alternatives in marks:
+        shares = [int(p) for p in re.findall(r" (\d+)%", alternatives)]
+        assert len(shares) == 3 and shares == sorted(shares, reverse=True) and sum(shares) <= 101
+    assert "{" not in out.split("trace off")[1]

@@ -3,6 +3,7 @@ the bundled model, driven by the real `openai` client (and raw HTTP where the cl
 wire: status codes, headers, malformed JSON, a dropped connection)."""
 
 import http.client
+import math
 import json
 import socket
 import subprocess
@@ -10,6 +11,7 @@ import sys
 import threading
 import time
 
+import numpy as np
 import openai
 import pytest
 from hypothesis import HealthCheck, given, settings
@@ -434,3 +436,56 @@ def test_same_seed_same_reply_alone_or_beside_others(client, server):
     # llama.cpp's CPU kernels give a row the same logits whatever else is in the batch here;
     # README says where that is not promised (other backends).
     assert results[0] == alone
+
+
+def test_chat_logprobs_are_the_models_own_distribution(client, engine):
+    kwargs = dict(model="any", messages=HELLO, max_tokens=8, seed=4, temperature=0,
+                  logprobs=True, top_logprobs=5)
+    r = client.chat.completions.create(**kwargs)
+    content = r.choices[0].logprobs.content
+    assert "".join(t.token for t in content) == r.choices[0].message.content
+    for t in content:
+        tops = [a.logprob for a in t.top_logprobs]
+        assert len(tops) == 5 and tops == sorted(tops, reverse=True)
+        assert t.token == t.top_logprobs[0].token and t.logprob == tops[0]  # greedy's pick
+        assert sum(math.exp(lp) for lp in tops) <= 1 + 1e-6 and bytes(t.bytes).decode()
+    # The first token's log-probability against a float64 log-softmax of the same logits.
+    tokens = engine.chat_prompt_tokens([m for m in HELLO])
+    engine.prefill(tokens)
+    import llama_cpp
+    x = np.ctypeslib.as_array(llama_cpp.llama_get_logits_ith(engine.ctx, -1),
+                              shape=(engine.n_vocab,)).astype(np.float64)
+    log_p = x - x.max() - np.log(np.exp(x - x.max()).sum())
+    first = content[0]
+    assert first.logprob == pytest.approx(log_p.max(), abs=2e-3)
+    streamed = list(client.chat.completions.create(stream=True, **kwargs))
+    pieces = [t for c in streamed if c.choices and c.choices[0].logprobs
+              for t in c.choices[0].logprobs.content]
+    assert [t.token for t in pieces] == [t.token for t in content]
+
+
+def test_completion_logprobs_follow_the_legacy_shape(client):
+    r = client.completions.create(model="any", prompt="1, 2, 3,", max_tokens=6, seed=1,
+                                  temperature=0, logprobs=3)
+    lp = r.choices[0].logprobs
+    assert "".join(lp.tokens) == r.choices[0].text
+    assert lp.text_offset == [sum(map(len, lp.tokens[:i])) for i in range(len(lp.tokens))]
+    assert all(len(top) == 3 and max(top.values()) == token_lp
+               for top, token_lp in zip(lp.top_logprobs, lp.token_logprobs))
+    plain = client.completions.create(model="any", prompt="1, 2, 3,", max_tokens=6, seed=1,
+                                      temperature=0)
+    assert plain.choices[0].logprobs is None and plain.choices[0].text == r.choices[0].text
+
+
+@pytest.mark.parametrize("path,body,needle", [
+    ("/v1/chat/completions", {"messages": HELLO, "logprobs": True, "top_logprobs": 21},
+     "top_logprobs"),
+    ("/v1/chat/completions", {"messages": HELLO, "top_logprobs": 2}, "needs `logprobs: true`"),
+    ("/v1/chat/completions", {"messages": HELLO, "logprobs": 3}, "logprobs"),
+    ("/v1/completions", {"prompt": "Hi", "logprobs": -1}, "logprobs"),
+    ("/v1/completions", {"prompt": "Hi", "logprobs": 99}, "logprobs"),
+])
+def test_bad_logprobs_requests_are_400s(server, client, path, body, needle):
+    status, _, answer = raw("POST", server, path, body)
+    assert status == 400 and needle in answer["error"]["message"], answer
+    assert client.completions.create(model="any", prompt="Hi", max_tokens=2).choices

@@ -42,7 +42,7 @@ from starlette.datastructures import Headers
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 
-from ..engine import Engine, GenerationResult
+from ..engine import MAX_LOGPROBS, Engine, GenerationResult, TokenLogprob
 from ..samplers import SEED, SamplerSpec, SpecError, parse_spec, spec_of
 from .scheduler import Job, QueueFull, Scheduler
 
@@ -116,10 +116,21 @@ class Message(BaseModel):
 class ChatBody(_Body):
     messages: list[Message] = Field(min_length=1)
     max_completion_tokens: int | None = Field(None, ge=1)
+    logprobs: bool = False
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+
+    def logprobs_wanted(self) -> int | None:
+        if self.top_logprobs is not None and not self.logprobs:
+            raise APIError(400, "`top_logprobs` needs `logprobs: true`", param="top_logprobs")
+        return (self.top_logprobs or 0) if self.logprobs else None
 
 
 class CompletionBody(_Body):
     prompt: str | list[str]
+    logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+
+    def logprobs_wanted(self) -> int | None:
+        return self.logprobs
 
 
 # ---- the application ----
@@ -141,6 +152,31 @@ def _sampler_for(default: SamplerSpec, body: _Body) -> SamplerSpec:
         return spec
     except SpecError as exc:
         raise APIError(400, f"sampler: {exc}", param="sampler", code="invalid_sampler") from None
+
+
+def _token(text: bytes, logprob: float) -> dict:
+    return {"token": text.decode("utf-8", "replace"), "logprob": logprob, "bytes": list(text)}
+
+
+def _chat_logprobs(entries: list[TokenLogprob]) -> dict:
+    """OpenAI's chat ``logprobs``: per token, its log-probability and the top alternatives."""
+    return {"content": [{**_token(e.text, e.logprob),
+                         "top_logprobs": [_token(text, lp) for _, text, lp in e.top]}
+                        for e in entries]}
+
+
+def _completion_logprobs(entries: list[TokenLogprob], offset: int) -> dict:
+    """The completions endpoint's (legacy) ``logprobs``; ``offset``: characters of text
+    before these tokens."""
+    tokens = [e.text.decode("utf-8", "replace") for e in entries]
+    offsets = []
+    for token in tokens:
+        offsets.append(offset)
+        offset += len(token)
+    return {"tokens": tokens, "token_logprobs": [e.logprob for e in entries],
+            "top_logprobs": [{t.decode("utf-8", "replace"): lp for _, t, lp in e.top}
+                             for e in entries],
+            "text_offset": offsets}
 
 
 def _usage(result: GenerationResult) -> dict:
@@ -184,7 +220,8 @@ class Server:
         return Job(prompt_tokens=prompt_tokens, sampler=_sampler_for(self.sampler, body),
                    max_tokens=min(max_tokens or room, room),
                    seed=body.seed if body.seed is not None else secrets.randbits(32),
-                   stop=stop, stream=body.stream, loop=asyncio.get_running_loop())
+                   stop=stop, stream=body.stream, loop=asyncio.get_running_loop(),
+                   logprobs=body.logprobs_wanted())
 
     def submit(self, job: Job) -> None:
         """Queue the job, or 503 with Retry-After when the queue is full."""
@@ -205,7 +242,7 @@ class Server:
             usage = bool((body.stream_options or {}).get("include_usage"))
             return EventSourceResponse(self._events(job, head, kind, usage),
                                        ping=15, sep="\n")
-        return self._final(await self.wait(request, job), head, kind)
+        return self._final(await self.wait(request, job), head, kind, job.logprobs is not None)
 
     async def wait(self, request: Request, job: Job) -> GenerationResult:
         """The job's result, for an answer in one piece; a client that leaves stops the job
@@ -231,14 +268,16 @@ class Server:
             job.cancelled.set()  # no-op once done; stops the generation if we were cancelled
 
     @staticmethod
-    def _final(result: GenerationResult, head: dict, kind: str) -> dict:
+    def _final(result: GenerationResult, head: dict, kind: str, logprobs: bool) -> dict:
         reason = FINISH_REASONS[result.finish_reason]
         if kind == "chat":
             choice = {"index": 0, "message": {"role": "assistant", "content": result.text},
-                      "logprobs": None, "finish_reason": reason}
+                      "logprobs": _chat_logprobs(result.logprobs) if logprobs else None,
+                      "finish_reason": reason}
             obj = "chat.completion"
         else:
-            choice = {"index": 0, "text": result.text, "logprobs": None,
+            choice = {"index": 0, "text": result.text,
+                      "logprobs": _completion_logprobs(result.logprobs, 0) if logprobs else None,
                       "finish_reason": reason}
             obj = "text_completion"
         return {**head, "object": obj, "choices": [choice], "usage": _usage(result),
@@ -246,14 +285,23 @@ class Server:
 
     async def _events(self, job: Job, head: dict, kind: str, include_usage: bool):
         obj = "chat.completion.chunk" if kind == "chat" else "text_completion"
+        sent = 0  # characters of text sent so far (the completions' text_offset)
 
-        def chunk(delta_text: str | None, reason: str | None = None, **extra) -> str:
+        def chunk(delta_text: str | None, reason: str | None = None, entries=(),
+                  **extra) -> str:
+            nonlocal sent
+            logprobs = None
+            if job.logprobs is not None and delta_text is not None:
+                logprobs = (_chat_logprobs(entries) if kind == "chat"
+                            else _completion_logprobs(entries, sent))
             if kind == "chat":
                 delta = {} if delta_text is None else {"content": delta_text}
-                choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": reason}
-            else:
-                choice = {"index": 0, "text": delta_text or "", "logprobs": None,
+                choice = {"index": 0, "delta": delta, "logprobs": logprobs,
                           "finish_reason": reason}
+            else:
+                choice = {"index": 0, "text": delta_text or "", "logprobs": logprobs,
+                          "finish_reason": reason}
+            sent += len(delta_text or "")
             return _json({**head, "object": obj, "choices": [choice], **extra})
 
         try:
@@ -264,7 +312,8 @@ class Server:
             while True:
                 what, value = await job.events.get()
                 if what == "piece":
-                    yield chunk(value)
+                    text, entries = value
+                    yield chunk(text, entries=entries)
                 elif what == "error":
                     yield _json({"error": {"message": f"generation failed: {value}",
                                            "type": "server_error", "param": None,

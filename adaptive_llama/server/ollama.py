@@ -173,7 +173,7 @@ def add_routes(app, server: Server, max_body: int) -> None:
                 while True:
                     what, value = await job.events.get()
                     if what == "piece":
-                        yield _line(piece(value))
+                        yield _line(piece(value[0]))
                     elif what == "error":
                         yield _line({"error": f"generation failed: {value}"})
                         return

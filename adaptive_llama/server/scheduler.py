@@ -1,7 +1,8 @@
 """The server's scheduler: one engine, one worker thread, continuous batching over its slots.
 
-A :class:`Job` carries one generation's request; its events (text pieces, then the result
-or an error) flow back to the asyncio loop that waits for them. The engine's ``parallel``
+A :class:`Job` carries one generation's request; its events (text pieces, each with the
+log-probabilities of the tokens that made it, then the result or an error) flow back to the
+asyncio loop that waits for them. The engine's ``parallel``
 slots decode together; at most ``max_queue`` jobs wait besides them; one more is refused
 with :class:`QueueFull`. A job whose ``cancelled`` event is set stops at the next token.
 """
@@ -40,7 +41,9 @@ class Job:
     stop: list[str]
     stream: bool  # the client wants the pieces as they come (otherwise only the result)
     loop: asyncio.AbstractEventLoop
+    logprobs: int | None = None  # each token's log-probability and this many alternatives
     events: asyncio.Queue = field(default_factory=asyncio.Queue)
+    logprobs_sent: int = 0  # tokens whose log-probabilities went out with a piece
     cancelled: threading.Event = field(default_factory=threading.Event)
 
     def emit(self, kind: str, value) -> None:
@@ -114,8 +117,10 @@ class Scheduler:
             for generation, job in list(active.items()):
                 pieces = generation.take()
                 if job.stream:
-                    for piece in pieces:
-                        job.emit("piece", piece)
+                    logprobs = generation.result.logprobs
+                    for piece in pieces:  # the tokens since the last piece go with this one
+                        job.emit("piece", (piece, logprobs[job.logprobs_sent:]))
+                        job.logprobs_sent = len(logprobs)
                 if generation.done:
                     job.emit("done", generation.result)
                     self._done("cancelled" if generation.result.finish_reason == "interrupted"
@@ -128,7 +133,7 @@ class Scheduler:
             try:
                 generation = self.engine.start(job.prompt_tokens, sampler=job.sampler,
                                                max_tokens=job.max_tokens, seed=job.seed,
-                                               stop=job.stop)
+                                               stop=job.stop, logprobs=job.logprobs)
                 self.engine.decoder.add(generation)
             except Exception as exc:  # reported to the client
                 log.exception("could not start a generation")
