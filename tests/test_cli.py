@@ -203,3 +203,26 @@ def test_input_that_is_not_utf8_is_replaced_not_a_codec_error():
                            "2"], input=b"caf\xe9 \xff\n/show\n", capture_output=True,
                           timeout=300)
     assert chat.returncode == 0 and b"(2 messages)" in chat.stdout, chat.stderr
+
+
+def test_a_model_in_parts_is_joined_once_and_checked(tmp_path):
+    import hashlib
+
+    from adaptive_llama.models import ModelError, assemble
+
+    parts = [tmp_path / f"part{i}.bin" for i in range(3)]
+    for i, part in enumerate(parts):
+        part.write_bytes((b"GGUF" if i == 0 else b"") + bytes([i]) * 1000)
+    whole = b"".join(p.read_bytes() for p in parts)
+    sha = hashlib.sha256(whole).hexdigest()
+    target = tmp_path / "cache" / "model.gguf"
+    assert assemble(target, parts, sha, "reinstall").read_bytes() == whole
+    mtime = target.stat().st_mtime_ns
+    assert assemble(target, parts, sha, "reinstall") == target  # the stamp: not joined again
+    assert target.stat().st_mtime_ns == mtime
+    other = tmp_path / "cache" / "other.gguf"
+    with pytest.raises(ModelError, match="do not add up to the published checksum: reinstall"):
+        assemble(other, parts, "0" * 64, "reinstall")
+    assert not other.exists() and not other.with_name("other.gguf.partial").exists()
+    with pytest.raises(ModelError, match="missing: reinstall"):
+        assemble(tmp_path / "third.gguf", parts + [tmp_path / "gone.bin"], sha, "reinstall")

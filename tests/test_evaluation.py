@@ -123,7 +123,8 @@ def test_eval_end_to_end_on_the_bundled_model_and_resume(tmp_path, smollm2_path)
     prompts.write_text("".join(json.dumps(p) + "\n" for p in PROMPTS))
     out = tmp_path / "results"
     args = [str(smollm2_path), "--prompts", str(prompts), "--tasks", "ablation",
-            "--samples", "2", "--max-tokens", "8", "--out", str(out)]
+            "--samples", "2", "--max-tokens", "8", "--out", str(out),
+            "--temperatures", "0.7,1.5", "--batch", "4"]
     first = eval_cli(*args)
     assert first.returncode == 0, first.stderr
     report = json.loads((out / "results.json").read_text())
@@ -137,12 +138,28 @@ def test_eval_end_to_end_on_the_bundled_model_and_resume(tmp_path, smollm2_path)
     ks = [row["k"][0] for row in report["ablation"][:4]]
     assert ks == sorted(ks, reverse=True)  # a larger epsilon keeps fewer tokens
     assert "adaptive-llama eval" in report["command"]
-    for name in ("results.md", "diversity_coherence.png", "mauve.png"):
+    for name in ("results.md", "diversity_coherence.png", "mauve.png", "temperature_file.png"):
         assert (out / name).stat().st_size > 0
+    assert report["texts_per_s"] > 0 and report["generated_texts"] > 0
+    # Adaptive against the 7 others, every metric, Holm across methods, a verdict each.
+    paired = report["open_ended"]["file"]["paired"]
+    assert set(paired["against"]) == set(tasks.GRIDS) - {"adaptive"}
+    for row in paired["against"].values():
+        for metric in ("rep2", "rep3", "rep4", "diversity", "coherence", "mauve"):
+            cell = row[metric]
+            assert cell["ci"][0] <= cell["diff"] <= cell["ci"][1] and cell["p"] <= cell["p_holm"]
+            assert cell["verdict"] in ("better", "worse", "not distinguishable")
+    markdown = (out / "results.md").read_text()
+    assert markdown.count("Against ") == 7 and "adaptive is" in markdown
+    study = report["open_ended"]["file"]["temperatures"]
+    assert set(study) == {"top-p", "min-p", "eta", "adaptive"}
+    assert set(study["adaptive"]) == {"0.7", "1.5"}
+    assert "temp=1.5" in study["adaptive"]["1.5"]["spec"]
     # 7 sampling methods x 3 prompts x 2 samples + greedy x 3 + ablation 8 x 3
+    # + 4 methods x 2 temperatures x 3 prompts
     cache = out / "generations.jsonl"
     lines = cache.read_text().splitlines()
-    assert len(lines) == 7 * 3 * 2 + 3 + 8 * 3
+    assert len(lines) == 7 * 3 * 2 + 3 + 8 * 3 + 4 * 2 * 3
 
     # An interrupted run: half the generations gone, the last line cut short. The rerun
     # makes only what is missing, and (seeded) makes it exactly as before.
@@ -167,3 +184,29 @@ def test_eval_with_a_malformed_prompts_file_loses_nothing(tmp_path):
     assert result.stderr.strip().splitlines() == [
         f'Error: {prompts}, line 2: needs {{"prefix": "non-empty text"}}']
     assert (out / "generations.jsonl").read_text() == '{"key": "kept", "text": "earlier work"}\n'
+
+
+@pytest.mark.parametrize("args,needle", [
+    (["--methods", "top-p,nucleus"], "unknown method 'nucleus'"),
+    (["--methods", ","], "--methods: give at least one"),
+    (["--temperatures", "0.7,hot"], "--temperatures: '0.7,hot' is not a list of numbers"),
+    (["--temperatures", "-1"], "`temperature` has to be in"),
+])
+def test_bad_eval_options_are_one_line_errors(tmp_path, args, needle):
+    result = eval_cli(*args, "--out", str(tmp_path))
+    assert result.returncode == 2
+    line, = result.stderr.strip().splitlines()
+    assert needle in line and not (tmp_path / "generations.jsonl").exists()
+
+
+def test_methods_picks_a_subset_with_equal_grids(tmp_path, smollm2_path):
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps(p) + "\n" for p in PROMPTS))
+    result = eval_cli(str(smollm2_path), "--prompts", str(prompts), "--tasks", "latency",
+                      "--methods", "min-p,adaptive", "--max-tokens", "4", "--out",
+                      str(tmp_path / "r"))
+    assert result.returncode == 0, result.stderr
+    report = json.loads((tmp_path / "r" / "results.json").read_text())
+    assert set(report["open_ended"]["file"]["methods"]) == {"min-p", "adaptive"}
+    assert set(report["open_ended"]["file"]["paired"]["against"]) == {"min-p"}
+    assert all(len(grid) == 4 for name, grid in tasks.GRIDS.items() if name != "greedy")

@@ -62,3 +62,41 @@ def test_mean_sd_is_the_population_spread_without_nans():
     mean, sd = metrics.mean_sd([2.0, float("nan"), 4.0, 6.0])
     assert mean == 4.0 and sd == pytest.approx(math.sqrt(8 / 3))
     assert all(math.isnan(v) for v in metrics.mean_sd([float("nan")]))
+
+
+def test_holm_adjusts_in_step_down_order():
+    # sorted: a 0.01 x 3 = 0.03; c 0.03 x 2 = 0.06; b 0.04 x 1 = 0.04 -> kept monotone: 0.06
+    adjusted = metrics.holm({"a": 0.01, "b": 0.04, "c": 0.03})
+    assert adjusted == pytest.approx({"a": 0.03, "c": 0.06, "b": 0.06})
+    assert metrics.holm({"a": 0.6, "b": 0.7}) == {"a": 1.0, "b": 1.0}
+
+
+def test_paired_bootstrap_finds_a_clear_difference_and_not_a_null_one():
+    clear = metrics.paired_bootstrap([1.0] * 50, n_boot=500)
+    assert clear["diff"] == 1.0 and clear["ci"] == [1.0, 1.0]
+    assert clear["p"] == pytest.approx(1 / 501)  # no replicate at or below 0
+    rng = np.random.default_rng(3)
+    null = metrics.paired_bootstrap(rng.normal(0, 1, 200), n_boot=2000)
+    assert null["ci"][0] < 0 < null["ci"][1] and null["p"] > 0.05
+    shifted = metrics.paired_bootstrap(rng.normal(0.5, 1, 200), n_boot=2000)
+    assert shifted["ci"][0] > 0 and shifted["p"] < 0.01
+
+
+def test_paired_mauve_of_a_method_with_itself_is_zero():
+    rng = np.random.default_rng(0)
+    a = rng.normal(size=(60, 16)).astype(np.float32)
+    q = rng.normal(0.3, 1, size=(60, 16)).astype(np.float32)
+    same = metrics.paired_bootstrap_mauve(a, a, q, n_boot=5)
+    assert same["diff"] == 0 and same["ci"] == [0.0, 0.0] and same["p"] == 1.0
+    far = rng.normal(4, 1, size=(60, 16)).astype(np.float32)
+    apart = metrics.paired_bootstrap_mauve(a, far, q, n_boot=10)
+    assert apart["diff"] > 0.3 and apart["ci"][0] > 0
+
+
+def test_mauve_over_seeds_reports_mean_and_spread():
+    rng = np.random.default_rng(1)
+    p = rng.normal(size=(80, 8)).astype(np.float32)
+    q = rng.normal(0.5, 1, size=(80, 8)).astype(np.float32)
+    mean, sd = metrics.mauve_seeds(p, q, seeds=3)
+    singles = [metrics.mauve_score(p, q, seed=25 + i) for i in range(3)]
+    assert mean == pytest.approx(np.mean(singles)) and sd == pytest.approx(np.std(singles))

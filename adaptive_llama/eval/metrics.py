@@ -11,7 +11,11 @@ Pure functions over strings and arrays (the embedder and the model live elsewher
   ``mauve-text`` package on features computed by the caller;
 - ``mean_sd(values)``: mean and standard deviation (the spread of k, kept mass, Conf);
 - ``mean_ci(values)``: mean and the half-width of its 95% t-interval; ``proportion_ci``
-  the same for a proportion (Wilson).
+  the same for a proportion (Wilson);
+- ``mauve_seeds``: MAUVE's mean and sd over k-means seeds;
+- ``paired_bootstrap`` (per-prefix differences) and ``paired_bootstrap_mauve`` (MAUVE of two
+  methods on resampled prefixes): a difference, its 95% interval and p-value; ``holm``
+  adjusts a family of p-values.
 """
 
 from __future__ import annotations
@@ -63,6 +67,54 @@ def mauve_score(p_features, q_features, seed: int = 25) -> float:
     out = mauve.compute_mauve(p_features=p, q_features=q, num_buckets=clusters, seed=seed,
                               verbose=False)
     return float(out.mauve)
+
+
+def mauve_seeds(p_features, q_features, seeds: int = 5) -> tuple[float, float]:
+    """(mean, standard deviation) of MAUVE over ``seeds`` k-means seeds (the quantisation is
+    the noisy part of MAUVE with a few hundred texts)."""
+    values = [mauve_score(p_features, q_features, seed=25 + i) for i in range(seeds)]
+    return statistics.fmean(values), statistics.pstdev(values)
+
+
+def paired_bootstrap(diffs, n_boot: int = 2000, seed: int = 0) -> dict:
+    """Mean of paired differences (one per prefix), its 95% percentile-bootstrap interval
+    over prefixes, and the two-sided bootstrap p-value of "the mean is 0"."""
+    d = np.asarray(diffs, dtype=np.float64)
+    rng = np.random.default_rng(seed)
+    means = d[rng.integers(0, len(d), size=(n_boot, len(d)))].mean(axis=1)
+    return _interval(float(d.mean()), means)
+
+
+def _interval(estimate: float, replicates) -> dict:
+    r = np.asarray(replicates, dtype=np.float64)
+    below, above = (r <= 0).mean(), (r >= 0).mean()
+    p = min(1.0, 2 * min(below, above) + 1 / (len(r) + 1))
+    low, high = np.percentile(r, [2.5, 97.5])
+    return {"diff": estimate, "ci": [float(low), float(high)], "p": float(p)}
+
+
+def paired_bootstrap_mauve(a_features, b_features, q_features, n_boot: int = 40,
+                           seed: int = 0) -> dict:
+    """MAUVE(a) - MAUVE(b) against the same human texts, with prefixes resampled together
+    (row i of a, b and q belong to prefix i), as :func:`paired_bootstrap`."""
+    a, b, q = (np.asarray(x, dtype=np.float32) for x in (a_features, b_features, q_features))
+    rng = np.random.default_rng(seed)
+    estimate = mauve_score(a, q) - mauve_score(b, q)
+    replicates = []
+    for _ in range(n_boot):
+        idx = rng.integers(0, len(a), size=len(a))
+        replicates.append(mauve_score(a[idx], q[idx]) - mauve_score(b[idx], q[idx]))
+    return _interval(estimate, replicates)
+
+
+def holm(p_values: dict) -> dict:
+    """Holm's step-down adjustment of a family of p-values (keyed by comparison)."""
+    order = sorted(p_values, key=p_values.get)
+    adjusted, running = {}, 0.0
+    for rank, key in enumerate(order):
+        running = max(running, min(1.0, (len(order) - rank) * p_values[key]))
+        adjusted[key] = running
+    return adjusted
 
 
 def mean_sd(values) -> tuple[float, float]:

@@ -26,9 +26,12 @@ def markdown(report: dict) -> str:
              f"Command: `{report['command']}`", "",
              f"Embedder for coherence and MAUVE features: {report['embedder']}. "
              f"Continuations of {c['max_tokens']} tokens after {c['prefix_tokens']}-token "
-             f"prefixes; {c['samples']} samples per prefix. Every ± is a 95% interval "
-             "(t over texts; MAUVE: t over the per-sample MAUVE values). "
-             f"Took {report['elapsed_s']:.0f} s.", ""]
+             f"prefixes; {c['samples']} samples per prefix. Every ± is a 95% t-interval over "
+             f"texts, except MAUVE: its mean and (sd) over {c['mauve_seeds']} k-means seeds, "
+             "num_buckets = texts / 10. "
+             f"Took {report['elapsed_s']:.0f} s; {report.get('generated_texts', 0)} texts "
+             f"generated at {report.get('texts_per_s', 0):.2f} texts/s, {c['batch']} at a "
+             "time (cached texts of earlier runs not counted).", ""]
     for task, result in report.get("open_ended", {}).items():
         lines += [f"## Open-ended generation: {task}", "", f"{result['stand_in']}. "
                   f"Hyperparameters picked by MAUVE on {result['n_dev']} dev prefixes "
@@ -38,12 +41,17 @@ def markdown(report: dict) -> str:
         for method, m in result["methods"].items():
             lines.append(
                 f"| {method} | `{m['spec']}` | {_pm(m['rep2'])} | {_pm(m['rep3'])} | "
-                f"{_pm(m['rep4'])} | {_pm(m['diversity'], 3)} | {_pm(m['mauve'], 3)} | "
+                f"{_pm(m['rep4'])} | {_pm(m['diversity'], 3)} | {_sd(m['mauve'], 3)} | "
                 f"{_pm(m['coherence'], 3)} | {_sd(m['k'], 1)} |")
         if result["dev_mauve"]:
-            lines += ["", "Dev MAUVE of each grid value: " + "; ".join(
-                f"{method}: " + ", ".join(f"`{s}` {v:.3f}" for s, v in grid.items())
-                for method, grid in result["dev_mauve"].items())]
+            lines += ["", f"Dev MAUVE of each grid value ({result['n_dev']} dev texts, the "
+                      "same for every method; four values each): " + "; ".join(
+                          f"{method}: " + ", ".join(f"`{s}` {v:.3f}" for s, v in grid.items())
+                          for method, grid in result["dev_mauve"].items())]
+        if "paired" in result:
+            lines += [""] + paired_section(result["paired"])
+        if "temperatures" in result:
+            lines += [""] + temperature_section(result["temperatures"])
         lines.append("")
     if "ablation" in report:
         lines += ["## Threshold ablation (adaptive)", "",
@@ -77,6 +85,64 @@ def markdown(report: dict) -> str:
     return "\n".join(lines)
 
 
+METRIC_NAMES = {"rep2": "rep-2", "rep3": "rep-3", "rep4": "rep-4", "diversity": "diversity",
+                "coherence": "coherence", "mauve": "MAUVE"}
+
+
+def _diff(cell: dict) -> str:
+    low, high = cell["ci"]
+    return (f"{cell['diff']:+.3f} [{low:+.3f}, {high:+.3f}] p={cell['p_holm']:.3f} "
+            f"**{cell['verdict']}**" if cell["verdict"] != "not distinguishable" else
+            f"{cell['diff']:+.3f} [{low:+.3f}, {high:+.3f}] p={cell['p_holm']:.3f}")
+
+
+def sentence(method: str, row: dict) -> str:
+    """One plain sentence: is adaptive better, worse or not distinguishable from method?"""
+    by = {}
+    for metric, name in METRIC_NAMES.items():
+        if metric in row:
+            by.setdefault(row[metric]["verdict"], []).append(name)
+    parts = [f"{verdict} on {', '.join(names)}" for verdict, names in by.items()
+             if verdict != "not distinguishable"]
+    same = by.get("not distinguishable")
+    if not parts:
+        return (f"Against {method} (`{row['spec']}`), adaptive is not distinguishable on any "
+                "metric.")
+    tail = f", and not distinguishable on {', '.join(same)}" if same else ""
+    return f"Against {method} (`{row['spec']}`), adaptive is {'; '.join(parts)}{tail}."
+
+
+def paired_section(paired: dict) -> list[str]:
+    metrics = [m for m in METRIC_NAMES if any(m in r for r in paired["against"].values())]
+    lines = [f"### Adaptive against each method, prefix by prefix ({paired['n_prefixes']} "
+             "prefixes)", "",
+             "Adaptive minus the method: mean difference, 95% bootstrap interval over prefixes "
+             f"(MAUVE: {paired['mauve_bootstrap']} resamples of the prefixes, both methods and "
+             "the human texts together), p-value Holm-adjusted across the methods. Lower "
+             "rep-n is better; higher diversity, coherence and MAUVE are better.", "",
+             "| against | " + " | ".join(METRIC_NAMES[m] for m in metrics) + " |",
+             "|---" * (len(metrics) + 1) + "|"]
+    for method, row in paired["against"].items():
+        lines.append(f"| {method} | " + " | ".join(_diff(row[m]) if m in row else "-"
+                                                   for m in metrics) + " |")
+    lines.append("")
+    lines += [sentence(method, row) for method, row in paired["against"].items()]
+    return lines
+
+
+def temperature_section(study: dict) -> list[str]:
+    temps = list(next(iter(study.values())))
+    lines = ["### Temperature (applied before truncation, each method at its tuned value)",
+             "", "| method | metric | " + " | ".join(f"T={t}" for t in temps) + " |",
+             "|---|---" + "|---" * len(temps) + "|"]
+    for method, by_temp in study.items():
+        for metric, fmt in (("diversity", lambda v: _pm(v, 3)),
+                            ("coherence", lambda v: _pm(v, 3)), ("mauve", lambda v: _sd(v, 3))):
+            lines.append(f"| {method} | {METRIC_NAMES[metric]} | " + " | ".join(
+                fmt(by_temp[t][metric]) for t in temps) + " |")
+    return lines
+
+
 def plots(report: dict, out: Path) -> list[Path]:
     """diversity_coherence.png and mauve.png, one panel per open-ended task."""
     import matplotlib
@@ -104,11 +170,26 @@ def plots(report: dict, out: Path) -> list[Path]:
         values = [result["methods"][m]["mauve"] for m in names]
         ax.bar(names, [v[0] for v in values],
                yerr=[0 if math.isnan(v[1]) else v[1] for v in values], capsize=3)
-        ax.set(title=f"{task}: MAUVE (95% CI)", ylim=(0, 1))
+        ax.set(title=f"{task}: MAUVE (sd over k-means seeds)", ylim=(0, 1))
         ax.tick_params(axis="x", rotation=45)
     fig.tight_layout()
     written.append(out / "mauve.png")
     fig.savefig(written[-1], dpi=110)
+    studies = {task: r["temperatures"] for task, r in tasks.items() if "temperatures" in r}
+    for task, study in studies.items():
+        fig, axes = plt.subplots(1, 3, figsize=(15, 4))
+        for ax, metric in zip(axes, ("diversity", "coherence", "mauve")):
+            for method, by_temp in study.items():
+                temps = [float(t) for t in by_temp]
+                values = [by_temp[t][metric] for t in by_temp]
+                ax.errorbar(temps, [v[0] for v in values],
+                            yerr=[0 if math.isnan(v[1]) else v[1] for v in values],
+                            marker="o", capsize=3, label=method)
+            ax.set(title=f"{task}: {METRIC_NAMES[metric]}", xlabel="temperature")
+            ax.legend(fontsize=7)
+        fig.tight_layout()
+        written.append(out / f"temperature_{task}.png")
+        fig.savefig(written[-1], dpi=110)
     plt.close("all")
     return written
 

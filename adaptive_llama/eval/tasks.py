@@ -13,9 +13,12 @@ from __future__ import annotations
 import re
 from typing import TYPE_CHECKING
 
+import numpy as np
+
 from ..chain import SamplerChain
 from ..engine import Engine
 from ..models import BUNDLED
+from ..samplers import parse_spec
 from ..timing import sampler_latency_us
 from . import data, metrics
 from .data import Prompt
@@ -23,28 +26,26 @@ from .data import Prompt
 if TYPE_CHECKING:
     from .run import Evaluator
 
-# Each method's dev grid; --full uses the wider one. The first value is each method's usual
+# Each method's dev grid: four values for every truncation method (the same tuning budget
+# for all, picked by MAUVE on the same dev texts). The first value is each method's usual
 # default, kept when the dev split cannot tell the values apart.
 GRIDS = {
     "greedy": ["greedy"],
-    "top-k": ["top-k:k=40", "top-k:k=10"],
-    "top-p": ["top-p:p=0.95", "top-p:p=0.9"],
-    "typical": ["typical:p=0.95", "typical:p=0.9"],
-    "min-p": ["min-p:p=0.05", "min-p:p=0.1"],
-    "mirostat": ["mirostat:tau=5,eta=0.1", "mirostat:tau=3,eta=0.1"],
-    "eta": ["eta:eps=0.0009", "eta:eps=0.0003"],
-    "adaptive": ["adaptive:eps=0.0005", "adaptive:eps=0.001"],
-}
-FULL_GRIDS = {
-    **GRIDS,
-    "top-k": ["top-k:k=40", "top-k:k=5", "top-k:k=10", "top-k:k=20", "top-k:k=80"],
+    "top-k": ["top-k:k=40", "top-k:k=10", "top-k:k=20", "top-k:k=80"],
     "top-p": ["top-p:p=0.95", "top-p:p=0.8", "top-p:p=0.9", "top-p:p=0.98"],
     "typical": ["typical:p=0.95", "typical:p=0.2", "typical:p=0.5", "typical:p=0.9"],
     "min-p": ["min-p:p=0.05", "min-p:p=0.02", "min-p:p=0.1", "min-p:p=0.2"],
+    "mirostat": ["mirostat:tau=5,eta=0.1", "mirostat:tau=2,eta=0.1", "mirostat:tau=3,eta=0.1",
+                 "mirostat:tau=4,eta=0.1"],
     "eta": ["eta:eps=0.0009", "eta:eps=0.0003", "eta:eps=0.002", "eta:eps=0.004"],
     "adaptive": ["adaptive:eps=0.0005", "adaptive:eps=0.0001", "adaptive:eps=0.001",
                  "adaptive:eps=0.005"],
 }
+# Metrics of the paired comparison, and whether more is better.
+PAIRED_METRICS = {"rep2": False, "rep3": False, "rep4": False, "diversity": True,
+                  "coherence": True, "mauve": True}
+# The methods the temperature study runs (the min-p paper's claim is about these).
+TEMPERATURE_METHODS = ("top-p", "min-p", "eta", "adaptive")
 ABLATION_EPS = (0.001, 0.005, 0.01, 0.02)
 GSM8K_SPECS = ("greedy", "top-p:p=0.95", "adaptive:eps=0.0005")
 
@@ -60,29 +61,104 @@ def open_ended_prompts(ev: Evaluator, task: str) -> list[Prompt]:
 
 
 def open_ended(ev: Evaluator, task: str) -> dict:
-    """Sweep every method's grid on dev, pick by MAUVE, report all methods on test."""
+    """Sweep every method's grid on dev, pick by MAUVE, report all methods on test, compare
+    adaptive with each other method prefix by prefix, and run the temperature study."""
     c = ev.config
     prompts = open_ended_prompts(ev, task)
     if task == "file" and len(prompts) < c.n_dev + c.n_test:
         dev, test = [], prompts  # the user's prompts are all test; grids keep defaults
     else:
         dev, test = data.dev_test_split(prompts, c.n_dev, c.n_test, c.seed)
+    by_dev = {p.id: p for p in dev}
     chosen, sweep = {}, {}
-    for method, grid in (FULL_GRIDS if c.full else GRIDS).items():
+    for method in c.methods:
+        grid = GRIDS[method]
         chosen[method] = grid[0]
         if len(grid) == 1 or not dev or not any(p.reference for p in dev):
             continue
-        sweep[method] = {spec: ev.mauve(ev.generate(task, "dev", spec, dev, 1),
-                                           {p.id: p for p in dev})[0] for spec in grid}
+        sweep[method] = {spec: ev.mauve(ev.generate(task, "dev", spec, dev, 1), by_dev)[0]
+                         for spec in grid}
         chosen[method] = max(grid, key=lambda s: sweep[method][s])  # ties: first listed
-    results = {}
+    results, rows_of = {}, {}
     for method, spec in chosen.items():
         samples = 1 if spec == "greedy" else c.samples  # greedy repeats itself exactly
-        rows = ev.generate(task, "test", spec, test, samples)
-        results[method] = {"spec": spec, **ev.score(rows, test)}
-    return {"stand_in": data.STAND_INS.get(task, f"prompts from {c.prompts_file}"),
-            "n_dev": len(dev), "n_test": len(test), "samples": c.samples,
-            "dev_mauve": sweep, "methods": results, "test_prompts": test}
+        rows_of[method] = ev.generate(task, "test", spec, test, samples)
+        results[method] = {"spec": spec, **ev.score(rows_of[method], test)}
+    out = {"stand_in": data.STAND_INS.get(task, f"prompts from {c.prompts_file}"),
+           "n_dev": len(dev), "n_test": len(test), "samples": c.samples,
+           "dev_mauve": sweep, "methods": results, "test_prompts": test}
+    if "adaptive" in rows_of and len(rows_of) > 1 and len(test) > 1:
+        out["paired"] = paired(ev, rows_of, test)
+    if c.temperatures:
+        out["temperatures"] = temperature_study(ev, task, chosen, test)
+    return out
+
+
+def _per_prefix(ev: Evaluator, rows: list[dict], test: list[Prompt]) -> dict[str, np.ndarray]:
+    """Each text metric averaged over a prefix's samples, in the order of ``test``."""
+    values = ev.text_metrics(rows, test)
+    out = {}
+    for name, per_row in values.items():
+        sums: dict[str, list[float]] = {}
+        for row, value in zip(rows, per_row):
+            sums.setdefault(row["prompt_id"], []).append(value)
+        out[name] = np.array([np.mean(sums[p.id]) for p in test])
+    return out
+
+
+def paired(ev: Evaluator, rows_of: dict[str, list[dict]], test: list[Prompt]) -> dict:
+    """Adaptive minus each other method, per prefix: the mean difference of each metric, its
+    95% bootstrap interval over prefixes, p-values Holm-adjusted across the methods, and a
+    verdict (better, worse, not distinguishable at 0.05) that knows which way is better."""
+    c = ev.config
+    per = {m: _per_prefix(ev, rows, test) for m, rows in rows_of.items()}
+    first = {m: _first_sample_features(ev, rows, test) for m, rows in rows_of.items()}
+    references = ev.embed([p.reference for p in test]) if all(p.reference for p in test) \
+        else None
+    others = [m for m in rows_of if m != "adaptive"]
+    table: dict[str, dict] = {m: {} for m in others}
+    for metric in PAIRED_METRICS:
+        for m in others:
+            if metric == "mauve":
+                if references is None:
+                    continue
+                table[m][metric] = metrics.paired_bootstrap_mauve(
+                    first["adaptive"], first[m], references, c.mauve_bootstrap, c.seed)
+            else:
+                table[m][metric] = metrics.paired_bootstrap(
+                    per["adaptive"][metric] - per[m][metric], seed=c.seed)
+        family = {m: table[m][metric]["p"] for m in others if metric in table[m]}
+        for m, p_holm in metrics.holm(family).items():
+            cell = table[m][metric]
+            cell["p_holm"] = p_holm
+            up = cell["diff"] > 0
+            cell["verdict"] = ("not distinguishable" if p_holm >= 0.05 else
+                               "better" if up == PAIRED_METRICS[metric] else "worse")
+    return {"n_prefixes": len(test), "mauve_bootstrap": c.mauve_bootstrap,
+            "against": {m: {"spec": rows_of[m][0]["spec"], **table[m]} for m in others}}
+
+
+def _first_sample_features(ev: Evaluator, rows: list[dict], test: list[Prompt]):
+    """Embeddings of each prefix's first sample, in the order of ``test`` (MAUVE pairs one
+    text per prefix with the prefix's human continuation)."""
+    first = {r["prompt_id"]: r["text"] for r in rows if r["sample"] == 0}
+    return ev.embed([first[p.id] for p in test])
+
+
+def temperature_study(ev: Evaluator, task: str, chosen: dict, test: list[Prompt]) -> dict:
+    """Diversity, coherence and MAUVE of the temperature methods at their tuned values, with
+    the temperature applied before truncation (as every chain here does)."""
+    out = {}
+    for method in TEMPERATURE_METHODS:
+        if method not in chosen:
+            continue
+        out[method] = {}
+        for temp in ev.config.temperatures:
+            spec = str(parse_spec(chosen[method]).with_param("temp", temp))
+            scored = ev.score(ev.generate(task, "test", spec, test, 1), test)
+            out[method][str(temp)] = {"spec": spec, **{k: scored[k] for k in
+                                                       ("diversity", "coherence", "mauve")}}
+    return out
 
 
 def ablation(ev: Evaluator, prompts: list[Prompt]) -> list[dict]:
