@@ -210,3 +210,31 @@ def test_methods_picks_a_subset_with_equal_grids(tmp_path, smollm2_path):
     assert set(report["open_ended"]["file"]["methods"]) == {"min-p", "adaptive"}
     assert set(report["open_ended"]["file"]["paired"]["against"]) == {"min-p"}
     assert all(len(grid) == 4 for name, grid in tasks.GRIDS.items() if name != "greedy")
+
+
+def test_the_report_says_in_one_sentence_which_way_each_comparison_went():
+    from adaptive_llama.eval.report import sentence
+
+    def cell(diff, p_holm, verdict):
+        return {"diff": diff, "ci": [diff - 0.1, diff + 0.1], "p": p_holm, "p_holm": p_holm,
+                "verdict": verdict}
+
+    row = {"spec": "top-p:p=0.9", "mauve": cell(0.05, 0.01, "better"),
+           "rep2": cell(1.0, 0.02, "worse"), "diversity": cell(0.0, 0.9, "not distinguishable")}
+    assert sentence("top-p", row) == (
+        "Against top-p (`top-p:p=0.9`), adaptive is worse on rep-2; better on MAUVE, and not "
+        "distinguishable on diversity.")
+    quiet = {"spec": "greedy", "mauve": cell(0.0, 1.0, "not distinguishable")}
+    assert sentence("greedy", quiet) == ("Against greedy (`greedy`), adaptive is not "
+                                         "distinguishable on any metric.")
+
+
+def test_a_missing_model_is_one_line_and_loses_nothing(tmp_path):
+    out = tmp_path / "results"
+    out.mkdir()
+    (out / "generations.jsonl").write_text('{"key": "kept", "text": "earlier work"}\n')
+    result = eval_cli(str(tmp_path / "qwen-missing.gguf"), "--out", str(out))
+    assert result.returncode == 2
+    line, = result.stderr.strip().splitlines()
+    assert "qwen-missing.gguf: no such file" in line
+    assert (out / "generations.jsonl").read_text() == '{"key": "kept", "text": "earlier work"}\n'
