@@ -232,11 +232,18 @@ static size_t collect(const float *w, size_t n, float threshold, al_cand *cand, 
     return nc;
 }
 
-/* Index of the first entry equal to m; 0 if none is (NaN logits): never reads past n. */
+/* Index of the first entry equal to m; 0 if none is (NaN logits): never reads past n. A
+ * block of CHUNK is tested at once (vectorised) before it is searched token by token. */
 #define DEFINE_INDEX_OF_MAX(T, SUFFIX)                                                      \
     static size_t index_of_max_##SUFFIX(const T *x, size_t n, T m) {                        \
-        for (size_t i = 0; i < n; i++)                                                       \
-            if (x[i] == m) return i;                                                         \
+        for (size_t b = 0; b < n; b += CHUNK) {                                              \
+            const size_t end = b + CHUNK < n ? b + CHUNK : n;                                \
+            int hit = 0;                                                                     \
+            for (size_t i = b; i < end; i++) hit |= x[i] == m;                               \
+            if (!hit) continue;                                                              \
+            for (size_t i = b; i < end; i++)                                                 \
+                if (x[i] == m) return i;                                                     \
+        }                                                                                    \
         return 0;                                                                            \
     }
 DEFINE_INDEX_OF_MAX(float, f32)
