@@ -1,9 +1,11 @@
 """Builds native/adaptive.c into adaptive_llama/_adaptive_native*.so (loaded with ctypes).
 
 The library is optional: without a C compiler the package still installs and the numba
-kernel runs (the package says so at import). The compile flags let GCC vectorise expf
-through glibc's vector math library; -march=native because the library is built on the
-machine that runs it, with a portable fallback when the compiler refuses it.
+kernel runs (the package says so at import). The compile flags let GCC vectorise the passes
+(the kernel's own expf, and log/log1p/exp through glibc's vector math library); -march=native
+because the library is built on the machine that runs it, with a portable fallback when the
+compiler refuses it. -ffast-math is for compiling only: linked with it, GCC would add
+crtfastmath.o, which flushes subnormal numbers to zero in the whole process.
 """
 
 from setuptools import Extension, setup
