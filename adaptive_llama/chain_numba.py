@@ -71,6 +71,17 @@ def _state_of(smpl):
 
 
 @njit(cache=True, error_model="numpy")
+def _gather(logits, x):
+    """The logits into a contiguous buffer (the passes vectorise over it), and their max."""
+    m = logits[0, 1]
+    for i in range(x.shape[0]):
+        v = logits[i, 1]
+        x[i] = v
+        m = v if v > m else m
+    return m
+
+
+@njit(cache=True, error_model="numpy")
 def _move_to_front(rows, pos, k, kept, mark):
     """Rows pos[0..k) to the front, in that order, every other row kept somewhere (a
     permutation, as native/adaptive.c move_to_front); rows are (id, logit, p) as int32."""
@@ -133,11 +144,7 @@ def _adaptive_apply(smpl, cur_p):
         _choose_argmax(s, rows, logits, cur)
         return
     x = carray(_pointer(s.x), n, np.float32)
-    m = logits[0, 1]
-    for i in range(n):
-        v = logits[i, 1]
-        x[i] = v
-        m = v if v > m else m
+    m = _gather(logits, x)
     w = carray(_pointer(s.w), n, np.float32)
     cand = carray(_pointer(s.cand), n, np.int64)
     exact = carray(_pointer(s.exact), n, np.float64)
@@ -198,11 +205,7 @@ def _eta_apply(smpl, cur_p):
     rows = carray(_pointer(cur[0]), (n, 3), np.int32)
     logits = carray(_pointer(cur[0]), (n, 3), np.float32)
     x = carray(_pointer(s.x), n, np.float32)
-    m = logits[0, 1]
-    for i in range(n):
-        v = logits[i, 1]
-        x[i] = v
-        m = v if v > m else m
+    m = _gather(logits, x)
     w = carray(_pointer(s.w), n, np.float32)
     S, wd = weights(x, m, w, True)
     H = math.log(S) - wd / S

@@ -84,13 +84,18 @@ def shown_reply(child) -> str:
     return screen.split("\x1b[?2004l", 1)[1].replace("\r\n", "\n")
 
 
+def ask_for_a_long_reply(child, words: int) -> None:
+    """Send the question and wait until ``words`` words of the reply are on the screen."""
+    child.expect(">>>")
+    child.send("Write a very long story about a lighthouse keeper.\r")
+    child.expect(r"\x1b\[\?2004l")
+    child.expect(" ".join([r"\w+"] * words))
+
+
 def test_a_crash_mid_reply_loses_nothing_that_was_shown():
     child = spawn()
     try:
-        child.expect(">>>")
-        child.send("Write a very long story about a lighthouse keeper.\r")
-        child.expect(r"\x1b\[\?2004l")
-        child.expect(r"\w+ \w+ \w+ \w+ \w+ \w+")  # some of the reply is on the screen
+        ask_for_a_long_reply(child, 6)
         os.kill(child.pid, signal.SIGKILL)
         child.expect(pexpect.EOF)
         shown = shown_reply(child)
@@ -106,10 +111,7 @@ def test_a_crash_mid_reply_loses_nothing_that_was_shown():
 def test_ctrl_c_mid_reply_saves_the_partial_reply():
     child = spawn()
     try:
-        child.expect(">>>")
-        child.send("Write a very long story about a lighthouse keeper.\r")
-        child.expect(r"\x1b\[\?2004l")
-        child.expect(r"\w+ \w+ \w+ \w+")
+        ask_for_a_long_reply(child, 4)
         child.sendintr()
         child.expect(r"\[interrupted\]")
         child.expect(">>>")
