@@ -7,9 +7,10 @@ import sys
 
 import pytest
 
-from adaptive_llama.eval import data, run, tasks
+from adaptive_llama.eval import data, report, run, tasks
 from adaptive_llama.eval.cache import GenerationCache
 from adaptive_llama.eval.data import DataError
+from adaptive_llama.samplers import parse_spec
 
 
 def test_wikipedia_and_tinystories_stand_ins_load():
@@ -91,6 +92,19 @@ def test_gsm8k_loads_numeric_answers():
     problems = data.gsm8k(5)
     assert len(problems) == 5 and all(p.answer.lstrip("-").replace(".", "").isdigit()
                                       for p in problems)
+
+
+def test_gsm8k_runs_greedy_once_and_each_sampling_method_at_each_temperature():
+    specs = tasks.gsm8k_specs()
+    assert specs.count("greedy") == 1 and len(specs) == 1 + 3 * len(tasks.GSM8K_TEMPERATURES)
+    assert "min-p:p=0.1,temp=1.5" in specs and "top-p:p=0.95,temp=0.7" in specs
+    # The report: one row per method, one column per temperature, greedy only at T = 1.
+    results = {"prompt": "", "n": 4, "max_tokens": 8}
+    for i, spec in enumerate(specs):
+        results[spec] = {"accuracy": (i / 100, 0.01), "temperature": parse_spec(spec).temp}
+    table = report.gsm8k_table(results)
+    assert table[0] == "| sampler | T = 0.7 | T = 1 | T = 1.5 |" and len(table) == 2 + 4
+    assert table[3] == "| `top-p:p=0.95` | 1.0 ± 1.0 % | 2.0 ± 1.0 % | 3.0 ± 1.0 % |"
 
 
 def test_missing_optional_dependency_names_the_extra(monkeypatch):

@@ -6,6 +6,8 @@ import json
 import math
 from pathlib import Path
 
+from ..samplers import SamplerSpec, parse_spec
+
 
 def _pm(value, digits: int = 2, scale: float = 1.0) -> str:
     """A (mean, half-width) pair as text, "mean ± half-width"; "-" when there is none."""
@@ -78,11 +80,26 @@ def markdown(report: dict) -> str:
         lines += [f"## GSM8K ({g['n']} test problems, up to {g['max_tokens']} tokens)", "",
                   "Prompt (chat template, user turn): `" + g["prompt"].replace("\n", " ")
                   + "`. A zero-shot chain-of-thought prompt: the paper's appendix C text was "
-                  "not available offline.", "", "| sampler | accuracy |", "|---|---|"]
-        lines += [f"| `{s}` | {_pm(v['accuracy'], 1, 100)} % |" for s, v in g.items()
-                  if isinstance(v, dict)]
-        lines.append("")
+                  "not available offline.", ""] + gsm8k_table(g) + [""]
     return "\n".join(lines)
+
+
+def gsm8k_table(g: dict) -> list[str]:
+    """Accuracy (95% Wilson interval) per method, one column per temperature ("-" where a
+    method does not run: greedy does not depend on the temperature)."""
+    cells = {}
+    for spec, v in g.items():
+        if isinstance(v, dict):
+            parsed = parse_spec(spec)
+            method = str(SamplerSpec(parsed.name, parsed.params, 1.0))
+            cells.setdefault(method, {})[v.get("temperature", 1.0)] = _pm(v["accuracy"], 1, 100)
+    temps = sorted({t for row in cells.values() for t in row})
+    lines = ["| sampler | " + " | ".join(f"T = {t:g}" for t in temps) + " |",
+             "|---" * (len(temps) + 1) + "|"]
+    for method, row in cells.items():
+        lines.append(f"| `{method}` | " + " | ".join(
+            f"{row[t]} %" if t in row else "-" for t in temps) + " |")
+    return lines
 
 
 METRIC_NAMES = {"rep2": "rep-2", "rep3": "rep-3", "rep4": "rep-4", "diversity": "diversity",

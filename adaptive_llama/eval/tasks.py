@@ -5,7 +5,8 @@
 - :func:`ablation`: the threshold study (k, kept mass, Conf per epsilon, multinomial and
   uniform sampling in the kept set);
 - :func:`latency`: microseconds of one sampler call at each vocabulary size;
-- :func:`gsm8k`: accuracy of greedy, top-p and adaptive on grade-school maths.
+- :func:`gsm8k`: accuracy of greedy, and of top-p, min-p and adaptive at three temperatures,
+  on grade-school maths.
 """
 
 from __future__ import annotations
@@ -47,7 +48,9 @@ PAIRED_METRICS = {"rep2": False, "rep3": False, "rep4": False, "diversity": True
 # The methods the temperature study runs (the min-p paper's claim is about these).
 TEMPERATURE_METHODS = ("top-p", "min-p", "eta", "adaptive")
 ABLATION_EPS = (0.001, 0.005, 0.01, 0.02)
-GSM8K_SPECS = ("greedy", "top-p:p=0.95", "adaptive:eps=0.0005")
+# GSM8K: greedy once (temperature does not change it), the sampling methods at each temperature.
+GSM8K_SPECS = ("greedy", "top-p:p=0.95", "min-p:p=0.1", "adaptive:eps=0.0005")
+GSM8K_TEMPERATURES = (0.7, 1.0, 1.5)
 
 
 def open_ended_prompts(ev: Evaluator, task: str) -> list[Prompt]:
@@ -204,12 +207,24 @@ def gsm8k(ev: Evaluator) -> dict:
     prompts = [Prompt(id=p.id, prefix=GSM8K_PROMPT.format(question=p.question))
                for p in problems]
     out = {"prompt": GSM8K_PROMPT, "n": len(problems), "max_tokens": c.gsm8k_max_tokens}
-    for spec in GSM8K_SPECS:
+    for spec in gsm8k_specs():
         rows = {r["prompt_id"]: r for r in ev.generate(
             "gsm8k", "test", spec, prompts, 1, c.gsm8k_max_tokens, chat=True)}
         correct = [extract_answer(rows[p.id]["text"]) == p.answer for p in problems]
-        out[spec] = {"accuracy": metrics.proportion_ci(sum(correct), len(correct))}
+        out[spec] = {"accuracy": metrics.proportion_ci(sum(correct), len(correct)),
+                     "temperature": parse_spec(spec).temp}
     return out
+
+
+def gsm8k_specs() -> list[str]:
+    """greedy, then each sampling method of GSM8K_SPECS at each of GSM8K_TEMPERATURES."""
+    specs = []
+    for base in map(parse_spec, GSM8K_SPECS):
+        if base.name == "greedy":
+            specs.append(str(base))
+        else:
+            specs += [str(base.with_param("temp", t)) for t in GSM8K_TEMPERATURES]
+    return specs
 
 
 GSM8K_PROMPT = ("Solve this math word problem. Think step by step, then end with "
