@@ -23,6 +23,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import functools
+import math
 from dataclasses import dataclass
 
 from .compat import check_llama_cpp_version
@@ -32,8 +33,8 @@ LLAMA_CPP_VERSION = check_llama_cpp_version()  # before anything touches llama.c
 import llama_cpp  # noqa: E402
 from llama_cpp import _internals  # noqa: E402
 
-from . import kernel, native  # noqa: E402
-from .samplers import SEED, SamplerSpec, spec_of  # noqa: E402
+from . import graph, kernel, native  # noqa: E402
+from .samplers import SEED, SamplerSpec, SpecError, in_graph_names, spec_of  # noqa: E402
 
 
 class NativeSamplersUnavailable(RuntimeError):
@@ -139,16 +140,24 @@ class SamplerChain:
         record_stats: let the adaptive sampler compute entropy and Conf for every token
             (one extra multiply-add per vocabulary entry); k, kept mass and the chosen
             token's probability are always recorded.
+        in_graph: build the chain for llama.cpp's backend sampling (attach it to a sequence
+            with ``llama_set_sampler``): the adaptive sampler then runs as ggml operations
+            (:mod:`adaptive_llama.graph`) with llama.cpp's ``dist`` after it. Only samplers
+            with a graph path (``in_graph`` in the table) and no grammar are allowed.
     """
 
     def __init__(self, spec: SamplerSpec | str, seed: int, n_vocab: int, grammar=None,
-                 vocab_model=None, record_stats: bool = False):
+                 vocab_model=None, record_stats: bool = False, in_graph: bool = False):
         self.spec = spec_of(spec)
         self.seed = SEED.validate(seed)
+        if in_graph:
+            _check_in_graph(self.spec, grammar)
+        self.in_graph = in_graph
         self._n_vocab = n_vocab
         self._record_stats = record_stats
         self._chain = _internals.LlamaSampler()
         self._adaptive = None
+        self._graph_stats: TokenStats | None = None
         if grammar is not None:
             self._chain.add_grammar(vocab_model, grammar)
         sampler = self.spec.sampler
@@ -189,11 +198,16 @@ class SamplerChain:
         self._adaptive = self._add_native(samplers.adaptive(
             epsilon, uniform, self.seed, self._record_stats, self._n_vocab))
         self._stats = samplers.stats(self._adaptive)
+        self._uniform = uniform
+        if self.in_graph:  # in the graph it only cuts: llama.cpp's dist chooses
+            graph.enable(self._adaptive, epsilon, uniform)
+            self._chain.add_dist(self.seed)
 
     @property
     def backend(self) -> str:
-        """Which implementation runs the adaptive and eta samplers: "c" or "numba"."""
-        return in_chain_samplers().name
+        """Which implementation runs the adaptive and eta samplers: "c" or "numba" on the
+        CPU, "graph" inside llama.cpp's graph."""
+        return "graph" if self.in_graph else in_chain_samplers().name
 
     def _add_native(self, address: int | None) -> int:
         """Hand a sampler made by a backend to the chain, which frees it with itself."""
@@ -215,13 +229,22 @@ class SamplerChain:
                 .decode() for i in range(n)]
 
     def sample(self, ctx, idx: int = -1) -> int:
-        """Sample the next token from the logits of ``ctx`` (a ``llama_context *``)."""
-        return llama_cpp.llama_sampler_sample(self.pointer, ctx, idx)
+        """Sample the next token from the logits of ``ctx`` (a ``llama_context *``); in the
+        graph: take the token the graph chose, and read the adaptive sampler's figures."""
+        token = llama_cpp.llama_sampler_sample(self.pointer, ctx, idx)
+        if self.in_graph and self._adaptive is not None:
+            k, kept_mass, p_chosen = graph.read_back(ctx, idx, token, self._uniform)
+            self._graph_stats = TokenStats(k=k, token=token, kept_mass=kept_mass,
+                                           entropy=math.nan, conf=math.nan, p_chosen=p_chosen)
+        return token
 
     def last_stats(self) -> TokenStats | None:
-        """The adaptive sampler's record of its last token (None for other samplers)."""
+        """The adaptive sampler's record of its last token (None for other samplers); in the
+        graph entropy and Conf are NaN, and so are the masses in uniform mode."""
         if self._adaptive is None:
             return None
+        if self.in_graph:
+            return self._graph_stats
         s = self._stats
         return TokenStats(k=s.k, token=s.token, kept_mass=s.kept_mass, entropy=s.entropy,
                           conf=s.conf, p_chosen=s.p_chosen)
@@ -235,14 +258,26 @@ class SamplerChain:
         llama_cpp.llama_sampler_reset(self.pointer)
 
     def close(self) -> None:
-        self._adaptive = None
         self._chain.close()
+        if self.in_graph and self._adaptive is not None:
+            graph.forget(self._adaptive)
+        self._adaptive = None
 
     def __enter__(self):
         return self
 
     def __exit__(self, *exc):
         self.close()
+
+
+def _check_in_graph(spec: SamplerSpec, grammar) -> None:
+    """SpecError unless the spec can run inside llama.cpp's graph."""
+    if not spec.sampler.in_graph:
+        raise SpecError(f"`{spec.name}` cannot run inside llama.cpp's graph (backend "
+                        f"sampling): use {in_graph_names()}, or turn backend sampling off")
+    if grammar is not None:
+        raise SpecError("a grammar cannot run inside llama.cpp's graph (backend sampling): "
+                        "turn backend sampling off to use one")
 
 
 class _LlamaSamplerShim:

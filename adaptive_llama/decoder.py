@@ -173,6 +173,9 @@ class Decoder:
         if not free:
             raise RuntimeError("every slot is busy")
         slot = max(free, key=lambda s: (_shared_prefix(s.tokens, prompt), -s.index))
+        if generation.chain.in_graph and not llama_cpp.llama_set_sampler(
+                self._ctx, slot.index, generation.chain.pointer):
+            raise RuntimeError("llama.cpp could not put the sampler chain in its graph")
         generation.todo = self._reuse(slot, prompt)
         generation.slot, slot.generation = slot, generation
         self.live.append(generation)
@@ -336,6 +339,8 @@ class Decoder:
         generation.todo = []
         if generation.slot is not None:
             generation.slot.generation = None
+            if generation.chain.in_graph:  # before the chain is freed
+                llama_cpp.llama_set_sampler(self._ctx, generation.slot.index, None)
         if generation in self.live:
             self.live.remove(generation)
         generation.chain.close()

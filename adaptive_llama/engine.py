@@ -18,6 +18,7 @@ generates for many prompts at once.
 from __future__ import annotations
 
 import ctypes
+import logging
 import re
 import secrets
 import sys
@@ -33,6 +34,8 @@ from .threads import ThreadTuner, default_threads
 import llama_cpp  # noqa: E402  (after .chain, which checks its version)
 from llama_cpp import _internals  # noqa: E402
 from llama_cpp.llama_chat_format import Jinja2ChatFormatter  # noqa: E402
+
+log = logging.getLogger(__name__)
 
 CTX_STEP = 256  # llama.cpp rounds a context up to a multiple of this
 N_BATCH = 512   # tokens per llama_decode call at most (prompt chunks and generating rows)
@@ -136,6 +139,13 @@ class Engine:
             ``parallel x n_ctx`` tokens.
         seed: default seed of every generation, 0 to 2**32 - 1.
         verbose: show llama.cpp's own log.
+        backend_sampling: run the sampler chain inside llama.cpp's graph, on the device that
+            holds the output layer (:mod:`adaptive_llama.graph`): only the chosen token and
+            the kept candidates come back, not all V logits. Samplers without a graph path
+            (typical, mirostat, eta), grammars and logprobs are refused per request with a
+            one-line error. Where the device cannot run an operation the chain needs, the
+            engine logs one warning and samples on the CPU (``backend_sampling`` then reads
+            False).
 
     Raises:
         ModelError: the file is missing, not GGUF, truncated or otherwise unloadable.
@@ -144,7 +154,7 @@ class Engine:
 
     def __init__(self, model=None, *, n_gpu_layers: int = 0, n_ctx: int = 2048,
                  n_threads: int | None = None, parallel: int = 1, seed: int = 0,
-                 verbose: bool = False):
+                 verbose: bool = False, backend_sampling: bool = False):
         _check_int("n_gpu_layers", n_gpu_layers, low=-1)
         _check_int("n_ctx", n_ctx, low=0)
         if 0 < n_ctx < CTX_STEP:
@@ -153,7 +163,11 @@ class Engine:
         if n_threads is not None:
             _check_int("n_threads", n_threads, low=1)
         _check_int("parallel", parallel, low=1)
+        if not isinstance(backend_sampling, bool):
+            raise ValueError(f"`backend_sampling` has to be True or False, but is "
+                             f"{backend_sampling!r}")
         self.seed = SEED.validate(seed)
+        self.backend_sampling = backend_sampling
         self.path: Path = resolve_model(model)
         set_llama_log(verbose)
         self._model = self._load_model(n_gpu_layers, verbose)
@@ -168,6 +182,8 @@ class Engine:
         self.ctx = self._context.ctx  # the llama_context *, for llama.cpp calls
         self.decoder = Decoder(self, parallel, self.n_ctx, min(N_BATCH, self.n_ctx * parallel),
                                ThreadTuner(self.ctx, threads, adaptive=n_threads is None))
+        if backend_sampling:
+            self.backend_sampling = self._graph_can_sample()
         self.metadata = self._model.metadata()
         self._formatter = self._chat_formatter()
         self._specials: tuple[re.Pattern, dict[str, int]] | None = None
@@ -191,6 +207,11 @@ class Engine:
         params.n_batch = params.n_ubatch = min(N_BATCH, params.n_ctx)
         params.n_threads = params.n_threads_batch = threads
         params.no_perf = True
+        if self.backend_sampling:
+            # The sampled logits, probabilities and ids take V entries per possible output:
+            # at most one output per sequence per step, not n_batch of them.
+            params.n_outputs_max = self.parallel
+            params.n_outputs_max_per_seq = 1
         try:
             return _internals.LlamaContext(model=self._model, params=params, verbose=verbose)
         except (ValueError, RuntimeError) as exc:
@@ -200,6 +221,16 @@ class Engine:
                 f"{f' x {self.parallel} sequences' if self.parallel > 1 else ''} (not enough "
                 "memory for its cache?): use a smaller n_ctx (--ctx), or 0 for the model's "
                 f"own ({exc})") from None
+
+    def _graph_can_sample(self) -> bool:
+        """Whether the output device runs the adaptive chain in the graph (a trial attach)."""
+        with SamplerChain("adaptive", self.seed, self.n_vocab, in_graph=True) as chain:
+            ok = llama_cpp.llama_set_sampler(self.ctx, 0, chain.pointer)
+            llama_cpp.llama_set_sampler(self.ctx, 0, None)
+        if not ok:
+            log.warning("backend sampling: this device cannot run the sampler chain inside "
+                        "llama.cpp's graph; sampling on the CPU instead")
+        return ok
 
     # ---- model facts ----
 
@@ -335,6 +366,9 @@ class Engine:
         _check_int("max_tokens", max_tokens, low=1)
         if logprobs is not None:
             _check_int("logprobs", logprobs, low=0, high=MAX_LOGPROBS)
+            if self.backend_sampling:
+                raise ValueError("`logprobs` needs the model's logits, which backend sampling "
+                                 "leaves on the device: start without backend sampling")
         if not prompt_tokens:
             raise ValueError("the prompt is empty")
         if len(prompt_tokens) >= self.n_ctx:
@@ -343,7 +377,7 @@ class Engine:
                 f"{self.n_ctx}: shorten it or raise n_ctx")
         chain = SamplerChain(spec, self.seed if seed is None else seed, self.n_vocab,
                              grammar=grammar, vocab_model=self._model,
-                             record_stats=record_stats)
+                             record_stats=record_stats, in_graph=self.backend_sampling)
         # An empty stop string would end every reply at once: it is no stop string.
         return Generation(prompt_tokens, chain, max_tokens, [s for s in stop if s], logprobs)
 

@@ -104,7 +104,8 @@ class Sampler:
     """One table entry: what a spec name means and how it joins a chain.
 
     ``add(builder, params)`` appends the sampler's llama.cpp samplers; when
-    ``chooses_token`` is False a ``dist`` sampler (seeded) follows them.
+    ``chooses_token`` is False a ``dist`` sampler (seeded) follows them. ``in_graph``: it can
+    run inside llama.cpp's graph (backend sampling, :mod:`adaptive_llama.graph`).
     """
 
     name: str
@@ -113,6 +114,7 @@ class Sampler:
     add: Callable[[ChainBuilder, dict], None]
     chooses_token: bool = False
     takes_temp: bool = True
+    in_graph: bool = False
 
     def all_params(self) -> tuple[Param, ...]:
         return self.params + ((TEMP,) if self.takes_temp else ())
@@ -135,19 +137,19 @@ _MIROSTAT_ETA = Param("eta", float, 0.1, "learning rate", low=0.0, low_open=True
 
 SAMPLERS: dict[str, Sampler] = {s.name: s for s in (
     Sampler("greedy", "argmax", (), lambda b, p: b.greedy(), chooses_token=True,
-            takes_temp=False),
+            takes_temp=False, in_graph=True),
     Sampler("top-k", "the k most likely tokens", (_TOP_K,),
-            lambda b, p: b.top_k(p["k"])),
+            lambda b, p: b.top_k(p["k"]), in_graph=True),
     Sampler("top-p", "nucleus sampling (Holtzman et al., 2020)",
             (_MASS,),
-            lambda b, p: b.top_p(p["p"])),
+            lambda b, p: b.top_p(p["p"]), in_graph=True),
     Sampler("typical", "locally typical sampling (Meister et al., 2023)",
             (_MASS,),
             lambda b, p: b.typical(p["p"])),
     Sampler("min-p", "keep p >= p_min * p_max (Nguyen et al., 2024)",
             (Param("p", float, 0.05, "p_min, relative to the top token", low=0.0,
                    high=1.0),),
-            lambda b, p: b.min_p(p["p"])),
+            lambda b, p: b.min_p(p["p"]), in_graph=True),
     Sampler("mirostat", "mirostat v2 (Basu et al., 2021)", (_MIROSTAT_TAU, _MIROSTAT_ETA),
             lambda b, p: b.mirostat_v2(p["tau"], p["eta"]), chooses_token=True),
     Sampler("mirostat1", "mirostat v1",
@@ -161,8 +163,14 @@ SAMPLERS: dict[str, Sampler] = {s.name: s for s in (
             "uniformly in the kept set",
             (EPSILON, Param("mode", str, "multinomial", "sampling inside the kept set",
                             choices=("multinomial", "uniform"))),
-            lambda b, p: b.adaptive(p["eps"], p["mode"] == "uniform"), chooses_token=True),
+            lambda b, p: b.adaptive(p["eps"], p["mode"] == "uniform"), chooses_token=True,
+            in_graph=True),
 )}
+
+
+def in_graph_names() -> str:
+    """The samplers that can run inside llama.cpp's graph, for error messages."""
+    return ", ".join(s.name for s in SAMPLERS.values() if s.in_graph)
 
 
 def valid_specs() -> str:
