@@ -1,0 +1,178 @@
+"""Adaptive decoding inside llama.cpp's graph (backend sampling): the ggml operations against
+the float64 reference, then whole generations through llama.cpp on the bundled model."""
+
+import llama_cpp
+import numpy as np
+import pytest
+from test_kernel import FOUR, FOUR_CASES, MASKED, MASKED_CASES, ROWS, TWO, TWO_CASES, logits_of
+
+from adaptive_llama import Engine, graph
+from adaptive_llama.kernel import adaptive_k_reference, dconf_reference
+from adaptive_llama.samplers import SpecError
+
+# float32 logarithms put dConf within ~1e-7 (absolute, times ln V) of its float64 value: an
+# answer may differ from the reference only where some dConf lies this close to epsilon.
+GRAPH_REL = 1e-4
+
+
+def kept(logits, eps, uniform=False):
+    """(k, the kept token ids in descending order of p, the K outputs) from the graph."""
+    out, ids = graph.evaluate(logits, eps, uniform)
+    finite = np.isfinite(out)
+    k = int(finite.sum())
+    assert finite[len(out) - k:].all(), "the kept tokens are the last k, in ascending order"
+    return k, ids[len(out) - k:][::-1], out
+
+
+def reference_k(x, eps):
+    """The float64 reference on the float32 logits the graph sees."""
+    return adaptive_k_reference(np.asarray(x, np.float32).astype(np.float64), eps)
+
+
+def near_boundary(x, eps):
+    d = dconf_reference(np.asarray(x, np.float32).astype(np.float64))
+    return bool(np.any(np.abs(d[np.isfinite(d)] - eps) <= GRAPH_REL * eps))
+
+
+# ---- layer 1: the hand-worked distributions of test_kernel (arithmetic there) ----
+
+@pytest.mark.parametrize("p,cases", [(FOUR, FOUR_CASES), (MASKED, MASKED_CASES), (TWO, TWO_CASES)])
+@pytest.mark.parametrize("uniform", [False, True])
+def test_hand_worked_thresholds(p, cases, uniform):
+    x = logits_of(p)
+    for eps, expected in cases:
+        k, ids, out = kept(x, eps, uniform)
+        assert k == expected, eps
+        # Ties (MASKED's two 0.5s) may come in either order; otherwise most likely first.
+        assert sorted(ids) == sorted(np.argsort(-np.asarray(p), kind="stable")[:k]), eps
+        if uniform:
+            assert np.all(out[np.isfinite(out)] == 0)
+        else:
+            np.testing.assert_allclose(np.exp(out[-k:][::-1]), np.asarray(p)[ids], rtol=1e-6)
+
+
+def test_vocabulary_of_one_and_flat_rows_keep_one_token():
+    assert kept(np.array([3.0]), 0.001)[0] == 1
+    assert kept(np.zeros(50_000), 0.0005)[0] == 1  # p = 2e-5 < eps everywhere
+
+
+def test_tiny_epsilon_sorts_the_whole_vocabulary_and_keeps_every_possible_token():
+    x = np.log(np.r_[np.full(20, 0.04), np.full(20, 0.01)])  # dConf of the last > 1e-6
+    x[[3, 30]] = -np.inf
+    k, ids, out = kept(x, 1e-6)
+    assert out.size == x.size and k == 38 and {3, 30}.isdisjoint(ids)
+
+
+def test_the_most_likely_token_is_last_so_dist_can_never_fall_on_a_cut_one():
+    rng = np.random.default_rng(3)
+    x = rng.normal(0, 4, 5000)
+    out, ids = graph.evaluate(x, 0.01)
+    assert ids[-1] == np.argmax(x) and np.isfinite(out[-1]) and np.isneginf(out[0])
+
+
+# ---- layer 2: seeded random rows of every shape against the float64 reference ----
+
+def test_graph_matches_reference_on_random_rows():
+    mismatches, near = [], 0
+    for i, (kind, x, eps) in enumerate(ROWS):
+        k = kept(x, eps)[0]
+        if k != reference_k(x, eps):
+            if near_boundary(x, eps):
+                near += 1
+                continue
+            mismatches.append((i, kind, x.size, eps, k, reference_k(x, eps)))
+    assert not mismatches, mismatches[:5]
+    assert near <= 5
+
+
+def test_kept_mass_matches_reference():
+    for kind, x, eps in ROWS[:200]:
+        k, _, out = kept(x, eps)
+        x64 = np.sort(np.asarray(x, np.float32).astype(np.float64))[::-1]
+        p = np.exp(x64 - x64[0])
+        p /= p.sum()
+        if k == reference_k(x, eps):
+            mass = np.exp(out[np.isfinite(out)].astype(np.float64)).sum()
+            assert mass == pytest.approx(p[:k].sum(), rel=2e-5), kind
+
+
+# ---- layer 3: generation through llama.cpp with the bundled model ----
+
+@pytest.fixture(scope="module")
+def graph_engine(smollm2_path):
+    eng = Engine(smollm2_path, seed=1, n_ctx=512, parallel=2, backend_sampling=True)
+    yield eng
+    eng.close()
+
+
+def replay_logits(engine, prompt, tokens):
+    """The raw logits before each token of ``tokens``, from an engine sampling on the CPU."""
+    rows, context = [], engine.prompt_tokens(prompt)
+    for token in tokens:
+        engine.prefill(context)
+        rows.append(np.ctypeslib.as_array(llama_cpp.llama_get_logits_ith(engine.ctx, -1),
+                                          shape=(engine.n_vocab,)).copy())
+        context = context + [token]
+    return rows
+
+
+@pytest.mark.parametrize("spec,eps,uniform", [("adaptive:eps=0.0005", 0.0005, False),
+                                              ("adaptive:eps=0.002,temp=1.3", 0.002, False),
+                                              ("adaptive:eps=0.001,mode=uniform", 0.001, True)])
+def test_in_graph_k_and_tokens_match_the_reference_on_real_logits(graph_engine, engine, spec,
+                                                                  eps, uniform):
+    prompt = "The history of the river Thames begins"
+    result = graph_engine.generate(prompt, sampler=spec, max_tokens=40, seed=5)
+    assert graph_engine.backend_sampling and result.backend == "graph"
+    assert len(result.token_stats) == len(result.tokens) >= 20
+    temp = 1.3 if "temp" in spec else 1.0
+    for x, token, stats in zip(replay_logits(engine, prompt, result.tokens), result.tokens,
+                               result.token_stats):
+        x = (x / np.float32(temp)).astype(np.float32)  # what the graph's temp sampler leaves
+        k = reference_k(x, eps)
+        assert stats.k == k or near_boundary(x, eps)
+        assert token in np.argsort(-x, kind="stable")[:stats.k]  # sampled inside the kept set
+        if not uniform:
+            p = np.exp(x.astype(np.float64) - x.max())
+            p /= p.sum()
+            assert stats.kept_mass == pytest.approx(np.sort(p)[::-1][:stats.k].sum(), rel=1e-4)
+            assert stats.p_chosen == pytest.approx(p[token], rel=1e-4)
+        else:
+            assert np.isnan(stats.kept_mass)
+
+
+def test_in_graph_seeds_repeat_and_greedy_is_the_cpu_chains(graph_engine, engine):
+    prompt = "Once upon a time"
+    first, again, other = (graph_engine.generate(prompt, sampler="adaptive", max_tokens=24,
+                                                 seed=s).text for s in (7, 7, 8))
+    assert first == again and first != other
+    greedy = graph_engine.generate(prompt, sampler="greedy", max_tokens=24).text
+    assert greedy == engine.generate(prompt, sampler="greedy", max_tokens=24).text
+
+
+def test_in_graph_sequences_run_side_by_side(graph_engine):
+    results = graph_engine.generate_batch(
+        ["Once upon a time", "The capital of France", "In 1905, Einstein"],
+        sampler=["adaptive", "top-p:p=0.9", "min-p:p=0.1,temp=0.8"], max_tokens=16)
+    assert all(r.completion_tokens > 0 and r.backend == "graph" for r in results)
+    assert results[0].token_stats and not results[1].token_stats
+
+
+@pytest.mark.parametrize("spec", ["eta", "typical:p=0.9", "mirostat"])
+def test_samplers_without_a_graph_path_are_refused_in_one_line(graph_engine, spec):
+    with pytest.raises(SpecError, match="cannot run inside llama.cpp's graph.*greedy, top-k"):
+        graph_engine.generate("Hi", sampler=spec, max_tokens=4)
+    assert graph_engine.generate("Hi", sampler="adaptive", max_tokens=4).completion_tokens
+
+
+def test_logprobs_and_grammars_are_refused_with_backend_sampling(graph_engine):
+    with pytest.raises(ValueError, match="`logprobs` needs the model's logits"):
+        graph_engine.generate("Hi", logprobs=2, max_tokens=4)
+    grammar = llama_cpp.LlamaGrammar.from_string('root ::= "yes" | "no"', verbose=False)
+    with pytest.raises(SpecError, match="a grammar cannot run inside"):
+        graph_engine.generate("Hi", grammar=grammar, max_tokens=4)
+
+
+def test_backend_sampling_has_to_be_a_bool(smollm2_path):
+    with pytest.raises(ValueError, match="`backend_sampling` has to be True or False"):
+        Engine(smollm2_path, backend_sampling="yes")
