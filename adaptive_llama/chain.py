@@ -151,7 +151,7 @@ class SamplerChain:
         self.spec = spec_of(spec)
         self.seed = SEED.validate(seed)
         if in_graph:
-            _check_in_graph(self.spec, grammar)
+            check_in_graph(self.spec, grammar)
         self.in_graph = in_graph
         self._n_vocab = n_vocab
         self._record_stats = record_stats
@@ -270,7 +270,7 @@ class SamplerChain:
         self.close()
 
 
-def _check_in_graph(spec: SamplerSpec, grammar) -> None:
+def check_in_graph(spec: SamplerSpec, grammar) -> None:
     """SpecError unless the spec can run inside llama.cpp's graph."""
     if not spec.sampler.in_graph:
         raise SpecError(f"`{spec.name}` cannot run inside llama.cpp's graph (backend "

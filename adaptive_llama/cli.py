@@ -51,7 +51,8 @@ def _spec(ctx, param, value):
 # config.toml key -> the commands' parameter; the command line (or its environment variable)
 # wins over the file, the file over the built-in default.
 CONFIG_PARAMS = {"sampler": "sampler", "system": "system", "ctx": "n_ctx",
-                 "n_gpu_layers": "n_gpu_layers", "threads": "threads"}
+                 "n_gpu_layers": "n_gpu_layers", "threads": "threads",
+                 "backend_sampling": "backend_sampling"}
 GIVEN = (ParameterSource.COMMANDLINE, ParameterSource.ENVIRONMENT)
 
 
@@ -93,20 +94,32 @@ def model_options(fn):
         click.option("--seed", type=click.IntRange(int(SEED.low), int(SEED.high)),
                      default=None, help="Random seed (default: a new one each reply, "
                      "reported with its figures)."),
+        click.option("--backend-sampling", is_flag=True,
+                     help="Sample inside llama.cpp's graph, on the device holding the output "
+                     "layer (greedy, top-k, top-p, min-p, adaptive; no logprobs or grammar)."),
         click.option("--verbose", is_flag=True, help="Show llama.cpp's own log."),
     ]):
         fn = option(fn)
     return fn
 
 
-def load_engine(model, n_gpu_layers, n_ctx, threads, seed, verbose, show_progress=False,
-                parallel=1):
+def load_engine(model, n_gpu_layers, n_ctx, threads, seed, verbose, backend_sampling,
+                show_progress=False, parallel=1, sampler=None):
+    """The Engine; with ``sampler``, also one that engine can run (or a one-line exit)."""
     from .engine import Engine  # llama.cpp loads only for commands that need it
 
     if show_progress:
         click.echo(f"loading {model or 'smollm2 (bundled)'} ...", err=True)
-    return Engine(model, n_gpu_layers=n_gpu_layers, n_ctx=n_ctx, n_threads=threads,
-                  parallel=parallel, seed=seed or 0, verbose=verbose)
+    engine = Engine(model, n_gpu_layers=n_gpu_layers, n_ctx=n_ctx, n_threads=threads,
+                    parallel=parallel, seed=seed or 0, verbose=verbose,
+                    backend_sampling=backend_sampling)
+    if sampler is not None:
+        try:
+            engine.check_request(sampler)
+        except SpecError as exc:
+            engine.close()
+            fail(f"--sampler: {exc}")
+    return engine
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
@@ -160,12 +173,13 @@ def samplers():
 @user_errors
 @configured
 def generate(model, prompt, sampler, max_tokens, chat, stop, as_json, n_gpu_layers, n_ctx,
-             threads, seed, verbose):
+             threads, seed, backend_sampling, verbose):
     """Generate a continuation (or, with --chat, a reply) of a prompt."""
     if prompt is None:
         # Bytes that are not UTF-8 become U+FFFD rather than a codec error.
         prompt = sys.stdin.buffer.read().decode("utf-8", "replace")
-    engine = load_engine(model, n_gpu_layers, n_ctx, threads, seed, verbose)
+    engine = load_engine(model, n_gpu_layers, n_ctx, threads, seed, verbose, backend_sampling,
+                         sampler=sampler)
     stream = engine.stream(engine.prompt_tokens(prompt, chat=chat), sampler=sampler,
                            max_tokens=max_tokens, stop=list(stop),
                            seed=secrets.randbits(32) if seed is None else seed)
@@ -195,7 +209,7 @@ def generate(model, prompt, sampler, max_tokens, chat, stop, as_json, n_gpu_laye
 @user_errors
 @configured
 def run(model, sampler, system, max_tokens, resume, no_save, n_gpu_layers, n_ctx, threads,
-        seed, verbose):
+        seed, backend_sampling, verbose):
     """Chat with MODEL (default: the bundled SmolLM2-135M-Instruct). /help inside.
 
     Each chat is saved as it goes, in $XDG_STATE_HOME/adaptive-llama/chats (a reply cut off
@@ -220,7 +234,7 @@ def run(model, sampler, system, max_tokens, resume, no_save, n_gpu_layers, n_ctx
 
     interactive = sys.stdin.isatty() and sys.stdout.isatty()
     engine = load_engine(model, n_gpu_layers, n_ctx, threads, seed, verbose,
-                         show_progress=interactive)
+                         backend_sampling, show_progress=interactive, sampler=sampler)
     if not engine.has_chat_template:
         fail(f"{engine.name} is a base model (no chat template in its GGUF), so it cannot "
              f"chat; continue text with it instead: adaptive-llama generate {model} "
@@ -351,7 +365,7 @@ def _check_port_free(host: str, port: int) -> None:
 @user_errors
 @configured
 def serve(model, host, port, allow_remote, api_key, sampler, max_queue, max_body, parallel,
-          n_gpu_layers, n_ctx, threads, seed, verbose):
+          n_gpu_layers, n_ctx, threads, seed, backend_sampling, verbose):
     """Serve MODEL over the OpenAI API (/v1/chat/completions, /v1/completions, /v1/models)."""
     try:
         import uvicorn
@@ -367,7 +381,8 @@ def serve(model, host, port, allow_remote, api_key, sampler, max_queue, max_body
         click.echo(f"Warning: serving on {host}, reachable from other machines"
                    f"{'' if api_key else ' with no --api-key'}.", err=True)
     _check_port_free(host, port)
-    engine = load_engine(model, n_gpu_layers, n_ctx, threads, seed, verbose, parallel=parallel)
+    engine = load_engine(model, n_gpu_layers, n_ctx, threads, seed, verbose, backend_sampling,
+                         parallel=parallel, sampler=sampler)
     app = create_app(engine, sampler, api_key=api_key, max_queue=max_queue, max_body=max_body)
     click.echo(f"Serving {engine.name} at http://{host}:{port}/v1 (default sampler {sampler}, "
                f"{parallel} slots of {engine.n_ctx} tokens, {engine.threads} threads); "

@@ -10,9 +10,10 @@
     system = "You are terse."
     ctx = 4096
     n_gpu_layers = 0
+    backend_sampling = false
 
 Keys: ``sampler`` (a spec), ``system`` (the REPL's system prompt), ``ctx``, ``n_gpu_layers``,
-``threads``. ``run``, ``generate`` and ``serve`` use them; the command line wins over the file,
+``threads``, ``backend_sampling``. ``run``, ``generate`` and ``serve`` use them; the command line wins over the file,
 a model's table over ``[defaults]``, and the file over the built-in defaults. Each value comes
 with where it came from, which ``/show`` and ``adaptive-llama models`` print. The whole file is
 checked before anything starts: a bad one is one error naming the file, the line and the key.
@@ -63,6 +64,12 @@ def _integer(low: int, high: int | None = None, also: tuple = ()):
     return check
 
 
+def _boolean(value):
+    if not isinstance(value, bool):
+        raise ValueError(f"has to be true or false, but is {value!r}")
+    return value
+
+
 def _text(value):
     if not isinstance(value, str):
         raise ValueError(f"has to be text in quotes, but is {value!r}")
@@ -76,6 +83,7 @@ KEYS = {
     "ctx": _integer(256, also=(0,)),
     "n_gpu_layers": _integer(-1),
     "threads": _integer(1, 4096),
+    "backend_sampling": _boolean,
 }
 
 

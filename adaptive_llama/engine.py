@@ -25,7 +25,7 @@ import sys
 from pathlib import Path
 from typing import Callable, Iterator
 
-from .chain import SamplerChain
+from .chain import SamplerChain, check_in_graph
 from .decoder import MAX_LOGPROBS, Decoder, Generation, GenerationResult, TokenLogprob  # noqa: F401
 from .models import ModelError, resolve_model
 from .samplers import SEED, SamplerSpec, spec_of
@@ -362,13 +362,8 @@ class Engine:
               grammar=None, record_stats: bool = True,
               logprobs: int | None = None) -> Generation:
         """A :class:`Generation` ready for :attr:`decoder` (arguments as :meth:`stream`)."""
-        spec = spec_of(sampler)
+        spec = self.check_request(sampler, logprobs, grammar)
         _check_int("max_tokens", max_tokens, low=1)
-        if logprobs is not None:
-            _check_int("logprobs", logprobs, low=0, high=MAX_LOGPROBS)
-            if self.backend_sampling:
-                raise ValueError("`logprobs` needs the model's logits, which backend sampling "
-                                 "leaves on the device: start without backend sampling")
         if not prompt_tokens:
             raise ValueError("the prompt is empty")
         if len(prompt_tokens) >= self.n_ctx:
@@ -380,6 +375,21 @@ class Engine:
                              record_stats=record_stats, in_graph=self.backend_sampling)
         # An empty stop string would end every reply at once: it is no stop string.
         return Generation(prompt_tokens, chain, max_tokens, [s for s in stop if s], logprobs)
+
+    def check_request(self, sampler: SamplerSpec | str, logprobs: int | None = None,
+                      grammar=None) -> SamplerSpec:
+        """The parsed spec, or the error a request with these would get: SpecError for a
+        sampler or grammar that cannot run inside the graph under backend sampling,
+        ValueError for ``logprobs`` out of range or asked for under backend sampling."""
+        spec = spec_of(sampler)
+        if self.backend_sampling:
+            check_in_graph(spec, grammar)
+        if logprobs is not None:
+            _check_int("logprobs", logprobs, low=0, high=MAX_LOGPROBS)
+            if self.backend_sampling:
+                raise ValueError("`logprobs` needs the model's logits, which backend sampling "
+                                 "leaves on the device: start without backend sampling")
+        return spec
 
     def stream(self, prompt_tokens: list[int], *, sampler: SamplerSpec | str = "adaptive",
                max_tokens: int = 256, seed: int | None = None, stop: list[str] | tuple = (),

@@ -247,7 +247,7 @@ class Repl:
         chat = self.chat
         try:
             if key == "sampler":
-                chat.sampler = parse_spec(value)
+                chat.sampler = self.engine.check_request(parse_spec(value))
             elif key == "system":
                 chat.system = value
             elif key == "eps":
@@ -271,7 +271,7 @@ class Repl:
         outside = f", {chat.dropped} outside the window" if chat.dropped else ""
         self.say(f"model       {self.engine.path}\n"
                  f"sampler     {chat.sampler}\n"
-                 f"backend     {kernel.BACKEND} (adaptive and eta samplers)\n"
+                 f"backend     {_backend_text(self.engine)}\n"
                  f"seed        {_seed_text(chat.seed)}\n"
                  f"max-tokens  {chat.max_tokens}\n"
                  f"system      {chat.system or '(none)'}\n"
@@ -318,7 +318,7 @@ class Repl:
             self.note("say something first: /compare answers your last message again")
             return
         try:
-            other = parse_spec(arg)
+            other = self.engine.check_request(parse_spec(arg))
         except SpecError as exc:
             self.note(str(exc))
             return
@@ -439,6 +439,12 @@ def check_saved_chat(data, current: Chat) -> dict:
             "sampler": parse_spec(sampler),
             "seed": None if seed is None else SEED.validate(seed),
             "max_tokens": MAX_TOKENS.validate(data.get("max_tokens", current.max_tokens))}
+
+
+def _backend_text(engine) -> str:
+    if engine.backend_sampling:
+        return "graph (the whole chain inside llama.cpp's graph: backend sampling)"
+    return f"{kernel.BACKEND} (adaptive and eta samplers)"
 
 
 def _seed_text(seed: int | None) -> str:

@@ -1,12 +1,22 @@
 """Adaptive decoding inside llama.cpp's graph (backend sampling): the ggml operations against
 the float64 reference, then whole generations through llama.cpp on the bundled model."""
 
+import json
+import re
+import subprocess
+import sys
+import time
+
 import llama_cpp
 import numpy as np
 import pytest
+from click.testing import CliRunner
+from test_cli import run_cli
 from test_kernel import FOUR, FOUR_CASES, MASKED, MASKED_CASES, ROWS, TWO, TWO_CASES, logits_of
+from test_server import API_KEY, free_port, raw
 
-from adaptive_llama import Engine, graph
+from adaptive_llama import Engine, config, graph
+from adaptive_llama.cli import main
 from adaptive_llama.kernel import adaptive_k_reference, dconf_reference
 from adaptive_llama.samplers import SpecError
 
@@ -176,3 +186,89 @@ def test_logprobs_and_grammars_are_refused_with_backend_sampling(graph_engine):
 def test_backend_sampling_has_to_be_a_bool(smollm2_path):
     with pytest.raises(ValueError, match="`backend_sampling` has to be True or False"):
         Engine(smollm2_path, backend_sampling="yes")
+
+
+# ---- the command line, the REPL and the servers ----
+
+def test_generate_with_backend_sampling_reports_the_graph_backend():
+    out = run_cli("generate", "smollm2", "--prompt", "Once upon a time", "--max-tokens", "12",
+                  "--backend-sampling", "--seed", "3", "--json")
+    assert out.returncode == 0, out.stderr
+    figures = json.loads(out.stdout)
+    assert figures["backend"] == "graph" and figures["mean_k"] >= 1
+    assert figures["completion_tokens"] >= 1
+
+
+def test_a_sampler_without_a_graph_path_is_one_line_at_start():
+    out = run_cli("generate", "smollm2", "--prompt", "Hi", "--backend-sampling",
+                  "--sampler", "mirostat")
+    assert out.returncode == 2 and "Traceback" not in out.stderr
+    assert out.stderr.strip().splitlines() == [
+        "Error: --sampler: `mirostat` cannot run inside llama.cpp's graph (backend sampling): "
+        "use greedy, top-k, top-p, min-p, adaptive, or turn backend sampling off"]
+
+
+def test_config_file_turns_backend_sampling_on_and_rejects_a_non_boolean():
+    path = config.config_path()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text("[models.smollm2]\nbackend_sampling = true\n")
+    out = run_cli("generate", "smollm2", "--prompt", "Hi", "--max-tokens", "4", "--json")
+    assert out.returncode == 0 and json.loads(out.stdout)["backend"] == "graph", out.stderr
+    path.write_text("[defaults]\nbackend_sampling = \"yes\"\n")
+    out = run_cli("generate", "smollm2", "--prompt", "Hi")
+    assert out.returncode == 2 and "backend_sampling" in out.stderr
+    assert "has to be true or false" in out.stderr
+
+
+def test_repl_refuses_a_sampler_without_a_graph_path_and_keeps_the_old_one():
+    result = CliRunner().invoke(main, ["run", "--max-tokens", "8", "--backend-sampling"],
+                                input="/set sampler eta\nHi\n/compare typical\n/show\n")
+    assert result.exit_code == 0 and "Traceback" not in result.output, result.output
+    assert "`eta` cannot run inside llama.cpp's graph" in result.output
+    assert "kept the old value" in result.output
+    assert "`typical` cannot run inside llama.cpp's graph" in result.output
+    assert re.search(r"sampler +adaptive:eps=0.0005", result.output)
+    assert re.search(r"backend +graph", result.output)
+
+
+@pytest.fixture(scope="module")
+def graph_server(smollm2_path, tmp_path_factory):
+    port = free_port()
+    log_file = tmp_path_factory.mktemp("graph-server") / "server.log"
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "adaptive_llama.cli", "serve", str(smollm2_path), "--port",
+         str(port), "--api-key", API_KEY, "--ctx", "512", "--parallel", "2",
+         "--backend-sampling"], stdout=log_file.open("w"), stderr=subprocess.STDOUT)
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        try:
+            if raw("GET", port, "/health")[0] == 200:
+                break
+        except OSError:
+            time.sleep(0.2)
+    else:
+        proc.kill()
+        pytest.fail(f"server did not start: {log_file.read_text()}")
+    yield port
+    proc.terminate()
+    proc.wait(timeout=30)
+
+
+def test_server_with_backend_sampling_answers_and_refuses_in_400s(graph_server):
+    chat = {"messages": [{"role": "user", "content": "Name one colour."}], "max_tokens": 8}
+    status, _, body = raw("POST", graph_server, "/v1/chat/completions", chat)
+    assert status == 200 and body["sampler_stats"]["backend"] == "graph"
+    status, _, body = raw("POST", graph_server, "/v1/chat/completions",
+                          {**chat, "sampler": "eta"})
+    assert status == 400 and "cannot run inside llama.cpp's graph" in body["error"]["message"]
+    status, _, body = raw("POST", graph_server, "/v1/chat/completions",
+                          {**chat, "logprobs": True})
+    assert status == 400 and "`logprobs` needs the model's logits" in body["error"]["message"]
+    status, _, body = raw("POST", graph_server, "/api/chat",
+                          {"model": "m", "messages": chat["messages"], "stream": False,
+                           "options": {"sampler": "typical:p=0.9"}})
+    assert status == 400 and "cannot run inside" in body["error"]
+    status, _, body = raw("POST", graph_server, "/api/chat",
+                          {"model": "m", "messages": chat["messages"], "stream": False,
+                           "options": {"num_predict": 6, "min_p": 0.1}})
+    assert status == 200 and body["done"] and body["message"]["content"]

@@ -217,11 +217,23 @@ class Server:
                            f"context window holds {self.engine.n_ctx}: shorten it",
                            param=prompt_field, code="context_length_exceeded")
         stop = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
-        return Job(prompt_tokens=prompt_tokens, sampler=_sampler_for(self.sampler, body),
+        sampler, logprobs = self.checked(_sampler_for(self.sampler, body),
+                                         body.logprobs_wanted())
+        return Job(prompt_tokens=prompt_tokens, sampler=sampler,
                    max_tokens=min(max_tokens or room, room),
                    seed=body.seed if body.seed is not None else secrets.randbits(32),
                    stop=stop, stream=body.stream, loop=asyncio.get_running_loop(),
-                   logprobs=body.logprobs_wanted())
+                   logprobs=logprobs)
+
+    def checked(self, sampler: SamplerSpec, logprobs: int | None):
+        """(sampler, logprobs), or the 400 the engine's rules give (backend sampling)."""
+        try:
+            return self.engine.check_request(sampler, logprobs), logprobs
+        except SpecError as exc:
+            raise APIError(400, f"sampler: {exc}", param="sampler",
+                           code="invalid_sampler") from None
+        except ValueError as exc:
+            raise APIError(400, str(exc), param="logprobs") from None
 
     def submit(self, job: Job) -> None:
         """Queue the job, or 503 with Retry-After when the queue is full."""

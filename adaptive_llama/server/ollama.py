@@ -143,7 +143,8 @@ def add_routes(app, server: Server, max_body: int) -> None:
                            f"holds {engine.n_ctx}: shorten it", param=field)
         options = body.options
         wanted = options.num_predict if options.num_predict and options.num_predict > 0 else room
-        return Job(prompt_tokens=tokens, sampler=sampler_for(server.sampler, options),
+        sampler, _ = server.checked(sampler_for(server.sampler, options), None)
+        return Job(prompt_tokens=tokens, sampler=sampler,
                    max_tokens=min(wanted, room),
                    seed=options.seed if options.seed is not None else secrets.randbits(32),
                    stop=[s for s in options.stop or [] if s], stream=body.stream,
