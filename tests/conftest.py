@@ -1,8 +1,17 @@
-"""Shared fixtures: the bundled SmolLM2-135M-Instruct, loaded once per session."""
+"""Shared fixtures: the bundled SmolLM2-135M-Instruct, loaded once per session.
+
+ADAPTIVE_LLAMA_TEST_GPU_LAYERS=-1 offloads the test engines' layers to the GPU (a CUDA build
+of llama-cpp-python; benchmarks/gpu.sh sets it).
+"""
+
+import os
 
 import pytest
 
 from adaptive_llama.models import BUNDLED
+
+
+GPU_LAYERS = int(os.environ.get("ADAPTIVE_LLAMA_TEST_GPU_LAYERS", "0"))
 
 
 @pytest.fixture(autouse=True)
@@ -23,6 +32,6 @@ def smollm2_path():
 def engine(smollm2_path):
     from adaptive_llama import Engine
 
-    eng = Engine(smollm2_path, seed=1, n_ctx=1024)
+    eng = Engine(smollm2_path, seed=1, n_ctx=1024, n_gpu_layers=GPU_LAYERS)
     yield eng
     eng.close()

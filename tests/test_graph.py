@@ -11,6 +11,7 @@ import llama_cpp
 import numpy as np
 import pytest
 from click.testing import CliRunner
+from conftest import GPU_LAYERS
 from test_cli import run_cli
 from test_kernel import FOUR, FOUR_CASES, MASKED, MASKED_CASES, ROWS, TWO, TWO_CASES, logits_of
 from test_server import API_KEY, free_port, raw
@@ -110,7 +111,8 @@ def test_kept_mass_matches_reference():
 
 @pytest.fixture(scope="module")
 def graph_engine(smollm2_path):
-    eng = Engine(smollm2_path, seed=1, n_ctx=512, parallel=2, backend_sampling=True)
+    eng = Engine(smollm2_path, seed=1, n_ctx=512, parallel=2, backend_sampling=True,
+                 n_gpu_layers=GPU_LAYERS)
     yield eng
     eng.close()
 
