@@ -83,11 +83,12 @@ typedef struct {
     double *tail;   size_t cap_t;     /* suffix sums: tail[j] = mass after candidate j */
     al_token_data *kept; size_t cap_k;  /* kept entries while they move to the front */
     unsigned char *mark; size_t cap_m;  /* flags: candidate tokens, or front slots kept */
+    float *gmax, *gsum;  size_t cap_g;  /* per GROUP of weights: their max and their sum */
 } al_workspace;
 
 #define EXP_ARG_MIN (-87.3f)  /* below, exp() is subnormal in float32: weigh 0 (masked tokens) */
 #define CHUNK 64               /* the scan computes dConf a block of CHUNK at a time */
-#define BLOCK 256              /* collect sums the tail in float32 over BLOCK tokens at a time */
+#define GROUP 256              /* the weights pass records the max and sum of each GROUP */
 #define CANDIDATE_SLACK 0.99   /* collect p > 0.99 eps: the float32 sum only estimates S */
 
 /* Test hook: the next `n` buffer allocations fail, as if memory ran out. */
@@ -112,14 +113,17 @@ AL_EXPORT al_workspace *al_workspace_new(void) { return calloc(1, sizeof(al_work
 AL_EXPORT void al_workspace_free(al_workspace *ws) {
     if (!ws) return;
     free(ws->w); free(ws->x); free(ws->cand); free(ws->tmp); free(ws->tail);
-    free(ws->kept); free(ws->mark);
+    free(ws->kept); free(ws->mark); free(ws->gmax); free(ws->gsum);
     free(ws);
 }
 
 /* The per-token buffers: weights, and one flag per token (collect; move_to_front reuses it). */
 static int reserve(al_workspace *ws, size_t n) {
+    size_t groups = n / GROUP + 1, cap = ws->cap_g;
     return grow((void **)&ws->w, &ws->cap_w, n, sizeof(float)) &&
-           grow((void **)&ws->mark, &ws->cap_m, n, 1);
+           grow((void **)&ws->mark, &ws->cap_m, n, 1) &&
+           grow((void **)&ws->gmax, &cap, groups, sizeof(float)) &&
+           grow((void **)&ws->gsum, &ws->cap_g, groups, sizeof(float));
 }
 
 static int reserve_candidates(al_workspace *ws, size_t n) {
@@ -165,29 +169,51 @@ static float max_f32(const float *x, size_t n) {
     return m;
 }
 
+/*
+ * Pass 2: w_i = exp(x_i - m) stored in float32, and for each GROUP of tokens the max and the
+ * float32 sum of its weights (ws->gmax, ws->gsum): collect skips a group whose max is below
+ * its threshold and takes the group's sum as tail mass. Returns S = sum w_i; a float32 sum
+ * within a group is enough: S only places the candidate threshold, which has slack.
+ */
 #define DEFINE_PASSES(T, SUFFIX)                                                            \
-    /* w_i = exp(x_i - m) stored in float32; returns sum w_i. A float32 sum is enough: S  \
-     * only places the candidate threshold, which has slack; the tail is summed again. */  \
-    static double weights_##SUFFIX(const T *x, size_t n, T m, float *w) {                  \
-        float s = 0.0f;                                                                      \
-        for (size_t i = 0; i < n; i++) {                                                     \
-            T d = x[i] - m;                                                                  \
-            float v = exp_weight((float)d);                                                  \
-            w[i] = v;                                                                        \
-            s += v;                                                                          \
+    static double weights_##SUFFIX(const T *x, size_t n, T m, al_workspace *ws) {           \
+        float *w = ws->w;                                                                    \
+        double s = 0.0;                                                                      \
+        for (size_t g = 0, b = 0; b < n; g++, b += GROUP) {                                  \
+            const size_t end = b + GROUP < n ? b + GROUP : n;                                \
+            float group_sum = 0.0f, group_max = 0.0f;                                        \
+            for (size_t i = b; i < end; i++) {                                               \
+                float v = exp_weight((float)(x[i] - m));                                     \
+                w[i] = v;                                                                    \
+                group_sum += v;                                                              \
+                group_max = v > group_max ? v : group_max;                                   \
+            }                                                                                \
+            ws->gsum[g] = group_sum;                                                         \
+            ws->gmax[g] = group_max;                                                         \
+            s += (double)group_sum;                                                          \
         }                                                                                    \
-        return (double)s;                                                                    \
+        return s;                                                                            \
     }                                                                                        \
     /* As weights_, and *wd = sum w_i (x_i - m), so H = ln S - wd / S. */                   \
-    static double weights_entropy_##SUFFIX(const T *x, size_t n, T m, float *w, double *wd) { \
+    static double weights_entropy_##SUFFIX(const T *x, size_t n, T m, al_workspace *ws,     \
+                                           double *wd) {                                     \
+        float *w = ws->w;                                                                    \
         double s = 0.0, sd = 0.0;                                                            \
-        for (size_t i = 0; i < n; i++) {                                                     \
-            T d = x[i] - m;                                                                  \
-            float v = exp_weight((float)d);                                                  \
-            w[i] = v;                                                                        \
-            s += (double)v;                                                                  \
-            d = d < (T)EXP_ARG_MIN ? (T)EXP_ARG_MIN : d; /* 0 * -inf would be NaN */        \
-            sd += (double)v * (double)d;                                                     \
+        for (size_t g = 0, b = 0; b < n; g++, b += GROUP) {                                  \
+            const size_t end = b + GROUP < n ? b + GROUP : n;                                \
+            float group_sum = 0.0f, group_max = 0.0f;                                        \
+            for (size_t i = b; i < end; i++) {                                               \
+                T d = x[i] - m;                                                              \
+                float v = exp_weight((float)d);                                              \
+                w[i] = v;                                                                    \
+                group_sum += v;                                                              \
+                group_max = v > group_max ? v : group_max;                                   \
+                d = d < (T)EXP_ARG_MIN ? (T)EXP_ARG_MIN : d; /* 0 * -inf would be NaN */    \
+                sd += (double)v * (double)d;                                                 \
+            }                                                                                \
+            ws->gsum[g] = group_sum;                                                         \
+            ws->gmax[g] = group_max;                                                         \
+            s += (double)group_sum;                                                          \
         }                                                                                    \
         *wd = sd;                                                                            \
         return s;                                                                            \
@@ -200,43 +226,59 @@ DEFINE_PASSES(double, f64)
 
 /*
  * Returns the number of candidates, or cap + 1 when more than cap qualify (nothing past
- * cand[cap - 1] is written). A loop GCC vectorises (flag every token, sum the unflagged ones),
- * then the flags read 8 at a time as one word, which is 0 nearly everywhere.
+ * cand[cap - 1] is written). A group whose max weight is at most the threshold holds no
+ * candidate: its sum (from pass 2) is tail mass, and its weights are not read again. In the
+ * other groups a loop GCC vectorises flags every token and sums the unflagged ones, then the
+ * flags are read 8 at a time as one word, which is 0 nearly everywhere.
  */
-static size_t collect(const float *w, size_t n, float threshold, al_cand *cand, size_t cap,
-                      unsigned char *flags, double *rest) {
-    double tail = 0.0;
-    for (size_t b = 0; b < n; b += BLOCK) { /* float32 sums over a block, float64 across */
-        const size_t end = b + BLOCK < n ? b + BLOCK : n;
-        float block_tail = 0.0f;
+static size_t collect(al_workspace *ws, size_t n, float threshold, size_t cap, double *rest) {
+    const float *w = ws->w;
+    unsigned char *flags = ws->mark;
+    double tail = 0.0; /* float32 sums within a group, float64 across */
+    size_t nc = 0;
+    for (size_t g = 0, b = 0; b < n; g++, b += GROUP) {
+        if (ws->gmax[g] <= threshold) {
+            tail += (double)ws->gsum[g];
+            continue;
+        }
+        const size_t end = b + GROUP < n ? b + GROUP : n;
+        float group_tail = 0.0f;
         for (size_t i = b; i < end; i++) {
             const int hot = w[i] > threshold;
             flags[i] = (unsigned char)hot;
-            block_tail += hot ? 0.0f : w[i];
+            group_tail += hot ? 0.0f : w[i];
         }
-        tail += (double)block_tail;
+        tail += (double)group_tail;
+        for (size_t i0 = b; i0 < end; i0 += 8) {
+            uint64_t word = 0;
+            if (i0 + 8 <= end) memcpy(&word, flags + i0, sizeof word);
+            else for (size_t j = i0; j < end; j++) word |= flags[j];
+            if (!word) continue;
+            for (size_t j = i0; j < i0 + 8 && j < end; j++) {
+                if (!flags[j]) continue;
+                if (nc == cap) return cap + 1;
+                ws->cand[nc++].idx = (int32_t)j;
+            }
+        }
     }
     *rest = tail;
-    size_t nc = 0;
-    for (size_t i0 = 0; i0 < n; i0 += 8) {
-        uint64_t word = 0;
-        if (i0 + 8 <= n) memcpy(&word, flags + i0, sizeof word);
-        else for (size_t j = i0; j < n; j++) word |= flags[j];
-        if (!word) continue;
-        for (size_t j = i0; j < i0 + 8 && j < n; j++) {
-            if (!flags[j]) continue;
-            if (nc == cap) return cap + 1;
-            cand[nc++].idx = (int32_t)j;
-        }
-    }
     return nc;
 }
 
-/* Index of the first entry equal to m; 0 if none is (NaN logits): never reads past n. A
- * block of CHUNK is tested at once (vectorised) before it is searched token by token. */
+/* Where the search for the max can start: the first group holding a weight of 1 (the max
+ * itself has w = exp(0) = 1 exactly, and no earlier group can hold it); 0 if none does. */
+static size_t first_group_at_one(const al_workspace *ws, size_t n) {
+    for (size_t g = 0, b = 0; b < n; g++, b += GROUP)
+        if (ws->gmax[g] >= 1.0f) return b;
+    return 0;
+}
+
+/* Index of the first entry equal to m at or after `from`; 0 if none is (NaN logits): never
+ * reads past n. A block of CHUNK is tested at once (vectorised) before it is searched token
+ * by token. */
 #define DEFINE_INDEX_OF_MAX(T, SUFFIX)                                                      \
-    static size_t index_of_max_##SUFFIX(const T *x, size_t n, T m) {                        \
-        for (size_t b = 0; b < n; b += CHUNK) {                                              \
+    static size_t index_of_max_##SUFFIX(const T *x, size_t n, T m, size_t from) {           \
+        for (size_t b = from; b < n; b += CHUNK) {                                           \
             const size_t end = b + CHUNK < n ? b + CHUNK : n;                                \
             int hit = 0;                                                                     \
             for (size_t i = b; i < end; i++) hit |= x[i] == m;                               \
@@ -319,28 +361,40 @@ static size_t candidate_capacity(double eps, size_t n) {
     return (want >= 1.0 && want < (double)n) ? (size_t)want : n;
 }
 
-#define DEFINE_SELECT(T, SUFFIX, EXP)                                                       \
+/* The exact (float64) weights of the tokens that decide k*: gathered into scratch first, so
+ * that the exponentials run as one vectorised loop (libmvec) rather than a scalar call each. */
+#define DEFINE_EXACT_WEIGHTS(T, SUFFIX)                                                     \
+    static void exact_weights_##SUFFIX(const T *x, T m, al_cand *cand, size_t nc,           \
+                                       double *scratch) {                                    \
+        for (size_t j = 0; j < nc; j++) scratch[j] = (double)x[cand[j].idx] - (double)m;     \
+        for (size_t j = 0; j < nc; j++) scratch[j] = exp(scratch[j]);                         \
+        for (size_t j = 0; j < nc; j++) cand[j].w = scratch[j];                               \
+    }
+DEFINE_EXACT_WEIGHTS(float, f32)
+DEFINE_EXACT_WEIGHTS(double, f64)
+
+#define DEFINE_SELECT(T, SUFFIX)                                                       \
     static int32_t select_##SUFFIX(const T *x, size_t n, T m, double S, double eps,          \
                                    al_workspace *ws, size_t *n_cand, double *kept_mass) {    \
         size_t cap = candidate_capacity(eps, n);                                             \
         if (!reserve_candidates(ws, cap)) return -1;                                         \
         double rest;                                                                          \
         float threshold = (float)(eps * CANDIDATE_SLACK * S);                                \
-        size_t nc = collect(ws->w, n, threshold, ws->cand, cap, ws->mark, &rest);           \
+        size_t nc = collect(ws, n, threshold, cap, &rest);                                   \
         if (nc > cap) { /* the float32 S was low by over 1%: make room for every token */   \
             cap = n;                                                                         \
             if (!reserve_candidates(ws, cap)) return -1;                                     \
-            nc = collect(ws->w, n, threshold, ws->cand, cap, ws->mark, &rest);               \
+            nc = collect(ws, n, threshold, cap, &rest);                                      \
         }                                                                                    \
         if (nc == 0) { /* p_max <= eps: k* = 1, the argmax */                                \
-            ws->cand[0].idx = (int32_t)index_of_max_##SUFFIX(x, n, m);                       \
+            ws->cand[0].idx =                                                                \
+                (int32_t)index_of_max_##SUFFIX(x, n, m, first_group_at_one(ws, n));          \
             ws->cand[0].w = 1.0;                                                             \
             *n_cand = 1;                                                                     \
             *kept_mass = 1.0 / S;                                                            \
             return 1;                                                                        \
         }                                                                                    \
-        for (size_t j = 0; j < nc; j++) /* exact weights for the tokens that decide k* */   \
-            ws->cand[j].w = EXP((double)x[ws->cand[j].idx] - (double)m);                     \
+        exact_weights_##SUFFIX(x, m, ws->cand, nc, ws->tail);                                \
         sort_desc(ws->cand, ws->tmp, nc);                                                    \
         ws->tail[nc] = rest;                                                                  \
         for (size_t j = nc; j > 0; j--) ws->tail[j - 1] = ws->tail[j] + ws->cand[j - 1].w;   \
@@ -353,8 +407,8 @@ static size_t candidate_capacity(double eps, size_t n) {
         return k;                                                                            \
     }
 
-DEFINE_SELECT(float, f32, exp)
-DEFINE_SELECT(double, f64, exp)
+DEFINE_SELECT(float, f32)
+DEFINE_SELECT(double, f64)
 
 /* ---- array API (adaptive_llama.adaptive_k / adaptive_stats) ---- */
 
@@ -398,8 +452,8 @@ DEFINE_MAX_SUM(double, f64)
         T m = max_sum_##SUFFIX(x, n, &total);                                                \
         if (!is_finite((double)m) || is_nan(total)) return AL_INVALID_LOGITS;                \
         double wd = 0.0;                                                                     \
-        double S = out ? weights_entropy_##SUFFIX(x, n, m, ws->w, &wd)                       \
-                       : weights_##SUFFIX(x, n, m, ws->w);                                   \
+        double S = out ? weights_entropy_##SUFFIX(x, n, m, ws, &wd)                          \
+                       : weights_##SUFFIX(x, n, m, ws);                                      \
         size_t nc;                                                                           \
         double kept;                                                                         \
         int32_t k = select_##SUFFIX(x, n, m, S, eps, ws, &nc, &kept);                        \
@@ -523,7 +577,7 @@ static void adaptive_apply(struct llama_sampler *smpl, al_token_data_array *cur)
     if (!x || !reserve(ws, n)) return choose_argmax(c, cur);
     float m = max_f32(x, n);
     double wd = 0.0;
-    double S = c->record ? weights_entropy_f32(x, n, m, ws->w, &wd) : weights_f32(x, n, m, ws->w);
+    double S = c->record ? weights_entropy_f32(x, n, m, ws, &wd) : weights_f32(x, n, m, ws);
     size_t nc;
     double kept_mass;
     int32_t k = select_f32(x, n, m, S, c->eps, ws, &nc, &kept_mass);
@@ -653,7 +707,7 @@ static void eta_apply(struct llama_sampler *smpl, al_token_data_array *cur) {
     if (n < 2 || !x || !reserve(ws, n)) return;
     float m = max_f32(x, n);
     double wd;
-    double S = weights_entropy_f32(x, n, m, ws->w, &wd);
+    double S = weights_entropy_f32(x, n, m, ws, &wd);
     double H = log(S) - wd / S;
     double cut = fmin(c->eps, sqrt(c->eps) * exp(-H)); /* keep p > min(eps, sqrt(eps) e^-H) */
     float threshold = (float)(cut * S);
@@ -666,7 +720,7 @@ static void eta_apply(struct llama_sampler *smpl, al_token_data_array *cur) {
         }
     }
     if (kept == 0) { /* every p <= cut: keep the most likely token, as transformers does */
-        size_t i = index_of_max_f32(x, n, m);
+        size_t i = index_of_max_f32(x, n, m, first_group_at_one(ws, n));
         al_token_data t = cur->data[i];
         cur->data[i] = cur->data[0];
         cur->data[0] = t;
