@@ -217,6 +217,25 @@ class SamplerChain:
         llama_cpp.llama_sampler_chain_add(self._chain.sampler, pointer)
         return address
 
+    def attach(self, ctx, seq_id: int) -> None:
+        """Put this chain (built ``in_graph``) in the graph of ``ctx`` for one sequence, or
+        SpecError when the device cannot run all of it there. llama.cpp would quietly run a
+        refused sampler and everything after it on the CPU (and accepts the chain anyway),
+        which would change what this chain means: ``dist`` after a CPU adaptive sampler."""
+        graph.refusals.clear()
+        llama_cpp.llama_set_sampler(ctx, seq_id, self.pointer)
+        # llama.cpp names its samplers that the device cannot run "-name" once attached.
+        refused = graph.refusals + [f"the device cannot run llama.cpp's {n[1:]} sampler"
+                                    for n in self.names() if n.startswith("-")]
+        if refused:
+            llama_cpp.llama_set_sampler(ctx, seq_id, None)
+            raise SpecError(f"backend sampling: {'; '.join(refused)}")
+
+    @staticmethod
+    def detach(ctx, seq_id: int) -> None:
+        """Take whatever chain a sequence has out of the graph (before that chain is freed)."""
+        llama_cpp.llama_set_sampler(ctx, seq_id, None)
+
     @property
     def pointer(self):
         """The ``llama_sampler *`` of the chain, for llama.cpp calls."""

@@ -173,9 +173,8 @@ class Decoder:
         if not free:
             raise RuntimeError("every slot is busy")
         slot = max(free, key=lambda s: (_shared_prefix(s.tokens, prompt), -s.index))
-        if generation.chain.in_graph and not llama_cpp.llama_set_sampler(
-                self._ctx, slot.index, generation.chain.pointer):
-            raise RuntimeError("llama.cpp could not put the sampler chain in its graph")
+        if generation.chain.in_graph:
+            generation.chain.attach(self._ctx, slot.index)
         generation.todo = self._reuse(slot, prompt)
         generation.slot, slot.generation = slot, generation
         self.live.append(generation)
@@ -340,7 +339,7 @@ class Decoder:
         if generation.slot is not None:
             generation.slot.generation = None
             if generation.chain.in_graph:  # before the chain is freed
-                llama_cpp.llama_set_sampler(self._ctx, generation.slot.index, None)
+                generation.chain.detach(self._ctx, generation.slot.index)
         if generation in self.live:
             self.live.remove(generation)
         generation.chain.close()

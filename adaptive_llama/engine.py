@@ -28,7 +28,7 @@ from typing import Callable, Iterator
 from .chain import SamplerChain, check_in_graph
 from .decoder import MAX_LOGPROBS, Decoder, Generation, GenerationResult, TokenLogprob  # noqa: F401
 from .models import ModelError, resolve_model
-from .samplers import SEED, SamplerSpec, spec_of
+from .samplers import SEED, SamplerSpec, SpecError, spec_of
 from .threads import ThreadTuner, default_threads
 
 import llama_cpp  # noqa: E402  (after .chain, which checks its version)
@@ -224,13 +224,15 @@ class Engine:
 
     def _graph_can_sample(self) -> bool:
         """Whether the output device runs the adaptive chain in the graph (a trial attach)."""
-        with SamplerChain("adaptive", self.seed, self.n_vocab, in_graph=True) as chain:
-            ok = llama_cpp.llama_set_sampler(self.ctx, 0, chain.pointer)
-            llama_cpp.llama_set_sampler(self.ctx, 0, None)
-        if not ok:
-            log.warning("backend sampling: this device cannot run the sampler chain inside "
-                        "llama.cpp's graph; sampling on the CPU instead")
-        return ok
+        with SamplerChain("adaptive:temp=0.7", self.seed, self.n_vocab, in_graph=True) as chain:
+            try:
+                chain.attach(self.ctx, 0)
+            except SpecError as exc:
+                log.warning("%s; sampling on the CPU instead", str(exc).replace(
+                    "backend sampling:", "backend sampling is off:", 1))
+                return False
+            chain.detach(self.ctx, 0)
+        return True
 
     # ---- model facts ----
 

@@ -248,6 +248,7 @@ def unsupported_op(device, epsilon: float, uniform: bool) -> str | None:
 _IFACE_SLOTS = 12  # llama_sampler_i: 6 hooks, then 6 backend-sampling hooks
 _BACKEND_INIT, _BACKEND_APPLY = 6, 8
 _graph_samplers: dict[int, tuple[float, bool, ctypes.Array]] = {}  # sampler address -> config
+refusals: list[str] = []  # why a device could not take the sampler (newest last)
 
 
 def _address(smpl) -> int:
@@ -262,9 +263,9 @@ def _backend_init(smpl, buft, n_outputs_max_per_seq):
         if not device:  # llama.cpp: no device means the CPU, which runs every operation
             return True
         missing = unsupported_op(device, epsilon, uniform)
-        if missing is not None:
-            log.warning("backend sampling: %s cannot run %s, which the adaptive sampler needs",
-                        ggml().backend_dev_name(device).decode(), missing)
+        if missing is not None:  # the engine reports it, once
+            refusals.append(f"{ggml().backend_dev_name(device).decode()} cannot run the "
+                            f"{missing} operation that the adaptive sampler needs")
         return missing is None
     except Exception:  # an exception must not cross into llama.cpp
         log.exception("backend sampling: the adaptive sampler's support check failed")

@@ -274,3 +274,23 @@ def test_server_with_backend_sampling_answers_and_refuses_in_400s(graph_server):
                           {"model": "m", "messages": chat["messages"], "stream": False,
                            "options": {"num_predict": 6, "min_p": 0.1}})
     assert status == 200 and body["done"] and body["message"]["content"]
+
+
+def test_a_device_without_an_operation_falls_back_to_the_cpu_with_one_warning(
+        smollm2_path, monkeypatch, caplog):
+    # A device (on the CPU, llama.cpp hands the sampler no device) that lacks one operation.
+    api = graph.ggml()
+    monkeypatch.setattr(api, "backend_buft_get_device", lambda buft: 1)
+    monkeypatch.setattr(api, "backend_dev_name", lambda device: b"FakeGPU")
+    monkeypatch.setattr(graph, "unsupported_op", lambda device, eps, uniform: "TOP_K")
+    with caplog.at_level("WARNING"):
+        eng = Engine(smollm2_path, n_ctx=256, backend_sampling=True)
+    try:
+        warnings = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+        assert warnings == ["backend sampling is off: FakeGPU cannot run the TOP_K operation that "
+                            "the adaptive sampler needs; sampling on the CPU instead"]
+        assert not eng.backend_sampling
+        result = eng.generate("Once upon a time", max_tokens=6, logprobs=1)
+        assert result.backend in ("c", "numba") and len(result.logprobs) == 6
+    finally:
+        eng.close()
