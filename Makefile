@@ -40,18 +40,24 @@ bench: $(VENV)/.installed-bench
 eval: $(VENV)/.installed-eval
 	$(VENV)/bin/adaptive-llama eval
 
-# The C samplers under AddressSanitizer and UBSan, driven by the fuzz, kernel, chain and CLI tests.
-ASAN_LIB := build/asan/_adaptive_native.so
+# The C kernel and samplers under AddressSanitizer and UBSan, driven by the fuzz, kernel, chain,
+# CLI and server tests: built twice, portable and with AVX2 (the two collect loops).
+ASAN_DIR := build/asan
 asan: $(VENV)/.installed-test
-	mkdir -p build/asan
-	gcc -O1 -g -fsanitize=address,undefined -fno-omit-frame-pointer -std=c11 -shared -fPIC \
-	    -fvisibility=hidden native/adaptive.c -o $(ASAN_LIB) -lmvec -lm
-	ADAPTIVE_LLAMA_NATIVE_LIB=$(CURDIR)/$(ASAN_LIB) \
-	LD_PRELOAD="$$(gcc -print-file-name=libasan.so) $$(gcc -print-file-name=libubsan.so)" \
-	ASAN_OPTIONS=detect_leaks=0:abort_on_error=1:allocator_may_return_null=1 \
-	UBSAN_OPTIONS=print_stacktrace=1:halt_on_error=1 \
-	$(PY) -m pytest -q -p no:cacheprovider tests/test_fuzz.py tests/test_kernel.py \
-	    tests/test_chain.py tests/test_cli.py tests/test_server.py
+	set -e; for isa in portable avx2; do \
+	    mkdir -p $(ASAN_DIR)/$$isa; \
+	    gcc -O1 -g -fsanitize=address,undefined -fno-omit-frame-pointer -std=c11 -shared -fPIC \
+	        -fvisibility=hidden $$([ $$isa = avx2 ] && echo -mavx2 -mfma) \
+	        -I"$$($(PY) -c 'import sysconfig; print(sysconfig.get_paths()["include"])')" \
+	        native/adaptive.c native/module.c -o $(ASAN_DIR)/$$isa/_adaptive_native.so -lmvec -lm; \
+	    echo "== $$isa"; \
+	    ADAPTIVE_LLAMA_NATIVE_LIB=$(CURDIR)/$(ASAN_DIR)/$$isa/_adaptive_native.so \
+	    LD_PRELOAD="$$(gcc -print-file-name=libasan.so) $$(gcc -print-file-name=libubsan.so)" \
+	    ASAN_OPTIONS=detect_leaks=0:abort_on_error=1:allocator_may_return_null=1 \
+	    UBSAN_OPTIONS=print_stacktrace=1:halt_on_error=1 \
+	    $(PY) -m pytest -q -p no:cacheprovider tests/test_fuzz.py tests/test_kernel.py \
+	        tests/test_chain.py tests/test_cli.py tests/test_server.py; \
+	done
 
 sanitize: asan
 

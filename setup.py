@@ -1,4 +1,5 @@
-"""Builds native/adaptive.c into adaptive_llama/_adaptive_native*.so (loaded with ctypes).
+"""Builds native/ into adaptive_llama/_adaptive_native*.so: the llama.cpp samplers (reached
+through ctypes) and the array API as a CPython function (native/module.c).
 
 The library is optional: without a C compiler the package still installs and the numba
 kernel runs (the package says so at import). The compile flags let GCC vectorise the passes
@@ -30,15 +31,13 @@ class BuildNative(build_ext):
         print("WARNING: the C kernel did not build; the numba kernel will run instead.\n  "
               + "\n  ".join(errors))
 
-    def get_export_symbols(self, ext):
-        return []  # a plain shared library for ctypes, not a CPython module (no PyInit_)
-
 
 setup(
     ext_modules=[
         Extension(
             "adaptive_llama._adaptive_native",
-            sources=["native/adaptive.c"],
+            sources=["native/adaptive.c", "native/module.c"],
+            depends=["native/adaptive.h"],
             libraries=["mvec", "m"],
             optional=True,
         )

@@ -35,7 +35,12 @@ p_k ln(p_k/u) with u = R_{k-1}/(V-k+1) >= p_k/(V-k+1), hence::
 
     dConf_k <= p_k ln(V-k+1) / ln V <= p_k
 
-so no token with p <= epsilon can be the last index above epsilon. The kernels compute the
+so no token with p <= epsilon can be the last index above epsilon. The part of the KL sum
+over the V-k other tokens is not positive (q gives each of them at most 1/(V-k+1), because
+p_k >= u), which gives the
+sharper bound dConf_k ln V <= p_k ln(p_k (V-k+1) / R_{k-1}); the C kernel evaluates it once
+for a block of candidates (largest p, smallest R in the block) and passes over blocks that it
+keeps below epsilon ln V without computing their dConf. The kernels compute the
 max logit, the softmax normaliser, collect the fewer than 1/epsilon tokens with p > epsilon,
 sort only those and scan them; the tail masses R_k are float64 sums of the tail itself, never
 ``1 - c_k`` (which cancels catastrophically once c_k is near 1).
@@ -126,18 +131,21 @@ def _validated_logits(logits) -> np.ndarray:
     return x
 
 
-def _run_kernel(x: np.ndarray, epsilon: float, want_stats: bool, backend: str | None):
-    """The backend on x; the C kernel checks the values itself (it notices bad logits in its
-    normaliser), so only a failure costs the extra pass that names the problem."""
-    if x.shape[0] == 1:
-        _check_values(x)
-        return None
+def _run_kernel(logits, epsilon: float, want_stats: bool, backend: str | None):
+    """(k*, kept mass, entropy) from the backend; each backend converts what it cannot read
+    as it is. The C kernel checks the values itself (it notices bad logits in its normaliser),
+    so only a failure costs the extra pass that names the problem."""
+    run = _kernel if backend is None else _kernel_for(backend)
     try:
-        run = _kernel if backend is None else _kernel_for(backend)
-        return run(x, epsilon, want_stats)
+        return run(logits, epsilon, want_stats)
     except native.InvalidLogits:
-        _check_values(x)
+        _check_values(_as_logits(logits))
         raise
+
+
+def _valid_epsilon(epsilon) -> float:
+    # The usual call passes a float inside (0, 1): one test instead of a call (NaN fails it).
+    return epsilon if type(epsilon) is float and 0.0 < epsilon < 1.0 else validate_epsilon(epsilon)
 
 
 # ---- float64 reference: the documented formula over the fully sorted vocabulary ----
@@ -183,8 +191,11 @@ def _make_c_kernel():
     if lib is None:
         raise ValueError(f"the C backend is not available: {why}")
 
-    def c_kernel(x, eps, want_stats):
-        return native.adaptive_native(lib, x, eps, want_stats)
+    def c_kernel(logits, eps, want_stats):
+        try:  # reads a 1-D contiguous float32/float64 array where it lies, without a copy
+            return native.adaptive_native(logits, eps, want_stats)
+        except TypeError:  # anything else is converted (or refused with its reason) first
+            return native.adaptive_native(_as_logits(logits), eps, want_stats)
 
     return c_kernel
 
@@ -192,9 +203,13 @@ def _make_c_kernel():
 def _make_numba_kernel():
     from .kernel_numba import adaptive_numba  # numba's import costs a second: only when used
 
-    def numba_kernel(x, eps, want_stats):
+    def numba_kernel(logits, eps, want_stats):
+        x = _as_logits(logits)
         # its fast-math loops cannot be trusted to notice NaN or inf; the check finds the max
-        return adaptive_numba(x, _check_values(x), eps, want_stats)
+        top = _check_values(x)
+        if x.shape[0] == 1:
+            return 1, 1.0, 0.0
+        return adaptive_numba(x, top, eps, want_stats)
 
     return numba_kernel
 
@@ -260,9 +275,7 @@ def adaptive_k(logits, epsilon: float, backend: str | None = None) -> int:
     Cost: O(V) (three passes over the logits) plus a sort of the < 1/epsilon tokens with
     p > epsilon; runs on :data:`BACKEND`.
     """
-    epsilon = validate_epsilon(epsilon)
-    out = _run_kernel(_as_logits(logits), epsilon, False, backend)
-    return 1 if out is None else int(out[0])
+    return int(_run_kernel(logits, _valid_epsilon(epsilon), False, backend)[0])
 
 
 def adaptive_stats(logits, epsilon: float, backend: str | None = None) -> AdaptiveStats:
@@ -271,13 +284,9 @@ def adaptive_stats(logits, epsilon: float, backend: str | None = None) -> Adapti
     Same arguments, validation and cost as :func:`adaptive_k`, plus one multiply-add per token
     for the entropy.
     """
-    epsilon = validate_epsilon(epsilon)
-    x = _as_logits(logits)
-    out = _run_kernel(x, epsilon, True, backend)
-    if out is None:
-        return AdaptiveStats(k=1, kept_mass=1.0, conf=math.nan, entropy=0.0)
-    k, kept, entropy = out
+    k, kept, entropy = _run_kernel(logits, _valid_epsilon(epsilon), True, backend)
+    V = len(logits)  # the kernel ran, so logits is one row of V numbers
     return AdaptiveStats(
-        k=int(k), kept_mass=float(kept), conf=1.0 - entropy / math.log(x.shape[0]),
-        entropy=float(entropy),
+        k=int(k), kept_mass=float(kept), entropy=float(entropy),
+        conf=math.nan if V == 1 else 1.0 - entropy / math.log(V),
     )

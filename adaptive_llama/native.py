@@ -1,16 +1,19 @@
-"""ctypes bindings of the C library built from ``native/adaptive.c`` when the package installs.
+"""The C library built from ``native/`` when the package installs.
 
-:func:`load` returns the library, or ``None`` with the reason when it was not built (no C
-compiler at install time) or does not load; callers decide what falls back and say so.
+Two faces of one file: the llama.cpp samplers through ctypes (:func:`load`), and the array
+API as a CPython function (``native/module.c``; :func:`adaptive_native`), because a ctypes
+call would cost more than a tenth of the kernel at V 32k. :func:`load` returns the library,
+or ``None`` with the reason when it was not built (no C compiler at install time) or does not
+load; callers decide what falls back and say so.
 """
 
 from __future__ import annotations
 
 import ctypes
 import importlib.machinery
+import importlib.util
 import os
 import threading
-import weakref
 from pathlib import Path
 
 import numpy as np
@@ -52,16 +55,8 @@ def _library_path() -> Path | None:
 
 
 def _declare(lib: ctypes.CDLL) -> None:
-    vp, sz, dbl, i32 = ctypes.c_void_p, ctypes.c_size_t, ctypes.c_double, ctypes.c_int32
+    vp, sz, dbl = ctypes.c_void_p, ctypes.c_size_t, ctypes.c_double
     stats_p = ctypes.POINTER(Stats)
-    lib.al_workspace_new.restype = vp
-    lib.al_workspace_new.argtypes = []
-    lib.al_workspace_free.restype = None
-    lib.al_workspace_free.argtypes = [vp]
-    for name in ("al_adaptive_f32", "al_adaptive_f64"):
-        fn = getattr(lib, name)
-        fn.restype = i32
-        fn.argtypes = [vp, sz, dbl, vp, stats_p]
     lib.al_set_sampler_init.restype = None
     lib.al_set_sampler_init.argtypes = [vp]
     lib.al_adaptive_sampler_new.restype = vp
@@ -78,13 +73,23 @@ def _declare(lib: ctypes.CDLL) -> None:
         getattr(lib, name).argtypes = []
 
 
+def _import_module(path: Path):
+    """The same file as a CPython extension module (its PyInit__adaptive_native)."""
+    loader = importlib.machinery.ExtensionFileLoader(f"adaptive_llama.{LIBRARY_STEM}", str(path))
+    spec = importlib.util.spec_from_file_location(loader.name, str(path), loader=loader)
+    module = importlib.util.module_from_spec(spec)
+    loader.exec_module(module)
+    return module
+
+
 _lock = threading.Lock()
 _loaded: tuple[ctypes.CDLL | None, str] | None = None
+_adaptive = None  # the module's adaptive(x, eps, want_stats), once load() succeeded
 
 
 def load() -> tuple[ctypes.CDLL | None, str]:
     """(library, "") or (None, why it is unavailable). Loaded once per process."""
-    global _loaded
+    global _loaded, _adaptive
     with _lock:
         if _loaded is None:
             path = _library_path()
@@ -96,44 +101,20 @@ def load() -> tuple[ctypes.CDLL | None, str]:
                     _declare(lib)
                     if lib.al_sizeof_stats() != ctypes.sizeof(Stats):
                         raise OSError("its al_stats layout differs from the Python mirror")
+                    _adaptive = _import_module(path).adaptive
                     _loaded = (lib, "")
-                except (OSError, AttributeError) as exc:
+                except (OSError, AttributeError, ImportError) as exc:
                     _loaded = (None, f"the C library {path.name} does not load: {exc}")
         return _loaded
 
 
-class _Buffers:
-    """A C workspace (reused buffers), freed when this object is collected."""
-
-    def __init__(self, lib: ctypes.CDLL):
-        self.pointer = lib.al_workspace_new()
-        if not self.pointer:
-            raise MemoryError("could not allocate the adaptive kernel's workspace")
-        weakref.finalize(self, lib.al_workspace_free, self.pointer)
-
-
-class _Workspace(threading.local):
-    """One workspace per thread, collected with the thread's local storage."""
-
-    def __init__(self, lib: ctypes.CDLL):
-        self.buffers = _Buffers(lib)
-
-
-_workspaces: dict[int, _Workspace] = {}
-
-
-def adaptive_native(lib: ctypes.CDLL, x: np.ndarray, eps: float, want_stats: bool):
-    """(k*, kept mass, entropy) from the C kernel; x is a contiguous float32/float64 array."""
-    local = _workspaces.get(id(lib))
-    if local is None:
-        local = _workspaces.setdefault(id(lib), _Workspace(lib))
-    fn = lib.al_adaptive_f32 if x.dtype == np.float32 else lib.al_adaptive_f64
-    stats = Stats() if want_stats else None
-    k = fn(x.ctypes.data, x.shape[0], eps, local.buffers.pointer, ctypes.byref(stats) if stats else None)
+def adaptive_native(x: np.ndarray, eps: float, want_stats: bool):
+    """(k*, kept mass, entropy) from the C kernel, once :func:`load` succeeded; x is a
+    non-empty contiguous 1-D float32/float64 array. Kept mass and entropy are NaN unless
+    want_stats."""
+    k, kept, entropy = _adaptive(x, eps, want_stats)
     if k == INVALID_LOGITS:
         raise InvalidLogits
     if k < 1:
         raise MemoryError("the adaptive kernel could not allocate its buffers")
-    if stats is None:
-        return k, float("nan"), float("nan")
-    return k, stats.kept_mass, stats.entropy
+    return k, kept, entropy

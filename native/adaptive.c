@@ -31,8 +31,11 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+#if defined(__AVX2__)
+#include <immintrin.h>
+#endif
 
-#define AL_EXPORT __attribute__((visibility("default")))
+#include "adaptive.h"
 
 /* ---- mirrors of llama.h (llama-cpp-python 0.3.36); layouts checked from Python ---- */
 
@@ -61,35 +64,26 @@ struct llama_sampler { const al_sampler_iface *iface; void *ctx; };
 
 typedef struct llama_sampler *(*al_sampler_init_fn)(const al_sampler_iface *iface, void *ctx);
 
-/* ---- results and reusable buffers ---- */
-
-typedef struct {
-    int32_t k;          /* candidate-set size k* */
-    int32_t token;      /* chosen token id (sampler only), -1 otherwise */
-    double kept_mass;   /* c_{k*}: probability mass of the kept set */
-    double entropy;     /* H of the whole distribution, nats (NaN unless asked for) */
-    double conf;        /* 1 - H / ln V (NaN unless asked for) */
-    double p_chosen;    /* probability of the chosen token in the whole distribution */
-    int64_t n_tokens;   /* tokens recorded since the sampler was created or reset */
-    int64_t n_fallbacks; /* tokens chosen by arg-max because a buffer could not grow */
-} al_stats;
+/* ---- reusable buffers ---- */
 
 typedef struct { double w; int32_t idx; } al_cand;
 
-typedef struct {
+struct al_workspace {
     float *w;       size_t cap_w;     /* exp(x_i - max) in float32, one per token */
     float *x;       size_t cap_x;     /* contiguous copy of a sampler's logits */
     al_cand *cand;  al_cand *tmp;     size_t cap_c;  /* candidates, merge-sort buffer */
+    int32_t *ids;   size_t cap_i;     /* candidates' token ids as collect finds them */
     double *tail;   size_t cap_t;     /* suffix sums: tail[j] = mass after candidate j */
     al_token_data *kept; size_t cap_k;  /* kept entries while they move to the front */
     unsigned char *mark; size_t cap_m;  /* flags: candidate tokens, or front slots kept */
     float *gmax, *gsum;  size_t cap_g;  /* per GROUP of weights: their max and their sum */
-} al_workspace;
+};
 
 #define EXP_ARG_MIN (-87.3f)  /* below, exp() is subnormal in float32: weigh 0 (masked tokens) */
 #define CHUNK 64               /* the scan computes dConf a block of CHUNK at a time */
 #define GROUP 256              /* the weights pass records the max and sum of each GROUP */
 #define CANDIDATE_SLACK 0.99   /* collect p > 0.99 eps: the float32 sum only estimates S */
+#define COLLECT_SPILL 16       /* collect may write 16 ids past the last candidate */
 
 /* Test hook: the next `n` buffer allocations fail, as if memory ran out. */
 static int fail_allocations;
@@ -112,7 +106,7 @@ AL_EXPORT al_workspace *al_workspace_new(void) { return calloc(1, sizeof(al_work
 
 AL_EXPORT void al_workspace_free(al_workspace *ws) {
     if (!ws) return;
-    free(ws->w); free(ws->x); free(ws->cand); free(ws->tmp); free(ws->tail);
+    free(ws->w); free(ws->x); free(ws->cand); free(ws->tmp); free(ws->tail); free(ws->ids);
     free(ws->kept); free(ws->mark); free(ws->gmax); free(ws->gsum);
     free(ws);
 }
@@ -132,7 +126,8 @@ static int reserve_candidates(al_workspace *ws, size_t n) {
     cap = ws->cap_c;
     if (!grow((void **)&ws->tmp, &cap, n, sizeof(al_cand))) return 0;
     ws->cap_c = cap;
-    return grow((void **)&ws->tail, &ws->cap_t, n + 1, sizeof(double));
+    return grow((void **)&ws->tail, &ws->cap_t, n + 1, sizeof(double)) &&
+           grow((void **)&ws->ids, &ws->cap_i, n + COLLECT_SPILL, sizeof(int32_t));
 }
 
 /* ---- pass 1 and 2: max, weights, normaliser (and optionally the entropy sum) ---- */
@@ -225,41 +220,104 @@ DEFINE_PASSES(double, f64)
 /* ---- pass 3: candidates (w > threshold) and the directly summed rest ---- */
 
 /*
- * Returns the number of candidates, or cap + 1 when more than cap qualify (nothing past
- * cand[cap - 1] is written). A group whose max weight is at most the threshold holds no
- * candidate: its sum (from pass 2) is tail mass, and its weights are not read again. In the
- * other groups a loop GCC vectorises flags every token and sums the unflagged ones, then the
- * flags are read 8 at a time as one word, which is 0 nearly everywhere.
+ * The tokens b..end-1 of one group: appends the ids of those with w > threshold to ids (from
+ * nc on), adds the float32 sum of the others to *rest and returns the new count, or cap + 1
+ * when more than cap qualify. ids has room for cap + COLLECT_SPILL entries.
+ */
+#if defined(__AVX2__)
+/* set_bits[m]: the positions of the set bits of the byte m, in order (zero padded). */
+static uint8_t set_bits[256][8];
+
+__attribute__((constructor)) static void fill_set_bits(void) {
+    for (int m = 0; m < 256; m++)
+        for (int bit = 0, j = 0; bit < 8; bit++)
+            if (m >> bit & 1) set_bits[m][j++] = (uint8_t)bit;
+}
+
+/* Eight weights a step, without a branch on the data: one compare gives the mask that leaves
+ * the candidates out of the sum and, through movemask, a byte whose set bits are the
+ * candidates' positions; their 8 ids are stored at once (from the table) and the count moves
+ * by the byte's popcount. A branch per candidate would be mispredicted nearly every time on
+ * rows with hundreds of candidates spread over the vocabulary. Two vectors an iteration, each
+ * adding into its own sum, so that the adds' latency does not set the pace. */
+static size_t collect_group(const float *w, size_t b, size_t end, float threshold,
+                            int32_t *ids, size_t nc, size_t cap, double *rest) {
+    const __m256 bar = _mm256_set1_ps(threshold);
+    __m256 sums[2] = {_mm256_setzero_ps(), _mm256_setzero_ps()}; /* two chains of adds */
+    size_t i = b;
+    for (; i + 16 <= end; i += 16) {
+        if (nc > cap) return cap + 1;
+        for (int half = 0; half < 2; half++) {
+            const size_t at = i + 8 * (size_t)half;
+            const __m256 v = _mm256_loadu_ps(w + at);
+            const __m256 hot = _mm256_cmp_ps(v, bar, _CMP_GT_OQ);
+            sums[half] = _mm256_add_ps(sums[half], _mm256_andnot_ps(hot, v));
+            const unsigned bits = (unsigned)_mm256_movemask_ps(hot);
+            const __m256i offsets =
+                _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)set_bits[bits]));
+            _mm256_storeu_si256((__m256i *)(ids + nc),
+                                _mm256_add_epi32(_mm256_set1_epi32((int32_t)at), offsets));
+            nc += (size_t)__builtin_popcount(bits);
+        }
+    }
+    float lanes[8], group_rest = 0.0f;
+    _mm256_storeu_ps(lanes, _mm256_add_ps(sums[0], sums[1]));
+    for (int j = 0; j < 8; j++) group_rest += lanes[j];
+    for (; i < end; i++) {
+        if (w[i] <= threshold) { group_rest += w[i]; continue; }
+        if (nc >= cap) return cap + 1;
+        ids[nc++] = (int32_t)i;
+    }
+    *rest += (double)group_rest;
+    return nc > cap ? cap + 1 : nc;
+}
+#else
+/* Portable: a loop GCC vectorises flags every token and sums the unflagged ones, then the
+ * flags are read 8 at a time as one word, which is 0 nearly everywhere. */
+static size_t collect_group(const float *w, size_t b, size_t end, float threshold,
+                            int32_t *ids, size_t nc, size_t cap, double *rest,
+                            unsigned char *flags) {
+    float group_rest = 0.0f;
+    for (size_t i = b; i < end; i++) {
+        const int hot = w[i] > threshold;
+        flags[i] = (unsigned char)hot;
+        group_rest += hot ? 0.0f : w[i];
+    }
+    *rest += (double)group_rest;
+    for (size_t i0 = b; i0 < end; i0 += 8) {
+        uint64_t word = 0;
+        if (i0 + 8 <= end) memcpy(&word, flags + i0, sizeof word);
+        else for (size_t j = i0; j < end; j++) word |= flags[j];
+        if (!word) continue;
+        for (size_t j = i0; j < i0 + 8 && j < end; j++) {
+            if (!flags[j]) continue;
+            if (nc == cap) return cap + 1;
+            ids[nc++] = (int32_t)j;
+        }
+    }
+    return nc;
+}
+#endif
+
+/*
+ * Returns the number of candidates (their ids in ws->ids), or cap + 1 when more than cap
+ * qualify. A group whose max weight is at most the threshold holds no candidate: its sum
+ * (from pass 2) is tail mass, and its weights are not read again.
  */
 static size_t collect(al_workspace *ws, size_t n, float threshold, size_t cap, double *rest) {
-    const float *w = ws->w;
-    unsigned char *flags = ws->mark;
     double tail = 0.0; /* float32 sums within a group, float64 across */
     size_t nc = 0;
-    for (size_t g = 0, b = 0; b < n; g++, b += GROUP) {
+    for (size_t g = 0, b = 0; b < n && nc <= cap; g++, b += GROUP) {
         if (ws->gmax[g] <= threshold) {
             tail += (double)ws->gsum[g];
             continue;
         }
         const size_t end = b + GROUP < n ? b + GROUP : n;
-        float group_tail = 0.0f;
-        for (size_t i = b; i < end; i++) {
-            const int hot = w[i] > threshold;
-            flags[i] = (unsigned char)hot;
-            group_tail += hot ? 0.0f : w[i];
-        }
-        tail += (double)group_tail;
-        for (size_t i0 = b; i0 < end; i0 += 8) {
-            uint64_t word = 0;
-            if (i0 + 8 <= end) memcpy(&word, flags + i0, sizeof word);
-            else for (size_t j = i0; j < end; j++) word |= flags[j];
-            if (!word) continue;
-            for (size_t j = i0; j < i0 + 8 && j < end; j++) {
-                if (!flags[j]) continue;
-                if (nc == cap) return cap + 1;
-                ws->cand[nc++].idx = (int32_t)j;
-            }
-        }
+#if defined(__AVX2__)
+        nc = collect_group(ws->w, b, end, threshold, ws->ids, nc, cap, &tail);
+#else
+        nc = collect_group(ws->w, b, end, threshold, ws->ids, nc, cap, &tail, ws->mark);
+#endif
     }
     *rest = tail;
     return nc;
@@ -291,18 +349,33 @@ static size_t first_group_at_one(const al_workspace *ws, size_t n) {
 DEFINE_INDEX_OF_MAX(float, f32)
 DEFINE_INDEX_OF_MAX(double, f64)
 
-/* Stable merge sort by weight, descending: nc < 1/epsilon, so this is cheap; no callbacks. */
+/*
+ * Stable sort by weight, descending: insertion sort in runs of SORT_RUN, then merges of
+ * neighbouring runs, each skipped when the two are already in order (the last weight of the
+ * left run is at least the first of the right). nc < 1/epsilon, so this is cheap; tied
+ * candidates (a many-way tie at the top) are already in order and cost one pass.
+ */
+#define SORT_RUN 16
 static void sort_desc(al_cand *a, al_cand *tmp, size_t n) {
-    for (size_t width = 1; width < n; width *= 2) {
-        for (size_t lo = 0; lo < n; lo += 2 * width) {
-            size_t mid = lo + width < n ? lo + width : n;
-            size_t hi = lo + 2 * width < n ? lo + 2 * width : n;
+    for (size_t lo = 0; lo < n; lo += SORT_RUN) {
+        const size_t hi = lo + SORT_RUN < n ? lo + SORT_RUN : n;
+        for (size_t i = lo + 1; i < hi; i++) {
+            const al_cand key = a[i];
+            size_t j = i;
+            for (; j > lo && a[j - 1].w < key.w; j--) a[j] = a[j - 1];
+            a[j] = key;
+        }
+    }
+    for (size_t width = SORT_RUN; width < n; width *= 2) {
+        for (size_t lo = 0; lo + width < n; lo += 2 * width) {
+            const size_t mid = lo + width, hi = lo + 2 * width < n ? lo + 2 * width : n;
+            if (a[mid - 1].w >= a[mid].w) continue;
             size_t i = lo, j = mid, o = lo;
             while (i < mid && j < hi) tmp[o++] = a[j].w > a[i].w ? a[j++] : a[i++];
             while (i < mid) tmp[o++] = a[i++];
             while (j < hi) tmp[o++] = a[j++];
+            memcpy(a + lo, tmp + lo, (hi - lo) * sizeof(al_cand));
         }
-        memcpy(a, tmp, n * sizeof(al_cand));
     }
 }
 
@@ -330,15 +403,32 @@ static void gains(const double *w, const double *tail, int len, double k_first, 
 }
 
 /*
+ * Whether no k in k0+1..end can have dConf_k > eps: dConf_k ln V <= p_k ln(p_k (V-k+1) /
+ * R_{k-1}) (the KL bound in kernel.py's docstring), and over the block p_k <= p_{k0+1},
+ * V-k+1 <= V-k0 and R_{k-1} >= R_{end-1}, so one logarithm bounds the whole block. The
+ * margin keeps rounding in the bound from ever skipping a block the exact formula would not.
+ */
+static int block_below(const al_cand *cand, const double *tail, size_t k0, size_t end,
+                       size_t V, double bar) {
+    const double p_top = cand[k0].w / tail[0], R_least = tail[end - 1] / tail[0];
+    return R_least > 0.0 &&
+           p_top * log(p_top * (double)(V - k0) / R_least) < bar * (1.0 - 1e-9);
+}
+
+/*
  * Algorithm 1 over the sorted candidates. tail[j] holds S R_j (mass after the j-th candidate;
  * tail[0] = S); returns k* >= 1 (0 when there is no candidate).
  */
 static int32_t scan(const al_cand *cand, const double *tail, size_t nc, size_t V, double eps) {
     const double bar = eps * log((double)V); /* dConf_k > eps  <=>  dConf_k ln V > eps ln V */
-    /* From the back, a block at a time: the first k found above is k*, and on most rows it is
-     * in the last block (candidates with p just above eps rarely reach dConf > eps). */
+    /* From the back, a block at a time: the first k found above is k*. Blocks of candidates
+     * with p just above eps (most of them on broad rows) are passed over by their bound. */
     for (size_t end = nc; end > 0;) {
         size_t k0 = end > CHUNK ? end - CHUNK : 0, len = end - k0;
+        if (block_below(cand, tail, k0, end, V, bar)) {
+            end = k0;
+            continue;
+        }
         double w[CHUNK], gain[CHUNK];
         for (size_t j = 0; j < len; j++) w[j] = cand[k0 + j].w;
         gains(w, tail + k0, (int)len, (double)(k0 + 1), (double)V, tail[0], gain);
@@ -364,11 +454,11 @@ static size_t candidate_capacity(double eps, size_t n) {
 /* The exact (float64) weights of the tokens that decide k*: gathered into scratch first, so
  * that the exponentials run as one vectorised loop (libmvec) rather than a scalar call each. */
 #define DEFINE_EXACT_WEIGHTS(T, SUFFIX)                                                     \
-    static void exact_weights_##SUFFIX(const T *x, T m, al_cand *cand, size_t nc,           \
-                                       double *scratch) {                                    \
-        for (size_t j = 0; j < nc; j++) scratch[j] = (double)x[cand[j].idx] - (double)m;     \
+    static void exact_weights_##SUFFIX(const T *x, T m, const int32_t *ids, al_cand *cand,  \
+                                       size_t nc, double *scratch) {                         \
+        for (size_t j = 0; j < nc; j++) scratch[j] = (double)x[ids[j]] - (double)m;          \
         for (size_t j = 0; j < nc; j++) scratch[j] = exp(scratch[j]);                         \
-        for (size_t j = 0; j < nc; j++) cand[j].w = scratch[j];                               \
+        for (size_t j = 0; j < nc; j++) cand[j] = (al_cand){scratch[j], ids[j]};              \
     }
 DEFINE_EXACT_WEIGHTS(float, f32)
 DEFINE_EXACT_WEIGHTS(double, f64)
@@ -394,7 +484,7 @@ DEFINE_EXACT_WEIGHTS(double, f64)
             *kept_mass = 1.0 / S;                                                            \
             return 1;                                                                        \
         }                                                                                    \
-        exact_weights_##SUFFIX(x, m, ws->cand, nc, ws->tail);                                \
+        exact_weights_##SUFFIX(x, m, ws->ids, ws->cand, nc, ws->tail);                                \
         sort_desc(ws->cand, ws->tmp, nc);                                                    \
         ws->tail[nc] = rest;                                                                  \
         for (size_t j = nc; j > 0; j--) ws->tail[j - 1] = ws->tail[j] + ws->cand[j - 1].w;   \
@@ -416,7 +506,6 @@ DEFINE_SELECT(double, f64)
  * row leave the max infinite, and a NaN makes the plain sum NaN (the max may step over it:
  * vectorised max instructions drop NaN operands). Read from the bits, because -ffast-math
  * lets the compiler assume isnan() and isinf() are always false. */
-#define AL_INVALID_LOGITS (-2)
 static int is_finite(double v) {
     uint64_t bits;
     memcpy(&bits, &v, sizeof bits);
@@ -444,6 +533,7 @@ DEFINE_MAX_SUM(double, f64)
     AL_EXPORT int32_t al_adaptive_##SUFFIX(const T *x, size_t n, double eps,                \
                                            al_workspace *ws, al_stats *out) {               \
         if (n == 1) {                                                                         \
+            if (!is_finite((double)x[0])) return AL_INVALID_LOGITS;                           \
             if (out) { out->k = 1; out->kept_mass = 1.0; out->entropy = 0.0; out->conf = NAN; } \
             return 1;                                                                        \
         }                                                                                    \

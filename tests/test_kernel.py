@@ -23,7 +23,7 @@ def backends():
     """Every backend of this build; the C one must exist in a normal install."""
     assert LIB is not None, f"the C kernel is missing: {WHY}"
     return {
-        "c": lambda x, eps: native.adaptive_native(LIB, x, eps, True),
+        "c": lambda x, eps: native.adaptive_native(x, eps, True),
         "numba": lambda x, eps: adaptive_numba(x, x.max(), eps, True),
     }
 
@@ -130,11 +130,39 @@ def test_bad_values_anywhere_in_a_large_row_are_found(dtype, where, bad, message
     (np.array([]), "empty"),
     (np.zeros((2, 3)), "1-D"),
     (np.array([-np.inf, -np.inf]), "every logit is -inf"),
+    (np.array([np.nan], dtype=np.float32), "NaN at index 0"),  # V = 1 is checked too
+    (np.array([np.inf]), r"\+inf at index 0"),
+    (np.array([-np.inf]), "every logit is -inf"),
+    ([0.5, float("nan")], "NaN at index 1"),  # a list is converted first
     (np.array(["a", "b"]), "float32 or float64"),
 ])
 def test_bad_logits(logits, message):
-    with pytest.raises(ValueError, match=message):
-        adaptive_k(logits, 5e-4)
+    for fn in (adaptive_k, adaptive_stats):
+        with pytest.raises(ValueError, match=message):
+            fn(logits, 5e-4)
+
+
+@pytest.mark.parametrize("dtype", ["<f4", "=f4", ">f4", "<f8", ">f8", "f2", "i8"])
+def test_every_byte_order_and_number_type_gives_the_same_k(dtype):
+    # The C entry reads float32/float64 in the machine's byte order through the buffer
+    # protocol (arrays over ctypes memory say "<f", numpy's own "f"); kernel.py converts
+    # anything else, so every spelling of these (integer, so exactly representable) logits
+    # gives the float64 answer: dConf_1..4 = 0.340, 0.119, 0.060, 0.0025, so k* = 3 at 0.01.
+    logits = np.array([3.0, 2.0, 1.0, -2.0, -6.0, -9.0])
+    assert adaptive_k_reference(logits, 0.01) == 3
+    assert adaptive_k(logits.astype(dtype), 0.01) == 3
+    assert adaptive_stats(logits.astype(dtype), 0.01).k == 3
+
+
+@pytest.mark.parametrize("bad", [
+    np.zeros(4, dtype=">f4"), np.zeros(4, dtype=np.float16), np.zeros((2, 2), np.float32),
+    np.zeros(8, np.float32)[::2], np.zeros(0, np.float32), b"abcd",
+])
+def test_c_entry_refuses_buffers_it_cannot_read(bad):
+    # What kernel.py never passes (it converts first) still gets a TypeError, not a crash.
+    assert LIB is not None, WHY
+    with pytest.raises(TypeError, match="1-D contiguous float32 or float64"):
+        native.adaptive_native(bad, 5e-4, False)
 
 
 @pytest.mark.parametrize("eps", [0, 1, 2, -0.1, float("nan"), float("inf"), "x", None])
@@ -266,6 +294,25 @@ def test_bound_dconf_at_most_p():
         p /= p.sum()
         d = dconf_reference(x64)
         assert np.all(d[p > 0] <= p[p > 0] + 1e-12), kind
+
+
+def test_sharper_bound_that_lets_the_c_kernel_pass_over_blocks():
+    """dConf_k ln V <= p_k ln(p_k (V-k+1) / R_{k-1}) (kernel docstring), on every shape, and
+    it is much tighter than p_k ln V where it matters: for tokens with p just above eps."""
+    tighter = 0
+    for kind, x, eps in ROWS[:300]:
+        x64 = np.sort(x.astype(np.float64))[::-1]
+        V = x64.shape[0]
+        p = np.exp(x64 - x64[0])
+        p /= p.sum()
+        R_prev = np.concatenate(([1.0], np.cumsum(p[::-1])[::-1][1:]))  # R_{k-1}, summed directly
+        k = np.arange(1, V + 1)
+        live = (p > 0) & (R_prev > 0)
+        gain = dconf_reference(x64)[live] * np.log(V)
+        bound = p[live] * np.log(p[live] * (V - k[live] + 1) / R_prev[live])
+        assert np.all(gain <= bound + 1e-12 * np.maximum(1.0, np.abs(bound))), kind
+        tighter += int(np.sum(bound[p[live] > eps] < 0.9 * p[live][p[live] > eps] * np.log(V)))
+    assert tighter > 100
 
 
 LOG_BACKEND = """
