@@ -3,9 +3,6 @@ the float64 reference, then whole generations through llama.cpp on the bundled m
 
 import json
 import re
-import subprocess
-import sys
-import time
 
 import llama_cpp
 import numpy as np
@@ -14,7 +11,7 @@ from click.testing import CliRunner
 from conftest import GPU_LAYERS
 from test_cli import run_cli
 from test_kernel import FOUR, FOUR_CASES, MASKED, MASKED_CASES, ROWS, TWO, TWO_CASES, logits_of
-from test_server import API_KEY, free_port, raw
+from test_server import raw, serving
 
 from adaptive_llama import Engine, config, graph
 from adaptive_llama.cli import main
@@ -235,25 +232,8 @@ def test_repl_refuses_a_sampler_without_a_graph_path_and_keeps_the_old_one():
 
 @pytest.fixture(scope="module")
 def graph_server(smollm2_path, tmp_path_factory):
-    port = free_port()
     log_file = tmp_path_factory.mktemp("graph-server") / "server.log"
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "adaptive_llama.cli", "serve", str(smollm2_path), "--port",
-         str(port), "--api-key", API_KEY, "--ctx", "512", "--parallel", "2",
-         "--backend-sampling"], stdout=log_file.open("w"), stderr=subprocess.STDOUT)
-    deadline = time.monotonic() + 60
-    while time.monotonic() < deadline:
-        try:
-            if raw("GET", port, "/health")[0] == 200:
-                break
-        except OSError:
-            time.sleep(0.2)
-    else:
-        proc.kill()
-        pytest.fail(f"server did not start: {log_file.read_text()}")
-    yield port
-    proc.terminate()
-    proc.wait(timeout=30)
+    yield from serving(smollm2_path, log_file, "--parallel", "2", "--backend-sampling")
 
 
 def test_server_with_backend_sampling_answers_and_refuses_in_400s(graph_server):

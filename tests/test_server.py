@@ -38,14 +38,14 @@ def server_log(tmp_path_factory):
     return tmp_path_factory.mktemp("server") / "server.log"
 
 
-@pytest.fixture(scope="module")
-def server(smollm2_path, server_log):
+def serving(model_path, log_file, *options):
+    """Starts `adaptive-llama serve` on a free port with the test API key and a 512-token
+    context, yields the port once /health answers, and stops the server afterwards."""
     port = free_port()
     proc = subprocess.Popen(
-        [sys.executable, "-m", "adaptive_llama.cli", "serve", str(smollm2_path), "--port",
-         str(port), "--api-key", API_KEY, "--ctx", "512", "--max-queue", str(MAX_QUEUE),
-         "--max-body", str(MAX_BODY), "--parallel", str(PARALLEL)],
-        stdout=server_log.open("w"), stderr=subprocess.STDOUT, text=True)
+        [sys.executable, "-m", "adaptive_llama.cli", "serve", str(model_path), "--port",
+         str(port), "--api-key", API_KEY, "--ctx", "512", *options],
+        stdout=log_file.open("w"), stderr=subprocess.STDOUT, text=True)
     deadline = time.monotonic() + 60
     while time.monotonic() < deadline:
         try:
@@ -55,10 +55,16 @@ def server(smollm2_path, server_log):
             time.sleep(0.2)
     else:
         proc.kill()
-        pytest.fail(f"server did not start: {server_log.read_text()}")
+        pytest.fail(f"server did not start: {log_file.read_text()}")
     yield port
     proc.terminate()
     proc.wait(timeout=30)
+
+
+@pytest.fixture(scope="module")
+def server(smollm2_path, server_log):
+    yield from serving(smollm2_path, server_log, "--max-queue", str(MAX_QUEUE),
+                       "--max-body", str(MAX_BODY), "--parallel", str(PARALLEL))
 
 
 def raw(method, port, path, body=None, key=API_KEY, timeout=60, parse=True):
