@@ -1,6 +1,7 @@
 """The evaluation's metrics against values worked by hand on tiny inputs."""
 
 import math
+import os
 
 import numpy as np
 import pytest
@@ -40,6 +41,15 @@ def test_mauve_of_identical_versus_disjoint_feature_sets():
     p = rng.normal(size=(80, 16))
     assert metrics.mauve_score(p, p) > 0.99
     assert metrics.mauve_score(p, p + 10.0) < 0.1
+
+
+def test_mauve_keeps_faiss_warnings_out_of_stderr_and_restores_it(capfd):
+    # 80 points in 8 centroids: fewer than faiss's 39 per centroid, so it would warn
+    rng = np.random.default_rng(1)
+    metrics.mauve_score(rng.normal(size=(80, 16)), rng.normal(size=(80, 16)))
+    os.write(2, b"still open\n")
+    err = capfd.readouterr().err
+    assert "WARNING clustering" not in err and "still open" in err
 
 
 def test_mean_ci_uses_student_t():

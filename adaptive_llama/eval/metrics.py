@@ -20,8 +20,11 @@ Pure functions over strings and arrays (the embedder and the model live elsewher
 
 from __future__ import annotations
 
+import contextlib
 import math
+import os
 import statistics
+import sys
 
 import numpy as np
 
@@ -64,9 +67,31 @@ def mauve_score(p_features, q_features, seed: int = 25) -> float:
     p = np.asarray(p_features, dtype=np.float32)
     q = np.asarray(q_features, dtype=np.float32)
     clusters = max(2, min(len(p), len(q)) // 10)
-    out = mauve.compute_mauve(p_features=p, q_features=q, num_buckets=clusters, seed=seed,
-                              verbose=False)
+    with _c_stderr_silenced():
+        out = mauve.compute_mauve(p_features=p, q_features=q, num_buckets=clusters, seed=seed,
+                                  verbose=False)
     return float(out.mauve)
+
+
+@contextlib.contextmanager
+def _c_stderr_silenced():
+    """Send file descriptor 2 to /dev/null for the block.
+
+    faiss writes "WARNING clustering N points to K centroids" from C++ for every k-means with
+    fewer than 39 points per centroid, which MAUVE's n/10 buckets always are (10 per
+    centroid): thousands of identical lines in an evaluation's log that hide its progress,
+    and mauve-text gives no way to pass faiss's ``min_points_per_centroid``.
+    """
+    sys.stderr.flush()
+    saved = os.dup(2)
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    try:
+        os.dup2(devnull, 2)
+        yield
+    finally:
+        os.dup2(saved, 2)
+        os.close(saved)
+        os.close(devnull)
 
 
 def mauve_seeds(p_features, q_features, seeds: int = 5) -> tuple[float, float]:
