@@ -272,6 +272,9 @@ def run(model, sampler, system, max_tokens, resume, no_save, n_gpu_layers, n_ctx
 @click.option("--max-tokens", type=click.IntRange(min=1), default=None,
               help="Tokens per continuation (the paper: 256).")
 @click.option("--gsm8k-n", type=click.IntRange(min=1), default=None, help="GSM8K problems.")
+@click.option("--gsm8k-max-tokens", type=click.IntRange(min=1), default=None,
+              help="Tokens per GSM8K answer (default 160; --full 256). A chain of thought cut "
+                   "short scores as wrong, so give a larger model room.")
 @click.option("--full", is_flag=True,
               help="The paper's sizes (1,000 test prefixes x 5 samples of 256 tokens, 200 dev; "
                    "many hours on a CPU) instead of 200 test and 64 dev texts of 64 tokens; "
@@ -284,7 +287,7 @@ def run(model, sampler, system, max_tokens, resume, no_save, n_gpu_layers, n_ctx
               help="CPU threads (default: the physical cores, adapted to the load).")
 @user_errors
 def evaluate(model, tasks, methods, temperatures, batch, prompts_file, n_dev, n_test, samples,
-             max_tokens, gsm8k_n, full, out, seed, threads):
+             max_tokens, gsm8k_n, gsm8k_max_tokens, full, out, seed, threads):
     """Score every sampler as the paper does: rep-n, diversity, MAUVE, coherence, k, GSM8K."""
     from .eval.data import load_prompts_file
     from .eval.run import EvalConfig, Evaluator, require_extras
@@ -293,7 +296,8 @@ def evaluate(model, tasks, methods, temperatures, batch, prompts_file, n_dev, n_
     if prompts_file:
         load_prompts_file(prompts_file)  # a malformed line stops us before the model loads
     sizes = {k: v for k, v in dict(n_dev=n_dev, n_test=n_test, samples=samples,
-                                    max_tokens=max_tokens, gsm8k_n=gsm8k_n).items()
+                                    max_tokens=max_tokens, gsm8k_n=gsm8k_n,
+                                    gsm8k_max_tokens=gsm8k_max_tokens).items()
              if v is not None}
     if methods is not None:
         sizes["methods"] = _listed(methods, "--methods")

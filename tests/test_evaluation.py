@@ -213,6 +213,26 @@ def test_bad_eval_options_are_one_line_errors(tmp_path, args, needle):
     assert needle in line and not (tmp_path / "generations.jsonl").exists()
 
 
+def test_context_holds_the_longest_continuation_and_gsm8k_answer():
+    assert run.EvalConfig().n_ctx == 512  # 160-token answers: 256 + 160 -> 512
+    assert run.EvalConfig(gsm8k_max_tokens=512).n_ctx == 768
+    assert run.EvalConfig(max_tokens=1000).n_ctx == 1280  # 32 + 1000 + 64 -> 5 x 256
+    with pytest.raises(ValueError, match="`gsm8k_max_tokens` has to be >= 1, but is 0"):
+        run.EvalConfig(gsm8k_max_tokens=0)
+
+
+def test_gsm8k_sizes_come_from_the_command_line(tmp_path, smollm2_path):
+    out = tmp_path / "r"
+    result = eval_cli(str(smollm2_path), "--tasks", "gsm8k", "--gsm8k-n", "2",
+                      "--gsm8k-max-tokens", "6", "--out", str(out))
+    assert result.returncode == 0, result.stderr
+    gsm = json.loads((out / "results.json").read_text())["gsm8k"]
+    assert gsm["n"] == 2 and gsm["max_tokens"] == 6
+    rows = [json.loads(line) for line in (out / "generations.jsonl").read_text().splitlines()]
+    assert len(rows) == 2 * len(tasks.gsm8k_specs())
+    assert all(0 < r["completion_tokens"] <= 6 for r in rows)
+
+
 def test_methods_picks_a_subset_with_equal_grids(tmp_path, smollm2_path):
     prompts = tmp_path / "prompts.jsonl"
     prompts.write_text("".join(json.dumps(p) + "\n" for p in PROMPTS))

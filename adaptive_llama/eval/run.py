@@ -69,7 +69,7 @@ class EvalConfig:
 
     def __post_init__(self):
         for name in ("n_dev", "n_test", "samples", "max_tokens", "prefix_tokens", "gsm8k_n",
-                     "mauve_seeds", "mauve_bootstrap", "batch"):
+                     "gsm8k_max_tokens", "mauve_seeds", "mauve_bootstrap", "batch"):
             if getattr(self, name) < 1:
                 raise ValueError(f"`{name}` has to be >= 1, but is {getattr(self, name)}")
         unknown = set(self.tasks) - set(TASKS)
@@ -81,9 +81,10 @@ class EvalConfig:
                              f"valid: {', '.join(tasks.GRIDS)}")
         for temp in self.temperatures:
             TEMP.validate(temp, name="temperature")
-        # the prefix, its continuation and (GSM8K) the longer answers fit in one sequence
-        self.n_ctx = max(self.n_ctx, 256 * -(-(self.prefix_tokens + self.max_tokens + 64)
-                                             // 256))
+        # the prefix and its continuation fit in one sequence, and so do a GSM8K question
+        # in the chat template (up to about 256 tokens) and its answer
+        longest = max(self.prefix_tokens + self.max_tokens + 64, 256 + self.gsm8k_max_tokens)
+        self.n_ctx = max(self.n_ctx, 256 * -(-longest // 256))
 
 
 def _progress(total: int, desc: str):
