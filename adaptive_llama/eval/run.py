@@ -10,7 +10,8 @@ and uniform sampling in the kept set), a sampler-latency table at each vocabular
 GSM8K accuracy of greedy, top-p and adaptive with an instruct model.
 
 Every generation is appended to ``generations.jsonl`` in the output folder as soon as it
-exists, so an interrupted run resumes where it stopped; results go to ``results.json``,
+exists, so an interrupted run resumes where it stopped, and every MAUVE figure to
+``scores.jsonl``, so it is not computed twice; results go to ``results.json``,
 ``results.md`` and two PNG plots, with the command that produced them.
 """
 
@@ -24,7 +25,7 @@ from pathlib import Path
 from ..engine import Engine
 from ..samplers import TEMP
 from . import data, metrics, tasks
-from .cache import GenerationCache
+from .cache import JsonLinesCache, ScoreCache, scoring_versions
 from .data import DataError, Prompt
 from .report import write_reports
 
@@ -102,7 +103,8 @@ class Evaluator:
         self.engine = engine or Engine(config.model, seed=config.seed, n_ctx=config.n_ctx,
                                        n_threads=config.n_threads, parallel=config.batch)
         self.out = Path(config.out)
-        self.cache = GenerationCache(self.out / "generations.jsonl")
+        self.cache = JsonLinesCache(self.out / "generations.jsonl")
+        self.scores = ScoreCache(self.out / "scores.jsonl", scoring_versions())
         self._vectors: dict[str, object] = {}
         self.generated = 0       # texts generated in this run (the cache's are not counted)
         self.generating_s = 0.0  # time spent generating them
@@ -116,7 +118,7 @@ class Evaluator:
         rows, todo = [], []
         for prompt in prompts:
             for sample in range(samples):
-                key = GenerationCache.key(task, split, spec, max_tokens, prompt.id, sample)
+                key = JsonLinesCache.key(task, split, spec, max_tokens, prompt.id, sample)
                 row = self.cache.get(key)
                 if row:
                     rows.append(row)
@@ -197,8 +199,20 @@ class Evaluator:
         references = [p.reference for p in by_id.values() if p.reference]
         if not references:
             return None
-        return metrics.mauve_seeds(self.embed([r["text"] for r in rows]),
-                                   self.embed(references), self.config.mauve_seeds)
+        texts, seeds = [r["text"] for r in rows], self.config.mauve_seeds
+        return tuple(self.scores.get_or_compute(
+            "mauve", [texts, references, seeds],
+            lambda: metrics.mauve_seeds(self.embed(texts), self.embed(references), seeds)))
+
+    def paired_mauve(self, a_texts: list[str], b_texts: list[str],
+                     references: list[str]) -> dict:
+        """MAUVE(a) - MAUVE(b), with its bootstrap interval over prefixes (text i of each
+        list belongs to prefix i)."""
+        n_boot, seed = self.config.mauve_bootstrap, self.config.seed
+        return self.scores.get_or_compute(
+            "paired_mauve", [a_texts, b_texts, references, n_boot, seed],
+            lambda: metrics.paired_bootstrap_mauve(self.embed(a_texts), self.embed(b_texts),
+                                                   self.embed(references), n_boot, seed))
 
     # ---- the whole run ----
 
@@ -246,6 +260,7 @@ class Evaluator:
 
     def close(self) -> None:
         self.cache.close()
+        self.scores.close()
 
 
 def require_extras() -> None:

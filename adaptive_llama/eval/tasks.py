@@ -113,11 +113,9 @@ def paired(ev: Evaluator, rows_of: dict[str, list[dict]], test: list[Prompt]) ->
     """Adaptive minus each other method, per prefix: the mean difference of each metric, its
     95% bootstrap interval over prefixes, p-values Holm-adjusted across the methods, and a
     verdict (better, worse, not distinguishable at 0.05) that knows which way is better."""
-    c = ev.config
     per = {m: _per_prefix(ev, rows, test) for m, rows in rows_of.items()}
-    first = {m: _first_sample_features(ev, rows, test) for m, rows in rows_of.items()}
-    references = ev.embed([p.reference for p in test]) if all(p.reference for p in test) \
-        else None
+    first = {m: _first_sample_texts(rows, test) for m, rows in rows_of.items()}
+    references = [p.reference for p in test] if all(p.reference for p in test) else None
     others = [m for m in rows_of if m != "adaptive"]
     table: dict[str, dict] = {m: {} for m in others}
     for metric in PAIRED_METRICS:
@@ -125,11 +123,10 @@ def paired(ev: Evaluator, rows_of: dict[str, list[dict]], test: list[Prompt]) ->
             if metric == "mauve":
                 if references is None:
                     continue
-                table[m][metric] = metrics.paired_bootstrap_mauve(
-                    first["adaptive"], first[m], references, c.mauve_bootstrap, c.seed)
+                table[m][metric] = ev.paired_mauve(first["adaptive"], first[m], references)
             else:
                 table[m][metric] = metrics.paired_bootstrap(
-                    per["adaptive"][metric] - per[m][metric], seed=c.seed)
+                    per["adaptive"][metric] - per[m][metric], seed=ev.config.seed)
         family = {m: table[m][metric]["p"] for m in others if metric in table[m]}
         for m, p_holm in metrics.holm(family).items():
             cell = table[m][metric]
@@ -137,15 +134,15 @@ def paired(ev: Evaluator, rows_of: dict[str, list[dict]], test: list[Prompt]) ->
             up = cell["diff"] > 0
             cell["verdict"] = ("not distinguishable" if p_holm >= 0.05 else
                                "better" if up == PAIRED_METRICS[metric] else "worse")
-    return {"n_prefixes": len(test), "mauve_bootstrap": c.mauve_bootstrap,
+    return {"n_prefixes": len(test), "mauve_bootstrap": ev.config.mauve_bootstrap,
             "against": {m: {"spec": rows_of[m][0]["spec"], **table[m]} for m in others}}
 
 
-def _first_sample_features(ev: Evaluator, rows: list[dict], test: list[Prompt]):
-    """Embeddings of each prefix's first sample, in the order of ``test`` (MAUVE pairs one
-    text per prefix with the prefix's human continuation)."""
+def _first_sample_texts(rows: list[dict], test: list[Prompt]) -> list[str]:
+    """Each prefix's first sample, in the order of ``test`` (MAUVE pairs one text per
+    prefix with the prefix's human continuation)."""
     first = {r["prompt_id"]: r["text"] for r in rows if r["sample"] == 0}
-    return ev.embed([first[p.id] for p in test])
+    return [first[p.id] for p in test]
 
 
 def temperature_study(ev: Evaluator, task: str, chosen: dict, test: list[Prompt]) -> dict:
