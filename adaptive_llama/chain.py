@@ -33,8 +33,24 @@ LLAMA_CPP_VERSION = check_llama_cpp_version()  # before anything touches llama.c
 import llama_cpp  # noqa: E402
 from llama_cpp import _internals  # noqa: E402
 
+import numpy as np  # noqa: E402
+
 from . import graph, kernel, native  # noqa: E402
 from .samplers import SEED, SamplerSpec, SpecError, in_graph_names, spec_of  # noqa: E402
+
+
+# llama.cpp's llama_token_data, one candidate token of a chain
+TOKEN_DATA = np.dtype([("id", np.int32), ("logit", np.float32), ("p", np.float32)])
+_FLOAT_P = ctypes.POINTER(ctypes.c_float)
+
+
+@functools.lru_cache(maxsize=4)
+def _fresh_rows(n_vocab: int) -> np.ndarray:
+    """Every token a candidate, its logit still to fill in: copied whole into a chain's rows."""
+    rows = np.zeros(n_vocab, dtype=TOKEN_DATA)
+    rows["id"] = np.arange(n_vocab, dtype=np.int32)
+    rows.flags.writeable = False
+    return rows
 
 
 class NativeSamplersUnavailable(RuntimeError):
@@ -158,6 +174,7 @@ class SamplerChain:
         self._chain = _internals.LlamaSampler()
         self._adaptive = None
         self._graph_stats: TokenStats | None = None
+        self._candidates: np.ndarray | None = None  # sample_from's llama_token_data rows
         if grammar is not None:
             self._chain.add_grammar(vocab_model, grammar)
         sampler = self.spec.sampler
@@ -255,6 +272,29 @@ class SamplerChain:
             k, kept_mass, p_chosen = graph.read_back(ctx, idx, token, self._uniform)
             self._graph_stats = TokenStats(k=k, token=token, kept_mass=kept_mass,
                                            entropy=math.nan, conf=math.nan, p_chosen=p_chosen)
+        return token
+
+    def sample_from(self, logits: int) -> int:
+        """:meth:`sample` from a row of logits the caller fetched from the context (its
+        address), by llama_sampler_sample's own steps: every token a candidate, the chain
+        applied, its choice accepted. Nothing here calls into the context, so the chains of
+        several sequences can run at once in threads: ctypes lets go of the GIL around each
+        llama.cpp call, and every sampler in a chain is machine code. Not for chains in the
+        graph, which read what the graph chose from the context."""
+        n = self._n_vocab
+        if self._candidates is None:
+            self._candidates = np.empty(n, dtype=TOKEN_DATA)
+        cur = self._candidates
+        cur[:] = _fresh_rows(n)  # the chain reorders and cuts the rows: refill each time
+        cur["logit"] = np.ctypeslib.as_array(ctypes.cast(logits, _FLOAT_P), shape=(n,))
+        rows = llama_cpp.llama_token_data_array(
+            data=cur.ctypes.data_as(llama_cpp.llama_token_data_p), size=n, selected=-1,
+            sorted=False)
+        llama_cpp.llama_sampler_apply(self.pointer, ctypes.byref(rows))
+        if not 0 <= rows.selected < rows.size:
+            raise RuntimeError(f"the sampler chain {self.names()} chose no token")
+        token = int(cur["id"][rows.selected])
+        llama_cpp.llama_sampler_accept(self.pointer, token)
         return token
 
     def last_stats(self) -> TokenStats | None:

@@ -4,9 +4,10 @@ The context has ``n_slots`` sequences (llama.cpp's ``n_seq_max``, each with its 
 ``n_ctx_seq`` KV cells). A :class:`Generation` takes a free slot; every :meth:`Decoder.step`
 puts one token of every generating sequence, then as many prompt tokens of newly joined
 ones as fit, into one batch, decodes it, and samples each sequence that got logits with its
-own chain (``llama_sampler_sample(chain, ctx, i)`` for its batch index i). Sequences join
-and finish independently (continuous batching); a finished one leaves its KV cells in its
-slot, so the next prompt that shares a prefix with them re-evaluates only the rest.
+own chain on the logits of its batch index (costly chains side by side, in threads).
+Sequences join and finish independently (continuous batching); a finished one leaves its KV
+cells in its slot, so the next prompt that shares a prefix with them re-evaluates only the
+rest.
 
 A sequence's logits may depend on what else is in the batch: llama.cpp does not promise
 otherwise, and backends such as CUDA compute a batch with other kernels than a single row. On
@@ -17,9 +18,12 @@ to repeat its text only in the same company: alone, or with the same batch.
 from __future__ import annotations
 
 import codecs
+import ctypes
 import math
 import statistics
 import time
+from concurrent import futures
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 import llama_cpp
@@ -30,6 +34,14 @@ from .threads import ThreadTuner
 
 
 MAX_LOGPROBS = 20  # alternatives per token, as OpenAI's top_logprobs allows
+# A step's chains run in threads once one chain takes this long: below it, handing them to
+# threads and the cores' contention with llama.cpp's spinning workers cost more than they
+# save. benchmarks/bench_batch.py (sampling, 8 sequences, 2 cores, Gemma-3's 262,144 tokens):
+# always in threads, adaptive and min-p (about 1 ms a chain) ran 0.83x and 0.78x as fast,
+# typical and mirostat (about 30 ms) 1.25x and 1.32x; with this threshold 0.96x, 0.94x (the
+# same code as one thread: noise), 1.31x and 1.33x, top-p 1.09x.
+PARALLEL_FROM_S = 0.005
+MEASURE_EVERY = 16  # every 16th step of threaded chains runs them one after another
 
 
 @dataclass(frozen=True)
@@ -152,6 +164,13 @@ class Decoder:
         self.live: list[Generation] = []
         self.tuner = tuner
         self._batch = llama_cpp.llama_batch_init(n_batch, 0, 1)
+        # A step's chains side by side on the cores that decode (idle while the chains run),
+        # when one chain takes long enough to pay for it (see _choose).
+        self._samplers = ThreadPoolExecutor(max_workers=tuner.max_threads,
+                                            thread_name_prefix="adaptive-llama-sample")
+        self.parallel_from_s = PARALLEL_FROM_S
+        self._chain_s = 0.0  # one chain's CPU time to choose a token, at the last measure
+        self._steps = 0
 
     def close(self) -> None:
         for generation in list(self.live):
@@ -159,6 +178,7 @@ class Decoder:
         if self._batch is not None:
             llama_cpp.llama_batch_free(self._batch)
             self._batch = None
+        self._samplers.shutdown()
 
     @property
     def free_slots(self) -> int:
@@ -262,8 +282,10 @@ class Decoder:
             for generation, count in fed:
                 generation.slot.tokens += generation.todo[:count]
                 del generation.todo[:count]
-            for generation, index in wants:
-                self._sample(generation, index)
+            decoded = time.perf_counter()
+            tokens = self._choose(wants)
+            for (generation, index), token in zip(wants, tokens):
+                self._take(generation, index, token, decoded)
         except BaseException:
             # A Ctrl-C or an error mid-step: what the KV cells hold is no longer known.
             for generation in list(self.live):
@@ -279,13 +301,52 @@ class Decoder:
         batch.seq_id[i][0] = slot.index
         batch.logits[i] = logits
 
-    def _sample(self, generation: Generation, index: int) -> None:
+    def _choose(self, wants: list[tuple[Generation, int]]) -> list[int]:
+        """The next token of each (generation, batch index).
+
+        Chains run one after another in this thread, unless they are costly (one chain's CPU
+        time, when last measured, at least ``parallel_from_s``): then in as many groups as
+        llama.cpp has threads now, each on a logits row fetched here first (the first fetch
+        finishes the decode), so the threads only read memory and run their chains. Chains in
+        the graph read what the graph chose, here.
+        """
+        ctx = self._ctx
+        tokens = [generation.chain.sample(ctx, index) if generation.chain.in_graph else None
+                  for generation, index in wants]
+        cpu = [(i, g.chain, index) for i, (g, index) in enumerate(wants) if not g.chain.in_graph]
+        groups = min(len(cpu), self.tuner.threads)
+        self._steps += 1
+        if (groups > 1 and self._chain_s >= self.parallel_from_s
+                and self._steps % MEASURE_EVERY):
+            rows = [(i, chain, ctypes.addressof(llama_cpp.llama_get_logits_ith(ctx, index)
+                                                .contents)) for i, chain, index in cpu]
+            running = [self._samplers.submit(_run_chains, rows[g::groups])
+                       for g in range(groups)]
+            try:
+                for future in running:
+                    for i, token in future.result():
+                        tokens[i] = token
+            finally:
+                # A Ctrl-C here ends the generations and frees their chains: not while a
+                # thread still runs one.
+                futures.wait(running)
+        elif cpu:
+            # The chains' cost is measured here only, one after another: in threads they
+            # share the cores with llama.cpp's spinning workers and take several times the
+            # CPU time (about 5 ms a chain instead of 1 for adaptive at 262,144 tokens),
+            # which would keep cheap chains in threads once they got there.
+            started = time.thread_time()
+            for i, chain, index in cpu:
+                tokens[i] = chain.sample(ctx, index)
+            self._chain_s = (time.thread_time() - started) / len(cpu)
+        return tokens
+
+    def _take(self, generation: Generation, index: int, token: int, decoded: float) -> None:
+        """Record the chosen token: timings, text, stop conditions, the next step's input."""
         result = generation.result
-        now = time.perf_counter()
         if generation._decode_start is None:
-            generation._decode_start = now
-            result.prompt_eval_s = now - generation._submitted
-        token = generation.chain.sample(self._ctx, index)
+            generation._decode_start = decoded
+            result.prompt_eval_s = decoded - generation._submitted
         if result.completion_tokens == 0:
             result.time_to_first_token_s = time.perf_counter() - generation._submitted
         engine = self._engine
@@ -343,6 +404,11 @@ class Decoder:
         if generation in self.live:
             self.live.remove(generation)
         generation.chain.close()
+
+
+def _run_chains(group: list[tuple[int, SamplerChain, int]]) -> list[tuple[int, int]]:
+    """(position, token) for each (position, chain, logits address) of the group."""
+    return [(i, chain.sample_from(logits)) for i, chain, logits in group]
 
 
 def _shared_prefix(a: list[int], b: list[int]) -> int:

@@ -9,7 +9,12 @@ taken inside this run. Measured:
 - ``serve``: aggregate tokens/s of ``adaptive-llama serve --parallel P`` answering C
   concurrent clients (P = 1, 4 and C), each asking for the same number of tokens, and a bare
   batched loop making the same number of tokens per request;
-- ``soak``: RSS before and after 10,000 tokens with sequences joining and leaving.
+- ``soak``: RSS before and after 10,000 tokens with sequences joining and leaving;
+- ``sampling``: aggregate tokens/s of ``generate_batch`` (8 sequences) per sampler, at
+  SmolLM2's vocabulary (49,152) and Gemma-3's (262,144, when installed), with a step's
+  chains run one after another in one thread (``one_thread``), always side by side in one
+  group per decoding thread (``threads``), and as the decoder chooses (``default``: threads
+  for chains that take at least ``PARALLEL_FROM_S``); the decode is the same in all three.
 
 Run on a quiet machine: llama.cpp's threads spin, so anything else running skews it.
 """
@@ -31,6 +36,7 @@ import numpy as np
 from llama_cpp import _internals
 
 from adaptive_llama import Engine
+from adaptive_llama.decoder import PARALLEL_FROM_S
 from adaptive_llama.models import BUNDLED
 from adaptive_llama.threads import default_threads
 
@@ -214,6 +220,42 @@ def soak(model_name: str, total: int) -> dict:
     return {"tokens": made, "rss_mb_before": round(before, 1), "rss_mb_after": round(rss_mb(), 1)}
 
 
+SAMPLING_SPECS = ["adaptive:eps=0.0005", "top-p:p=0.95", "typical:p=0.95", "min-p:p=0.05",
+                  "mirostat:tau=5,eta=0.1"]
+
+
+def bench_sampling(models: list[str], b: int, rounds: int, tokens: int) -> dict:
+    out = {}
+    for name in models:
+        if name in BUNDLED and not BUNDLED[name].installed():
+            continue
+        engine = Engine(name, n_ctx=256, parallel=b, n_threads=default_threads(), seed=1)
+        decoder = engine.decoder  # tuner.threads: its groups; llama.cpp's threads stay as set
+        modes = {"one_thread": (1, PARALLEL_FROM_S),
+                 "threads": (decoder.tuner.max_threads, 0.0),
+                 "default": (decoder.tuner.max_threads, PARALLEL_FROM_S)}
+        out[name] = {"n_vocab": engine.n_vocab}
+        for spec in SAMPLING_SPECS:
+            rates = {mode: [] for mode in modes}
+            for r in range(rounds):  # interleaved
+                for mode, (groups, parallel_from_s) in modes.items():
+                    progress(f"sampling: {name} {spec} {mode} round {r + 1}/{rounds}")
+                    decoder.tuner.threads, decoder.parallel_from_s = groups, parallel_from_s
+                    engine.clear_cache()
+                    t0 = time.perf_counter()
+                    made = engine.generate_batch(prompts(b), sampler=spec, max_tokens=tokens,
+                                                 seed=list(range(r * 100, r * 100 + b)))
+                    rates[mode].append(sum(x.completion_tokens for x in made)
+                                       / (time.perf_counter() - t0))
+            med = {mode: statistics.median(v) for mode, v in rates.items()}
+            out[name][spec] = {
+                **{f"{mode}_tokens_per_s": round(v, 1) for mode, v in med.items()},
+                **{f"{mode}_vs_one_thread": round(med[mode] / med["one_thread"], 3)
+                   for mode in ("threads", "default")}}
+        engine.close()
+    return out
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="smollm2")
@@ -222,14 +264,23 @@ def main():
     parser.add_argument("--tokens", type=int, default=64)
     parser.add_argument("--clients", type=int, default=8)
     parser.add_argument("--soak-tokens", type=int, default=10_000)
+    parser.add_argument("--sampling-models", default="smollm2,gemma3-270m")
+    parser.add_argument("--sections", default="batched,serve,soak,sampling",
+                        help="which parts to run, comma-separated")
     args = parser.parse_args()
+    sections = args.sections.split(",")
     out = {"benchmark": "batch", "model": args.model, "threads": default_threads(),
-           "sampler": SPEC,
-           "batched": bench_batched(args.model, args.sizes, args.rounds, args.tokens),
-           "serve": bench_serve(args.model, args.clients, args.rounds, args.tokens)}
-    if args.soak_tokens:
+           "sampler": SPEC}
+    if "batched" in sections:
+        out["batched"] = bench_batched(args.model, args.sizes, args.rounds, args.tokens)
+    if "serve" in sections:
+        out["serve"] = bench_serve(args.model, args.clients, args.rounds, args.tokens)
+    if "soak" in sections and args.soak_tokens:
         progress(f"soak: {args.soak_tokens} tokens")
         out["soak"] = soak(args.model, args.soak_tokens)
+    if "sampling" in sections:
+        out["sampling"] = bench_sampling(args.sampling_models.split(","), 8, args.rounds,
+                                         args.tokens)
     print(json.dumps(out, indent=2))
 
 

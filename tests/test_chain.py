@@ -177,6 +177,41 @@ def test_nan_logits_do_not_crash_the_sampler(backend):
     assert 1 <= len(kept) <= 1000 and chosen in range(1000)
 
 
+@pytest.mark.parametrize("spec", [
+    "greedy", "top-k:k=40", "top-p:p=0.95,temp=1.5", "typical:p=0.5", "min-p:p=0.05",
+    "mirostat:tau=3,eta=0.1", "mirostat1:tau=5,eta=0.1", "eta:eps=0.0009,temp=0.7",
+    "adaptive:eps=0.0005", "adaptive:eps=0.001,mode=uniform,temp=2"])
+def test_sampling_from_fetched_logits_is_llama_sampler_sample(engine, backend, spec):
+    """sample_from, which the decoder runs in threads, takes llama_sampler_sample's steps:
+    two chains with one seed choose the same tokens, and their states (random numbers,
+    mirostat's mu) move the same way, over rows of real logits."""
+    by_context = SamplerChain(spec, seed=5, n_vocab=engine.n_vocab)
+    by_rows = SamplerChain(spec, seed=5, n_vocab=engine.n_vocab)
+    tokens = engine.tokenize("The old lighthouse keeper climbed the stairs and")
+    chosen = []
+    try:
+        for step in range(12):
+            engine.decoder.evaluate(tokens)
+            address = ctypes.addressof(llama_cpp.llama_get_logits_ith(engine.ctx, -1).contents)
+            for _ in range(3):  # the same row again: only the chains' states differ
+                token = by_context.sample(engine.ctx, -1)
+                assert by_rows.sample_from(address) == token
+                chosen.append(token)
+            tokens = tokens + [token]
+    finally:
+        by_context.close()
+        by_rows.close()
+    if spec != "greedy":
+        assert len(set(chosen)) > 1  # the comparison saw more than one choice
+
+
+def test_token_data_rows_have_llama_cpps_layout():
+    assert chain_module.TOKEN_DATA.itemsize == ctypes.sizeof(llama_cpp.llama_token_data)
+    for name in ("id", "logit", "p"):
+        assert chain_module.TOKEN_DATA.fields[name][1] == getattr(
+            llama_cpp.llama_token_data, name).offset
+
+
 def test_seeded_runs_repeat_whatever_the_kv_cache_holds(engine):
     # The cache may hold nothing, this very prompt, or another prompt sharing the chat
     # template's head; the reply to a seed must not depend on which. (Re-evaluating only

@@ -167,6 +167,50 @@ def test_batches_are_deterministic_and_each_sequence_keeps_its_own_settings(batc
     assert not batched.decoder.live and batched.decoder.free_slots == 3
 
 
+def test_chains_sampled_in_threads_choose_what_one_thread_would(smollm2_path, monkeypatch):
+    """The decoder can sample a step's sequences in groups, one per decoding thread; the texts
+    are those of sampling them one after another (the decode itself is the same: 2 threads)."""
+    import threading
+
+    from adaptive_llama import decoder
+
+    where = []
+
+    def recorded(group):
+        where.append((threading.current_thread().name, len(group)))
+        return run_chains(group)
+
+    run_chains = decoder._run_chains
+    monkeypatch.setattr(decoder, "_run_chains", recorded)
+    samplers = ["adaptive", "typical:p=0.5", "top-p:p=0.9,temp=1.5", "mirostat", "eta"]
+    engine = Engine(smollm2_path, n_ctx=512, parallel=4, seed=1, n_threads=2)
+    engine.decoder.parallel_from_s = 0.0  # threads even for chains that do not need them
+    try:
+        def run():
+            return [(r.text, r.tokens, [s.k for s in r.token_stats]) for r in
+                    engine.generate_batch(PROMPTS, sampler=samplers, seed=[3, 4, 5, 6, 7],
+                                          max_tokens=16)]
+
+        threaded = run()
+        assert any(name.startswith("adaptive-llama-sample") and size > 1
+                   for name, size in where)
+        where.clear()
+        engine.decoder.tuner.threads = 1  # one group, in this thread; llama.cpp keeps 2
+        assert run() == threaded
+        assert not where  # one after another, by llama_sampler_sample
+
+        # Once costly chains made it choose threads, cheap ones bring it back: every 16th
+        # step measures them one after another.
+        engine.decoder.tuner.threads = 2
+        engine.decoder.parallel_from_s = decoder.PARALLEL_FROM_S
+        engine.decoder._chain_s = 1.0
+        engine.generate_batch(PROMPTS[:4], sampler="adaptive", seed=[1, 2, 3, 4],
+                              max_tokens=64)
+        assert where and engine.decoder._chain_s < decoder.PARALLEL_FROM_S
+    finally:
+        engine.close()
+
+
 def test_sequences_finish_independently(batched):
     # A stop string ends one sequence early; the others go on to max_tokens in the same run.
     greedy = [batched.generate(p, sampler="greedy", max_tokens=25).text for p in PROMPTS[:3]]
