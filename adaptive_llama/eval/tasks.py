@@ -190,7 +190,7 @@ def latency(ev: Evaluator, specs: list[str]) -> dict:
         for spec in specs:
             with SamplerChain(spec, 1, engine.n_vocab) as chain:
                 row[spec] = round(sampler_latency_us(engine, chain.pointer), 1)
-    if len(engines) == 1:
+    if not gemma.installed():
         table["note"] = ("Gemma-3-270m (V 262,144) is not installed: "
                          "pip install 'adaptive-llama[bench]' adds that column")
     for engine in engines[1:]:
