@@ -317,7 +317,7 @@ class Decoder:
         groups = min(len(cpu), self.tuner.threads)
         self._steps += 1
         if (groups > 1 and self._chain_s >= self.parallel_from_s
-                and self._steps % MEASURE_EVERY):
+                and self._steps % MEASURE_EVERY != 0):
             rows = [(i, chain, ctypes.addressof(llama_cpp.llama_get_logits_ith(ctx, index)
                                                 .contents)) for i, chain, index in cpu]
             running = [self._samplers.submit(_run_chains, rows[g::groups])
