@@ -161,7 +161,7 @@ def test_eval_end_to_end_on_the_bundled_model_and_resume(tmp_path, smollm2_path)
     out = tmp_path / "results"
     args = [str(smollm2_path), "--prompts", str(prompts), "--tasks", "ablation",
             "--samples", "2", "--max-tokens", "8", "--out", str(out),
-            "--temperatures", "0.7,1.5", "--batch", "4"]
+            "--temperatures", "0.7,1,1.5", "--batch", "4"]
     first = eval_cli(*args)
     assert first.returncode == 0, first.stderr
     report = json.loads((out / "results.json").read_text())
@@ -190,10 +190,11 @@ def test_eval_end_to_end_on_the_bundled_model_and_resume(tmp_path, smollm2_path)
     assert markdown.count("Against ") == 7 and "adaptive is" in markdown
     study = report["open_ended"]["file"]["temperatures"]
     assert set(study) == {"top-p", "min-p", "eta", "adaptive"}
-    assert set(study["adaptive"]) == {"0.7", "1.5"}
+    assert set(study["adaptive"]) == {"0.7", "1.0", "1.5"}
     assert "temp=1.5" in study["adaptive"]["1.5"]["spec"]
+    assert study["adaptive"]["1.0"]["spec"] == methods["adaptive"]["spec"]
     # 7 sampling methods x 3 prompts x 2 samples + greedy x 3 + ablation 8 x 3
-    # + 4 methods x 2 temperatures x 3 prompts
+    # + 4 methods x 2 temperatures x 3 prompts (T = 1 is the tuned texts: none generated)
     cache = out / "generations.jsonl"
     lines = cache.read_text().splitlines()
     assert len(lines) == 7 * 3 * 2 + 3 + 8 * 3 + 4 * 2 * 3

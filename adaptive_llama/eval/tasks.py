@@ -153,8 +153,12 @@ def temperature_study(ev: Evaluator, task: str, chosen: dict, test: list[Prompt]
         if method not in chosen:
             continue
         out[method] = {}
+        tuned = parse_spec(chosen[method])
         for temp in ev.config.temperatures:
-            spec = str(parse_spec(chosen[method]).with_param("temp", temp))
+            # at the tuned spec's own temperature the test texts exist under the tuned spec's
+            # text (canonical text names defaults, so it would key the same texts anew)
+            spec = (chosen[method] if temp == tuned.temp
+                    else str(tuned.with_param("temp", temp)))
             scored = ev.score(ev.generate(task, "test", spec, test, 1), test)
             out[method][str(temp)] = {"spec": spec, **{k: scored[k] for k in
                                                        ("diversity", "coherence", "mauve")}}
