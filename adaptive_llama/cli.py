@@ -273,7 +273,7 @@ def run(model, sampler, system, max_tokens, resume, no_save, n_gpu_layers, n_ctx
               help="Tokens per continuation (the paper: 256).")
 @click.option("--gsm8k-n", type=click.IntRange(min=1), default=None, help="GSM8K problems.")
 @click.option("--gsm8k-max-tokens", type=click.IntRange(min=1), default=None,
-              help="Tokens per GSM8K answer (default 160; --full 256). A chain of thought cut "
+              help="Tokens per GSM8K answer (default 160; --full 512). A chain of thought cut "
                    "short scores as wrong, so give a larger model room.")
 @click.option("--full", is_flag=True,
               help="The paper's sizes (1,000 test prefixes x 5 samples of 256 tokens, 200 dev; "

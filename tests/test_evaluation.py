@@ -124,10 +124,12 @@ def test_gsm8k_runs_greedy_once_and_each_sampling_method_at_each_temperature():
     # The report: one row per method, one column per temperature, greedy only at T = 1.
     results = {"prompt": "", "n": 4, "max_tokens": 8}
     for i, spec in enumerate(specs):
-        results[spec] = {"accuracy": (i / 100, 0.01), "temperature": parse_spec(spec).temp}
+        results[spec] = {"accuracy": (i / 100, 0.01), "cut_off": i / 10,
+                         "temperature": parse_spec(spec).temp}
     table = report.gsm8k_table(results)
     assert table[0] == "| sampler | T = 0.7 | T = 1 | T = 1.5 |" and len(table) == 2 + 4
-    assert table[3] == "| `top-p:p=0.95` | 1.0 ± 1.0 % | 2.0 ± 1.0 % | 3.0 ± 1.0 % |"
+    assert table[3] == ("| `top-p:p=0.95` | 1.0 ± 1.0 % (10 % cut off) | 2.0 ± 1.0 % "
+                        "(20 % cut off) | 3.0 ± 1.0 % (30 % cut off) |")
 
 
 def test_missing_optional_dependency_names_the_extra(monkeypatch):
@@ -261,6 +263,8 @@ def test_gsm8k_sizes_come_from_the_command_line(tmp_path, smollm2_path):
     rows = [json.loads(line) for line in (out / "generations.jsonl").read_text().splitlines()]
     assert len(rows) == 2 * len(tasks.gsm8k_specs())
     assert all(0 < r["completion_tokens"] <= 6 for r in rows)
+    # 6 tokens do not finish a worked answer: the report says the limit cut them off
+    assert gsm["greedy"]["cut_off"] == 1.0
 
 
 def test_methods_picks_a_subset_with_equal_grids(tmp_path, smollm2_path):

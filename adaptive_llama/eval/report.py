@@ -85,20 +85,22 @@ def markdown(report: dict) -> str:
 
 
 def gsm8k_table(g: dict) -> list[str]:
-    """Accuracy (95% Wilson interval) per method, one column per temperature ("-" where a
-    method does not run: greedy does not depend on the temperature)."""
+    """Accuracy (95% Wilson interval) and the share of answers cut off by the token limit per
+    method, one column per temperature ("-" where a method does not run: greedy does not
+    depend on the temperature)."""
     cells = {}
     for spec, v in g.items():
         if isinstance(v, dict):
             parsed = parse_spec(spec)
             method = str(SamplerSpec(parsed.name, parsed.params, 1.0))
-            cells.setdefault(method, {})[v.get("temperature", 1.0)] = _pm(v["accuracy"], 1, 100)
+            cells.setdefault(method, {})[v.get("temperature", 1.0)] = (
+                _pm(v["accuracy"], 1, 100) + f" % ({100 * v['cut_off']:.0f} % cut off)")
     temps = sorted({t for row in cells.values() for t in row})
     lines = ["| sampler | " + " | ".join(f"T = {t:g}" for t in temps) + " |",
              "|---" * (len(temps) + 1) + "|"]
     for method, row in cells.items():
         lines.append(f"| `{method}` | " + " | ".join(
-            f"{row[t]} %" if t in row else "-" for t in temps) + " |")
+            row.get(t, "-") for t in temps) + " |")
     return lines
 
 

@@ -212,7 +212,11 @@ def gsm8k(ev: Evaluator) -> dict:
         rows = {r["prompt_id"]: r for r in ev.generate(
             "gsm8k", "test", spec, prompts, 1, c.gsm8k_max_tokens, chat=True)}
         correct = [extract_answer(rows[p.id]["text"]) == p.answer for p in problems]
+        # an answer stopped by the token limit rarely states its result: this says how much
+        # of a sampler's accuracy the limit costs
+        cut_off = [rows[p.id]["completion_tokens"] >= c.gsm8k_max_tokens for p in problems]
         out[spec] = {"accuracy": metrics.proportion_ci(sum(correct), len(correct)),
+                     "cut_off": sum(cut_off) / len(cut_off),
                      "temperature": parse_spec(spec).temp}
     return out
 
