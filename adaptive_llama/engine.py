@@ -445,6 +445,22 @@ class Engine:
         None: the engine's). Sequences finish independently; a waiting prompt takes the first
         slot that frees (continuous batching). Results come back in the order of ``prompts``.
         """
+        results: list[GenerationResult] = [None] * len(prompts)  # type: ignore[list-item]
+        for index, result in self.generate_each(prompts, chat=chat, sampler=sampler,
+                                                seed=seed, max_tokens=max_tokens, stop=stop,
+                                                record_stats=record_stats):
+            results[index] = result
+        return results
+
+    def generate_each(self, prompts: list[str], *, chat: bool = False,
+                      sampler: SamplerSpec | str | list = "adaptive",
+                      seed: int | list[int] | None = None, max_tokens: int = 256,
+                      stop: list[str] | tuple = (), record_stats: bool = True
+                      ) -> Iterator[tuple[int, GenerationResult]]:
+        """:meth:`generate_batch`, yielding (index in ``prompts``, result) as each sequence
+        finishes, so that a long run can keep every result at once and its slots stay full
+        to the end. Every request is checked here, before anything is decoded; closing the
+        iterator early cancels what is still running."""
         n = len(prompts)
         samplers = sampler if isinstance(sampler, list) else [sampler] * n
         seeds = seed if isinstance(seed, list) else [seed] * n
@@ -453,19 +469,28 @@ class Engine:
         generations = [self.start(self.prompt_tokens(p, chat=chat), sampler=s, seed=sd,
                                   max_tokens=max_tokens, stop=stop, record_stats=record_stats)
                        for p, s, sd in zip(prompts, samplers, seeds)]
-        waiting = list(generations)
+        return self._finish_each(generations)
+
+    def _finish_each(self, generations: list[Generation]
+                     ) -> Iterator[tuple[int, GenerationResult]]:
         decoder = self.decoder
+        waiting = list(enumerate(generations))[::-1]  # popped from the end: first in, first
+        running: dict[int, Generation] = {}
         try:
-            while waiting or any(not g.done for g in generations):
+            while waiting or running:
                 while waiting and decoder.free_slots:
-                    decoder.add(waiting.pop(0))
+                    index, generation = waiting.pop()
+                    decoder.add(generation)
+                    running[index] = generation
                 decoder.step()
-                for g in generations:
-                    g.take()
+                for index, generation in list(running.items()):
+                    generation.take()
+                    if generation.done:
+                        del running[index]
+                        yield index, generation.result
         finally:
-            for g in generations:
-                decoder.cancel(g)
-        return [g.result for g in generations]
+            for generation in generations:
+                decoder.cancel(generation)  # nothing for those that finished
 
     def chat(self, system: str | None = None, sampler: SamplerSpec | str = "adaptive",
              **defaults):

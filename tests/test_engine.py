@@ -223,6 +223,29 @@ def test_sequences_finish_independently(batched):
             assert result.text == text and result.finish_reason in ("length", "stop")
 
 
+def test_generate_each_yields_each_result_as_it_finishes(batched):
+    # Prompt 0 ends at a stop string within a few tokens; the other two fill their 25.
+    greedy = batched.generate(PROMPTS[0], sampler="greedy", max_tokens=25).text
+    cut = greedy.split()[2]
+    kwargs = dict(sampler="greedy", max_tokens=25, stop=[cut])
+    finished = list(batched.generate_each(PROMPTS[:3], **kwargs))
+    assert finished[0][0] == 0 and finished[0][1].finish_reason == "stop_string"
+    assert sorted(index for index, _ in finished) == [0, 1, 2]
+    in_order = [result.text for _, result in sorted(finished, key=lambda f: f[0])]
+    assert in_order == [r.text for r in batched.generate_batch(PROMPTS[:3], **kwargs)]
+
+
+def test_closing_generate_each_early_cancels_the_rest(batched):
+    cut = batched.generate(PROMPTS[0], sampler="greedy", max_tokens=25).text.split()[2]
+    each = batched.generate_each(PROMPTS, sampler="greedy", max_tokens=25, stop=[cut])
+    assert next(each)[0] == 0  # stopped early; 1 and 2 still running, 3 and 4 waiting
+    assert len(batched.decoder.live) == 2
+    each.close()
+    assert not batched.decoder.live and batched.decoder.free_slots == 3
+    with pytest.raises(ValueError, match="one entry per prompt"):
+        batched.generate_each(PROMPTS, seed=[1, 2])  # checked at the call, not when iterated
+
+
 def test_streams_of_one_engine_share_its_steps(batched):
     a = batched.stream(batched.tokenize(PROMPTS[0]), sampler="greedy", max_tokens=10)
     b = batched.stream(batched.tokenize(PROMPTS[1]), sampler="greedy", max_tokens=10)

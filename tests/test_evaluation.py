@@ -101,6 +101,40 @@ def test_cache_key_holds_max_tokens_so_a_longer_run_generates_anew(tmp_path, eng
     assert len((tmp_path / "generations.jsonl").read_text().splitlines()) == 2
 
 
+def test_texts_are_cached_as_they_finish_and_come_back_in_prompt_order(tmp_path, engine):
+    from adaptive_llama.eval.data import Prompt
+
+    prompts = [Prompt(id=f"wiki-{i}", prefix=p) for i, p in enumerate(
+        ["The history of the river", "A small dog", "In the year 1905", "The recipe"])]
+    specs = ["greedy", "adaptive:eps=0.01"]
+    ev = run.Evaluator(run.EvalConfig(out=str(tmp_path)), engine=engine)
+    cached, kept = ev.cache.add, []
+
+    def add_then_interrupt(row):
+        cached(row)
+        kept.append(row["key"])
+        if len(kept) == 3:
+            raise KeyboardInterrupt  # Ctrl-C while the other texts are being made
+
+    ev.cache.add = add_then_interrupt
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            ev.generate_specs("wiki", "test", specs, prompts, 1, max_tokens=6)
+        assert not engine.decoder.live  # the unfinished ones were cancelled
+        lines = (tmp_path / "generations.jsonl").read_text().splitlines()
+        assert [json.loads(line)["key"] for line in lines] == kept  # each kept at once
+        ev.cache.add = cached
+        rows = ev.generate_specs("wiki", "test", specs, prompts, 1, max_tokens=6)
+    finally:
+        ev.close()
+    assert len((tmp_path / "generations.jsonl").read_text().splitlines()) == 8  # 5 more
+    for spec in specs:  # cached or new, in the order of the prompts
+        assert [(r["spec"], r["prompt_id"]) for r in rows[spec]] == [
+            (spec, p.id) for p in prompts]
+    assert [r["text"] for r in rows["greedy"]] == [
+        engine.generate(p.prefix, sampler="greedy", max_tokens=6).text for p in prompts]
+
+
 @pytest.mark.parametrize("text, answer", [
     ("3 + 4 = 7. Then 7 * 2 = 14. The answer is 14.", "14"),
     ("The answer is $1,250.", "1250"),

@@ -79,8 +79,8 @@ def open_ended(ev: Evaluator, task: str) -> dict:
         chosen[method] = grid[0]
         if len(grid) == 1 or not dev or not any(p.reference for p in dev):
             continue
-        sweep[method] = {spec: ev.mauve(ev.generate(task, "dev", spec, dev, 1), by_dev)[0]
-                         for spec in grid}
+        rows = ev.generate_specs(task, "dev", grid, dev, 1)
+        sweep[method] = {spec: ev.mauve(rows[spec], by_dev)[0] for spec in grid}
         chosen[method] = max(grid, key=lambda s: sweep[method][s])  # ties: first listed
     results, rows_of = {}, {}
     for method, spec in chosen.items():
@@ -152,14 +152,16 @@ def temperature_study(ev: Evaluator, task: str, chosen: dict, test: list[Prompt]
     for method in TEMPERATURE_METHODS:
         if method not in chosen:
             continue
-        out[method] = {}
         tuned = parse_spec(chosen[method])
-        for temp in ev.config.temperatures:
-            # at the tuned spec's own temperature the test texts exist under the tuned spec's
-            # text (canonical text names defaults, so it would key the same texts anew)
-            spec = (chosen[method] if temp == tuned.temp
-                    else str(tuned.with_param("temp", temp)))
-            scored = ev.score(ev.generate(task, "test", spec, test, 1), test)
+        # at the tuned spec's own temperature the test texts exist under the tuned spec's
+        # text (canonical text names defaults, so it would key the same texts anew)
+        specs = {temp: (chosen[method] if temp == tuned.temp
+                        else str(tuned.with_param("temp", temp)))
+                 for temp in ev.config.temperatures}
+        rows = ev.generate_specs(task, "test", list(specs.values()), test, 1)
+        out[method] = {}
+        for temp, spec in specs.items():
+            scored = ev.score(rows[spec], test)
             out[method][str(temp)] = {"spec": spec, **{k: scored[k] for k in
                                                        ("diversity", "coherence", "mauve")}}
     return out
@@ -208,9 +210,10 @@ def gsm8k(ev: Evaluator) -> dict:
     prompts = [Prompt(id=p.id, prefix=GSM8K_PROMPT.format(question=p.question))
                for p in problems]
     out = {"prompt": GSM8K_PROMPT, "n": len(problems), "max_tokens": c.gsm8k_max_tokens}
-    for spec in gsm8k_specs():
-        rows = {r["prompt_id"]: r for r in ev.generate(
-            "gsm8k", "test", spec, prompts, 1, c.gsm8k_max_tokens, chat=True)}
+    rows_of = ev.generate_specs("gsm8k", "test", gsm8k_specs(), prompts, 1,
+                                c.gsm8k_max_tokens, chat=True)
+    for spec, spec_rows in rows_of.items():
+        rows = {r["prompt_id"]: r for r in spec_rows}
         correct = [extract_answer(rows[p.id]["text"]) == p.answer for p in problems]
         # an answer stopped by the token limit rarely states its result: this says how much
         # of a sampler's accuracy the limit costs
