@@ -250,20 +250,34 @@ class Decoder:
     # ---- one step ----
 
     def step(self) -> None:
-        """Decode one batch: a token of every generating sequence, then prompt tokens."""
+        """Decode one batch: a token of every generating sequence, then prompt tokens.
+
+        The batch lists the sequences in the order of their ids (slots): with a cache of its
+        own for each sequence, llama.cpp splits a batch into micro-batches of consecutive
+        sequence ids, so in the order sequences happened to join it would split into many
+        small ones, each a matrix-vector product (measured: 23.0 instead of 40.0 tok/s for
+        32 sequences of Qwen2.5-1.5B on 2 cores).
+        """
         if not self.live:
             return
+        # What goes in: every generating sequence's token, then prompt tokens up to n_batch,
+        # first come first served.
+        room = self.n_batch - sum(g.next_token is not None for g in self.live)
+        chunks: dict[Generation, list[int]] = {}
+        for generation in self.live:
+            if generation.todo and room > 0:
+                chunks[generation] = generation.todo[:room]
+                room -= len(chunks[generation])
         fed: list[tuple[Generation, int]] = []   # (generation, prompt tokens in the batch)
         wants: list[tuple[Generation, int]] = []  # (generation, batch index of its logits)
         n = 0
-        for generation in self.live:
+        for generation in sorted(self.live, key=lambda g: g.slot.index):
             if generation.next_token is not None:
                 self._put(n, generation.next_token, generation.slot, 0, True)
                 wants.append((generation, n))
                 n += 1
-        for generation in self.live:
-            if generation.todo and n < self.n_batch:
-                chunk = generation.todo[: self.n_batch - n]
+            elif generation in chunks:
+                chunk = chunks[generation]
                 complete = len(chunk) == len(generation.todo)
                 for j, token in enumerate(chunk):
                     self._put(n, token, generation.slot, j, complete and j == len(chunk) - 1)

@@ -246,6 +246,26 @@ def test_closing_generate_each_early_cancels_the_rest(batched):
         batched.generate_each(PROMPTS, seed=[1, 2])  # checked at the call, not when iterated
 
 
+def test_each_batch_lists_its_sequences_in_slot_order(batched, monkeypatch):
+    # llama.cpp cuts a batch into micro-batches of consecutive sequence ids: a sequence that
+    # joins a freed slot must not go to the end of the batch.
+    orders = []
+    decode = batched.decoder._decode
+
+    def recorded():
+        b = batched.decoder._batch
+        orders.append([b.seq_id[i][0] for i in range(b.n_tokens)])
+        decode()
+
+    monkeypatch.setattr(batched.decoder, "_decode", recorded)
+    cut = batched.generate(PROMPTS[0], sampler="greedy", max_tokens=25).text.split()[2]
+    orders.clear()
+    batched.generate_batch(PROMPTS, sampler="greedy", max_tokens=25, stop=[cut])
+    # a prompt joined a freed slot beside running sequences: its tokens share one id
+    assert any(len(order) > len(set(order)) for order in orders[1:])
+    assert all(order == sorted(order) for order in orders)
+
+
 def test_streams_of_one_engine_share_its_steps(batched):
     a = batched.stream(batched.tokenize(PROMPTS[0]), sampler="greedy", max_tokens=10)
     b = batched.stream(batched.tokenize(PROMPTS[1]), sampler="greedy", max_tokens=10)
