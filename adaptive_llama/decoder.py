@@ -17,6 +17,7 @@ to repeat its text only in the same company: alone, or with the same batch.
 
 from __future__ import annotations
 
+import bisect
 import codecs
 import ctypes
 import math
@@ -197,7 +198,8 @@ class Decoder:
             generation.chain.attach(self._ctx, slot.index)
         generation.todo = self._reuse(slot, prompt)
         generation.slot, slot.generation = slot, generation
-        self.live.append(generation)
+        # live stays in slot order: step() lists the batch in this order
+        bisect.insort(self.live, generation, key=lambda g: g.slot.index)
 
     def evaluate(self, tokens: list[int]) -> None:
         """Evaluate tokens in the first slot, outside any generation (its cache is reused for
@@ -260,8 +262,8 @@ class Decoder:
         """
         if not self.live:
             return
-        # What goes in: every generating sequence's token, then prompt tokens up to n_batch,
-        # first come first served.
+        # What goes in: every generating sequence's token, then prompt tokens up to n_batch
+        # (lower slots first; a prompt cut short goes on in the next step).
         room = self.n_batch - sum(g.next_token is not None for g in self.live)
         chunks: dict[Generation, list[int]] = {}
         for generation in self.live:
@@ -271,7 +273,7 @@ class Decoder:
         fed: list[tuple[Generation, int]] = []   # (generation, prompt tokens in the batch)
         wants: list[tuple[Generation, int]] = []  # (generation, batch index of its logits)
         n = 0
-        for generation in sorted(self.live, key=lambda g: g.slot.index):
+        for generation in self.live:  # in slot order (add keeps it so)
             if generation.next_token is not None:
                 self._put(n, generation.next_token, generation.slot, 0, True)
                 wants.append((generation, n))

@@ -22,6 +22,7 @@ import logging
 import re
 import secrets
 import sys
+from collections import deque
 from pathlib import Path
 from typing import Callable, Iterator
 
@@ -474,12 +475,12 @@ class Engine:
     def _finish_each(self, generations: list[Generation]
                      ) -> Iterator[tuple[int, GenerationResult]]:
         decoder = self.decoder
-        waiting = list(enumerate(generations))[::-1]  # popped from the end: first in, first
+        waiting = deque(enumerate(generations))
         running: dict[int, Generation] = {}
         try:
             while waiting or running:
                 while waiting and decoder.free_slots:
-                    index, generation = waiting.pop()
+                    index, generation = waiting.popleft()
                     decoder.add(generation)
                     running[index] = generation
                 decoder.step()
