@@ -7,7 +7,9 @@ ones as fit, into one batch, decodes it, and samples each sequence that got logi
 own chain on the logits of its batch index (costly chains side by side, in threads).
 Sequences join and finish independently (continuous batching); a finished one leaves its KV
 cells in its slot, so the next prompt that shares a prefix with them re-evaluates only the
-rest.
+rest. A prompt that shares a longer prefix with another slot (a sibling sample of the same
+prompt, a common system prompt) copies that slot's cache instead of evaluating the prefix
+again; a prompt whose shared prefix a sibling is still evaluating waits for it.
 
 A sequence's logits may depend on what else is in the batch: llama.cpp does not promise
 otherwise, and backends such as CUDA compute a batch with other kernels than a single row. On
@@ -43,6 +45,11 @@ MAX_LOGPROBS = 20  # alternatives per token, as OpenAI's top_logprobs allows
 # same code as one thread: noise), 1.31x and 1.33x, top-p 1.09x.
 PARALLEL_FROM_S = 0.005
 MEASURE_EVERY = 16  # every 16th step of threaded chains runs them one after another
+# A prompt copies another slot's cache when that saves evaluating at least this many tokens.
+# The copy moves the whole slot (llama.cpp copies a sequence's cache between slots only in
+# full), which costs about as much as evaluating one or two tokens: benchmarks/bench_batch.py
+# --sections sharing measures both.
+SHARE_FROM = 16
 
 
 @dataclass(frozen=True)
@@ -170,6 +177,7 @@ class Decoder:
         self._samplers = ThreadPoolExecutor(max_workers=tuner.max_threads,
                                             thread_name_prefix="adaptive-llama-sample")
         self.parallel_from_s = PARALLEL_FROM_S
+        self.share_from = SHARE_FROM
         self._chain_s = 0.0  # one chain's CPU time to choose a token, at the last measure
         self._steps = 0
 
@@ -227,6 +235,40 @@ class Decoder:
         del slot.tokens[shared:]
         return tokens[shared:]
 
+    def _share_prompts(self) -> list[Generation]:
+        """Give each prompt still to evaluate the longest prefix cached in any other slot,
+        when that saves at least ``share_from`` tokens. The prompts that must wait, because a
+        sibling ahead of them is still evaluating the prefix they share, are returned."""
+        pending = [g for g in self.live if g.todo]
+        for generation in pending:
+            slot, prompt = generation.slot, generation.prompt_tokens
+            shared, _, source = max(((_shared_prefix(s.tokens, prompt), -s.index, s)
+                                     for s in self.slots if s is not slot), default=(0, 0, None))
+            keep = min(shared, len(prompt) - 2)  # as in _reuse
+            if keep - len(slot.tokens) >= self.share_from:
+                self._copy_prefix(source, slot, keep)
+                generation.todo = prompt[keep:]
+        return [g for g in pending if any(self._waits_for(g, h) for h in pending if h is not g)]
+
+    def _waits_for(self, generation: Generation, sibling: Generation) -> bool:
+        """Whether ``generation`` is to wait for ``sibling`` to evaluate their shared prefix:
+        it would save ``share_from`` tokens, and the sibling is further along it (or as far,
+        in a lower slot: a strict order, so someone always goes)."""
+        shared = min(_shared_prefix(generation.prompt_tokens, sibling.prompt_tokens),
+                     len(generation.prompt_tokens) - 2)
+        mine, theirs = len(generation.slot.tokens), len(sibling.slot.tokens)
+        if shared - mine < self.share_from:
+            return False
+        return (min(theirs, shared), -sibling.slot.index) > (mine, -generation.slot.index)
+
+    def _copy_prefix(self, source: Slot, slot: Slot, n: int) -> None:
+        """Make ``slot`` hold the first ``n`` tokens of ``source``'s cache. (llama.cpp copies
+        the whole buffer at the next decode, before that decode's tokens go in; the context
+        keeps a full-size cache for sliding-window layers, so the prefix is all there.)"""
+        llama_cpp.llama_memory_seq_cp(self._memory, source.index, slot.index, -1, -1)
+        llama_cpp.llama_memory_seq_rm(self._memory, slot.index, n, -1)
+        slot.tokens = source.tokens[:n]
+
     def _forget(self, slot: Slot) -> None:
         """Empty one slot's cache (after a failure, what it holds is no longer known)."""
         slot.tokens.clear()
@@ -265,9 +307,10 @@ class Decoder:
         # What goes in: every generating sequence's token, then prompt tokens up to n_batch
         # (lower slots first; a prompt cut short goes on in the next step).
         room = self.n_batch - sum(g.next_token is not None for g in self.live)
+        waiting = self._share_prompts()
         chunks: dict[Generation, list[int]] = {}
         for generation in self.live:
-            if generation.todo and room > 0:
+            if generation.todo and room > 0 and generation not in waiting:
                 chunks[generation] = generation.todo[:room]
                 room -= len(chunks[generation])
         fed: list[tuple[Generation, int]] = []   # (generation, prompt tokens in the batch)
@@ -428,12 +471,18 @@ def _run_chains(group: list[tuple[int, SamplerChain, int]]) -> list[tuple[int, i
 
 
 def _shared_prefix(a: list[int], b: list[int]) -> int:
-    n = 0
-    for x, y in zip(a, b):
-        if x != y:
-            break
-        n += 1
-    return n
+    """How many tokens ``a`` and ``b`` share at the start. A binary search over slice
+    comparisons (run in C): prompts run to thousands of tokens, and each step compares them."""
+    low, high = 0, min(len(a), len(b))  # a[:low] == b[:low]; the answer is at most high
+    if a[:high] == b[:high]:
+        return high
+    while high - low > 1:
+        middle = (low + high) // 2
+        if a[:middle] == b[:middle]:
+            low = middle
+        else:
+            high = middle
+    return low
 
 
 def split_stop(text: str, stops: list[str]) -> tuple[str, str, bool]:

@@ -205,6 +205,10 @@ class Engine:
         params.n_ctx = self.n_ctx * self.parallel
         params.n_seq_max = self.parallel
         params.kv_unified = False  # each slot its own n_ctx cells
+        # Sliding-window layers keep every position (llama.cpp's default, said here because
+        # the decoder relies on it): a slot cut back to a prefix, or copied from another
+        # slot, then still holds the window the next token attends to.
+        params.swa_full = True
         params.n_batch = params.n_ubatch = min(N_BATCH, params.n_ctx)
         params.n_threads = params.n_threads_batch = threads
         params.no_perf = True

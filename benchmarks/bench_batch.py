@@ -14,7 +14,11 @@ taken inside this run. Measured:
   SmolLM2's vocabulary (49,152) and Gemma-3's (262,144, when installed), with a step's
   chains run one after another in one thread (``one_thread``), always side by side in one
   group per decoding thread (``threads``), and as the decoder chooses (``default``: threads
-  for chains that take at least ``PARALLEL_FROM_S``); the decode is the same in all three.
+  for chains that take at least ``PARALLEL_FROM_S``); the decode is the same in all three;
+- ``sharing``: the GSM8K evaluation's shape (each chat question under its 10 samplers, asked
+  for one after another, B slots): texts and tokens per second with prompts sharing a
+  prefix copied between slots (``SHARE_FROM``) and with every prompt evaluated in full;
+  and what one copy costs against evaluating one prompt token.
 
 Run on a quiet machine: llama.cpp's threads spin, so anything else running skews it.
 """
@@ -36,7 +40,8 @@ import numpy as np
 from llama_cpp import _internals
 
 from adaptive_llama import Engine
-from adaptive_llama.decoder import PARALLEL_FROM_S
+from adaptive_llama.decoder import PARALLEL_FROM_S, SHARE_FROM
+from adaptive_llama.eval.tasks import GSM8K_PROMPT, gsm8k_specs
 from adaptive_llama.models import BUNDLED
 from adaptive_llama.threads import default_threads
 
@@ -256,6 +261,86 @@ def bench_sampling(models: list[str], b: int, rounds: int, tokens: int) -> dict:
     return out
 
 
+# Word problems of GSM8K's length (its test set is an optional install).
+QUESTIONS = [
+    "A bakery sells muffins for $3 each and cookies for $1.50 each. On Saturday it sold 48 "
+    "muffins and twice as many cookies. It spent $65 on ingredients that day. How much "
+    "profit did the bakery make on Saturday?",
+    "Maya reads 12 pages of her book every weekday and 20 pages on each day of the weekend. "
+    "Her book has 368 pages. How many full weeks does she need to finish it?",
+    "A farmer has 15 rows of apple trees with 24 trees in each row. Each tree gives 35 kg of "
+    "apples, and he sells the apples in crates of 20 kg. How many crates does he fill?",
+    "A train leaves at 9:15 and travels 210 km at 84 km per hour, then stops for 20 minutes "
+    "and travels another 96 km at 64 km per hour. At what time does it arrive?",
+]
+
+
+def bench_sharing(model_name: str, b: int, rounds: int, tokens: int) -> dict:
+    engine = Engine(model_name, n_ctx=1024, parallel=b, n_threads=default_threads(), seed=1)
+    decoder, specs = engine.decoder, gsm8k_specs()
+    texts = [GSM8K_PROMPT.format(question=q) for q in QUESTIONS for _ in specs]
+    samplers = specs * len(QUESTIONS)
+    modes = {"shared": SHARE_FROM, "separate": 10**9}
+    rates = {mode: ([], []) for mode in modes}
+    for r in range(rounds):  # interleaved
+        for mode, share_from in modes.items():
+            progress(f"sharing: {mode} round {r + 1}/{rounds}")
+            decoder.share_from = share_from
+            engine.clear_cache()
+            t0 = time.perf_counter()
+            made = engine.generate_batch(texts, chat=True, sampler=samplers, max_tokens=tokens,
+                                         seed=list(range(r * 1000, r * 1000 + len(texts))))
+            wall = time.perf_counter() - t0
+            rates[mode][0].append(len(made) / wall)
+            rates[mode][1].append(sum(x.completion_tokens for x in made) / wall)
+    out = {"slots": b, "texts": len(texts), "max_tokens": tokens,
+           "prompt_tokens": statistics.mean(x.prompt_tokens for x in made)}
+    for mode, (texts_per_s, tokens_per_s) in rates.items():
+        out[f"{mode}_texts_per_s"] = round(statistics.median(texts_per_s), 3)
+        out[f"{mode}_tokens_per_s"] = round(statistics.median(tokens_per_s), 1)
+    out["shared_vs_separate"] = round(out["shared_texts_per_s"] / out["separate_texts_per_s"], 3)
+    out.update(copy_cost(engine, rounds * 5))
+    engine.close()
+    return out
+
+
+def copy_cost(engine: Engine, repeats: int) -> dict:
+    """Seconds of a one-token decode in slot 1 right after copying slot 0's cache into it,
+    less those of the same decode without, against one token's share of a 64-token prompt."""
+    memory, decoder = llama_cpp.llama_get_memory(engine.ctx), engine.decoder
+    engine.clear_cache()
+    prompt = engine.tokenize(" ".join(QUESTIONS))[:64]
+
+    def timed(decode) -> float:
+        t0 = time.perf_counter()
+        decode()
+        return time.perf_counter() - t0
+
+    def one_token(copy: bool) -> float:
+        llama_cpp.llama_memory_seq_rm(memory, 1, 0, -1)
+        if copy:
+            llama_cpp.llama_memory_seq_cp(memory, 0, 1, -1, -1)
+            llama_cpp.llama_memory_seq_rm(memory, 1, 0, -1)  # the data moves all the same
+        decoder._put(0, prompt[0], decoder.slots[1], 0, True)
+        decoder._batch.n_tokens = 1
+        return timed(decoder._decode)
+
+    def whole_prompt() -> float:
+        decoder.forget()
+        return timed(lambda: decoder.evaluate(prompt))
+
+    prompt_s = statistics.median(whole_prompt() for _ in range(3))
+    with_copy, without = [], []
+    for _ in range(repeats):
+        with_copy.append(one_token(True))
+        without.append(one_token(False))
+    copy_s = max(statistics.median(with_copy) - statistics.median(without), 0.0)
+    engine.clear_cache()
+    return {"copy_ms": round(copy_s * 1e3, 3),
+            "prompt_token_ms": round(prompt_s / len(prompt) * 1e3, 3),
+            "copy_in_prompt_tokens": round(copy_s / (prompt_s / len(prompt)), 2)}
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="smollm2")
@@ -265,7 +350,10 @@ def main():
     parser.add_argument("--clients", type=int, default=8)
     parser.add_argument("--soak-tokens", type=int, default=10_000)
     parser.add_argument("--sampling-models", default="smollm2,gemma3-270m")
-    parser.add_argument("--sections", default="batched,serve,soak,sampling",
+    parser.add_argument("--sharing-tokens", type=int, default=256,
+                        help="the sharing section's tokens per text (GSM8K's answers run "
+                             "about 200)")
+    parser.add_argument("--sections", default="batched,serve,soak,sampling,sharing",
                         help="which parts to run, comma-separated")
     args = parser.parse_args()
     sections = args.sections.split(",")
@@ -281,6 +369,9 @@ def main():
     if "sampling" in sections:
         out["sampling"] = bench_sampling(args.sampling_models.split(","), 8, args.rounds,
                                          args.tokens)
+    if "sharing" in sections:
+        out["sharing"] = bench_sharing(args.model, max(args.sizes), args.rounds,
+                                       args.sharing_tokens)
     print(json.dumps(out, indent=2))
 
 

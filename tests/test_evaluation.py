@@ -340,3 +340,31 @@ def test_a_missing_model_is_one_line_and_loses_nothing(tmp_path):
     line, = result.stderr.strip().splitlines()
     assert "qwen-missing.gguf: no such file" in line
     assert (out / "generations.jsonl").read_text() == '{"key": "kept", "text": "earlier work"}\n'
+
+
+def test_a_prompts_texts_under_every_spec_are_asked_for_together(tmp_path, engine,
+                                                                  monkeypatch):
+    # so that they run side by side and the engine evaluates the prompt once (the decoder's
+    # sharing is tested in test_engine.py)
+    from adaptive_llama.eval.data import Prompt
+
+    prompts = [Prompt(id=f"wiki-{i}", prefix=p) for i, p in enumerate(
+        ["The history of the river", "A small dog", "In the year 1905"])]
+    specs = ["greedy", "adaptive:eps=0.01", "min-p"]
+    asked = []
+    generate_each = engine.generate_each
+
+    def recorded(texts, **kwargs):
+        asked.extend(zip(texts, kwargs["sampler"]))
+        return generate_each(texts, **kwargs)
+
+    monkeypatch.setattr(engine, "generate_each", recorded)
+    ev = run.Evaluator(run.EvalConfig(out=str(tmp_path)), engine=engine)
+    try:
+        ev.generate("wiki", "test", "min-p", prompts[1:2], 1, max_tokens=2)  # one cached
+        asked.clear()
+        ev.generate_specs("wiki", "test", specs, prompts, 1, max_tokens=2)
+    finally:
+        ev.close()
+    assert asked == [(p.prefix, spec) for p in prompts for spec in specs
+                     if (p.id, spec) != ("wiki-1", "min-p")]

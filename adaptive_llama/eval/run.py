@@ -128,13 +128,15 @@ class Evaluator:
         """Every (prompt, sample) under each of ``specs``, in the order of prompts, then
         samples: from the cache, or generated together and cached as each text finishes
         (an interruption loses only the texts in progress; the slots stay full across
-        specs)."""
+        specs). A prompt's texts under every spec are asked for one after another, so that
+        they run side by side and the engine evaluates the prompt once for all of them."""
         max_tokens = max_tokens or self.config.max_tokens
         items = {spec: [(JsonLinesCache.key(task, split, spec, max_tokens, prompt.id, sample),
                          prompt, sample) for prompt in prompts for sample in range(samples)]
                  for spec in dict.fromkeys(specs)}
-        todo = [(key, prompt, sample, spec) for spec, keyed in items.items()
-                for key, prompt, sample in keyed if self.cache.get(key) is None]
+        todo = [(key, prompt, sample, spec) for same_text in zip(*items.values())
+                for spec, (key, prompt, sample) in zip(items, same_text)
+                if self.cache.get(key) is None]
         if todo:
             label = specs[0] if len(items) == 1 else f"{len(items)} samplers"
             with _progress(len(todo), f"{task}/{split} {label}") as bar:

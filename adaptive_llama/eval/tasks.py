@@ -82,11 +82,15 @@ def open_ended(ev: Evaluator, task: str) -> dict:
         rows = ev.generate_specs(task, "dev", grid, dev, 1)
         sweep[method] = {spec: ev.mauve(rows[spec], by_dev)[0] for spec in grid}
         chosen[method] = max(grid, key=lambda s: sweep[method][s])  # ties: first listed
-    results, rows_of = {}, {}
-    for method, spec in chosen.items():
-        samples = 1 if spec == "greedy" else c.samples  # greedy repeats itself exactly
-        rows_of[method] = ev.generate(task, "test", spec, test, samples)
-        results[method] = {"spec": spec, **ev.score(rows_of[method], test)}
+    # every method's texts of a prefix side by side (see generate_specs); greedy once a
+    # prefix, as it repeats itself exactly
+    sampled = [spec for spec in chosen.values() if spec != "greedy"]
+    rows = ev.generate_specs(task, "test", sampled, test, c.samples) if sampled else {}
+    if "greedy" in chosen.values():
+        rows["greedy"] = ev.generate(task, "test", "greedy", test, 1)
+    rows_of = {method: rows[spec] for method, spec in chosen.items()}
+    results = {method: {"spec": spec, **ev.score(rows_of[method], test)}
+               for method, spec in chosen.items()}
     out = {"stand_in": data.STAND_INS.get(task, f"prompts from {c.prompts_file}"),
            "n_dev": len(dev), "n_test": len(test), "samples": c.samples,
            "dev_mauve": sweep, "methods": results, "test_prompts": test}
