@@ -140,6 +140,14 @@ def test_texts_are_cached_as_they_finish_and_come_back_in_prompt_order(tmp_path,
     ("The answer is $1,250.", "1250"),
     ("She pays 12.5 dollars, then 3", "3"),
     ("I do not know.", None),
+    # Qwen2.5-Coder's endings: LaTeX after "answer is", a boxed result before other numbers,
+    # a boxed result on its own lines, a trailing ".00"
+    ("So, the answer is \\(\\boxed{30}\\).", "30"),
+    ("Ray takes \\(\\boxed{18}\\) minutes longer to swim 3 miles.", "18"),
+    ("3. **The answer is N:**\n   \\[\n   \\boxed{152}\n   \\]", "152"),
+    ("The answer is N = $1,037.50 a day.", "1037.5"),
+    ("The difference is 30.00 - 8.00 = 22.00 dollars.", "22"),
+    ("It is \\(\\boxed{-14}\\) pieces.", "-14"),
 ])
 def test_gsm8k_answer_extraction(text, answer):
     assert tasks.extract_answer(text) == answer

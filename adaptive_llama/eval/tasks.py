@@ -244,11 +244,17 @@ GSM8K_PROMPT = ("Solve this math word problem. Think step by step, then end with
 
 
 def extract_answer(text: str) -> str | None:
-    """The number after the last "answer is", else the last number in the text."""
+    """The number after the last "answer is", else in the last LaTeX \\boxed{}, else the last
+    number in the text.
+
+    Instruct models often box the result: "the answer is \\(\\boxed{30}\\)" or "takes
+    \\(\\boxed{18}\\) minutes longer to swim 3 miles", where the last number is not it.
+    """
     numbers = r"-?\d[\d,]*(?:\.\d+)?"
-    stated = re.findall(r"answer is\D{0,5}?(" + numbers + ")", text, re.I)
-    found = stated or re.findall(numbers, text)
+    stated = re.findall(r"answer is[^\d\n]{0,12}?(" + numbers + ")", text, re.I)
+    boxed = re.findall(r"\\boxed\{\s*\$?(" + numbers + ")", text)
+    found = stated or boxed or re.findall(numbers, text)
     if not found:
         return None
-    value = found[-1].replace(",", "").rstrip(".")
-    return value[:-2] if value.endswith(".0") else value
+    value = found[-1].replace(",", "")
+    return value.rstrip("0").rstrip(".") if "." in value else value  # 22.00 -> 22
