@@ -174,6 +174,42 @@ def test_gsm8k_runs_greedy_once_and_each_sampling_method_at_each_temperature():
                         "(20 % cut off) | 3.0 ± 1.0 % (30 % cut off) |")
 
 
+def test_gsm8k_pairs_adaptive_with_each_sampler_at_its_temperature_problem_by_problem():
+    n = 40
+    correct_of = {
+        "greedy": [True] * 39 + [False],            # adaptive@0.7 - greedy: 1/40 = +0.025
+        "top-p:p=0.95,temp=0.7": [True, False] * 20,  # 20 of 40: adaptive +0.5 on 20 problems
+        "min-p:p=0.1,temp=0.7": [True] * n,          # the same answers: every difference 0
+        "adaptive:eps=0.0005,temp=0.7": [True] * n,
+        "top-p:p=0.95": [False] * n,
+        "adaptive:eps=0.0005": [True] * 10 + [False] * 30,
+    }
+    paired = tasks.gsm8k_paired(correct_of, seed=0)
+    assert set(paired) == {"0.7", "1"}
+    hot = paired["0.7"]["against"]
+    # compared only with greedy and the samplers at its own temperature
+    assert set(hot) == {"greedy", "top-p:p=0.95,temp=0.7", "min-p:p=0.1,temp=0.7"}
+    assert hot["top-p:p=0.95,temp=0.7"]["diff"] == pytest.approx(0.5)
+    assert hot["top-p:p=0.95,temp=0.7"]["verdict"] == "better"
+    assert hot["min-p:p=0.1,temp=0.7"]["ci"] == [0.0, 0.0]
+    assert hot["min-p:p=0.1,temp=0.7"]["verdict"] == "not distinguishable"
+    # one problem in 40 is no evidence, and Holm multiplies the smallest p by 3
+    assert hot["greedy"]["diff"] == pytest.approx(0.025)
+    assert hot["greedy"]["verdict"] == "not distinguishable"
+    at_one = paired["1"]["against"]
+    assert set(at_one) == {"greedy", "top-p:p=0.95"}
+    assert at_one["greedy"]["diff"] == pytest.approx(10 / 40 - 39 / 40)
+    assert at_one["greedy"]["verdict"] == "worse" and at_one["top-p:p=0.95"]["verdict"] == "better"
+    lines = report.gsm8k_paired_section(paired)
+    assert "| 0.7 | `top-p:p=0.95,temp=0.7` | +50.0 [" in "\n".join(lines)
+    assert ("At T = 1, adaptive (`adaptive:eps=0.0005`) scores lower than `greedy`; scores "
+            "higher than `top-p:p=0.95`.") in lines
+    # the accuracy table leaves the paired section out
+    results = {"prompt": "", "n": n, "max_tokens": 8, "paired": paired,
+               "greedy": {"accuracy": (0.975, 0.05), "cut_off": 0.0, "temperature": 1.0}}
+    assert len(report.gsm8k_table(results)) == 3
+
+
 def test_missing_optional_dependency_names_the_extra(monkeypatch):
     import importlib.util
 
@@ -307,6 +343,9 @@ def test_gsm8k_sizes_come_from_the_command_line(tmp_path, smollm2_path):
     assert all(0 < r["completion_tokens"] <= 6 for r in rows)
     # 6 tokens do not finish a worked answer: the report says the limit cut them off
     assert gsm["greedy"]["cut_off"] == 1.0
+    # adaptive against the others, problem by problem, at each temperature
+    assert set(gsm["paired"]) == {f"{t:g}" for t in tasks.GSM8K_TEMPERATURES}
+    assert "problem by problem" in (out / "results.md").read_text()
 
 
 def test_methods_picks_a_subset_with_equal_grids(tmp_path, smollm2_path):

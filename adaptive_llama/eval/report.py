@@ -81,6 +81,8 @@ def markdown(report: dict) -> str:
                   "Prompt (chat template, user turn): `" + g["prompt"].replace("\n", " ")
                   + "`. A zero-shot chain-of-thought prompt: the paper's appendix C text was "
                   "not available offline.", ""] + gsm8k_table(g) + [""]
+        if g.get("paired"):
+            lines += gsm8k_paired_section(g["paired"]) + [""]
     return "\n".join(lines)
 
 
@@ -90,7 +92,7 @@ def gsm8k_table(g: dict) -> list[str]:
     depend on the temperature)."""
     cells = {}
     for spec, v in g.items():
-        if isinstance(v, dict):
+        if isinstance(v, dict) and spec != "paired":
             parsed = parse_spec(spec)
             method = str(SamplerSpec(parsed.name, parsed.params, 1.0))
             cells.setdefault(method, {})[v.get("temperature", 1.0)] = (
@@ -101,6 +103,35 @@ def gsm8k_table(g: dict) -> list[str]:
     for method, row in cells.items():
         lines.append(f"| `{method}` | " + " | ".join(
             row.get(t, "-") for t in temps) + " |")
+    return lines
+
+
+GSM8K_VERDICTS = {"better": "scores higher than", "worse": "scores lower than",
+                  "not distinguishable": "cannot be told apart from"}
+
+
+def gsm8k_paired_section(paired: dict) -> list[str]:
+    """Adaptive against each sampler at its temperature: a table of paired accuracy
+    differences, then one sentence per temperature."""
+    lines = ["### Adaptive against each sampler, problem by problem", "",
+             "Adaptive minus the sampler at the same temperature (greedy at every one): the "
+             "difference in accuracy in points, its 95% bootstrap interval over problems, the "
+             "p-value Holm-adjusted across the samplers compared at that temperature.", "",
+             "| T | against | adaptive minus it (points) | verdict |", "|---|---|---|---|"]
+    for temp, row in paired.items():
+        for spec, cell in row["against"].items():
+            low, high = (100 * x for x in cell["ci"])
+            lines.append(f"| {temp} | `{spec}` | {100 * cell['diff']:+.1f} [{low:+.1f}, "
+                         f"{high:+.1f}] p={cell['p_holm']:.3f} | {cell['verdict']} |")
+    lines.append("")
+    for temp, row in paired.items():
+        by = {}
+        for spec, cell in row["against"].items():
+            by.setdefault(cell["verdict"], []).append(f"`{spec}`")
+        parts = [f"{GSM8K_VERDICTS[verdict]} {', '.join(specs)}"
+                 for verdict, specs in by.items()]
+        lines.append(f"At T = {temp}, adaptive (`{row['adaptive']}`) "
+                     + "; ".join(parts) + ".")
     return lines
 
 
