@@ -320,7 +320,6 @@ def evaluate(model, tasks, methods, temperatures, batch, prompts_file, n_dev, n_
              "the same command resumes from there")
     finally:
         evaluator.close()
-    click.echo(f"Wrote {out}/results.md, results.json, diversity_coherence.png, mauve.png")
 
 
 def _listed(text: str, option: str) -> tuple[str, ...]:

@@ -295,6 +295,9 @@ def test_eval_end_to_end_on_the_bundled_model_and_resume(tmp_path, smollm2_path)
     # The same texts: every MAUVE figure comes back from scores.jsonl, none is added.
     assert json.loads((out / "results.json").read_text())["open_ended"] == report["open_ended"]
     assert (out / "scores.jsonl").read_text() == scores
+    # A third run finds every text cached: the report says so instead of "0 texts/s".
+    assert eval_cli(*args).returncode == 0
+    assert "every text came from generations.jsonl" in (out / "results.md").read_text()
 
 
 def test_eval_with_a_malformed_prompts_file_loses_nothing(tmp_path):
@@ -345,7 +348,12 @@ def test_gsm8k_sizes_come_from_the_command_line(tmp_path, smollm2_path):
     assert gsm["greedy"]["cut_off"] == 1.0
     # adaptive against the others, problem by problem, at each temperature
     assert set(gsm["paired"]) == {f"{t:g}" for t in tasks.GSM8K_TEMPERATURES}
-    assert "problem by problem" in (out / "results.md").read_text()
+    markdown = (out / "results.md").read_text()
+    assert "problem by problem" in markdown
+    # no open-ended task ran: neither its settings in the report nor plots, and the log says
+    # only what was written
+    assert "Embedder" not in markdown and not list(out.glob("*.png"))
+    assert "mauve.png" not in result.stderr and str(out / "results.md") in result.stderr
 
 
 def test_methods_picks_a_subset_with_equal_grids(tmp_path, smollm2_path):

@@ -9,6 +9,27 @@ from pathlib import Path
 from ..samplers import SamplerSpec, parse_spec
 
 
+def open_ended_settings(report: dict) -> str:
+    """How the open-ended texts were made and scored; empty when a run has none (GSM8K only)."""
+    if "open_ended" not in report:
+        return ""
+    c = report["config"]
+    return (f"Embedder for coherence and MAUVE features: {report['embedder']}. "
+            f"Continuations of {c['max_tokens']} tokens after {c['prefix_tokens']}-token "
+            f"prefixes; {c['samples']} samples per prefix. Every ± is a 95% t-interval over "
+            f"texts, except MAUVE: its mean and (sd) over {c['mauve_seeds']} k-means seeds, "
+            "num_buckets = texts / 10. ")
+
+
+def generation_speed(report: dict) -> str:
+    """How many texts this run made and how fast; a rerun over a full cache made none."""
+    if not report.get("generated_texts"):
+        return "every text came from generations.jsonl, made by earlier runs of the command."
+    return (f"{report['generated_texts']} texts generated at {report['texts_per_s']:.2f} "
+            f"texts/s, {report['config']['batch']} at a time (cached texts of earlier runs "
+            "not counted).")
+
+
 def _pm(value, digits: int = 2, scale: float = 1.0) -> str:
     """A (mean, half-width) pair as text, "mean ± half-width"; "-" when there is none."""
     if value is None or math.isnan(value[0]):
@@ -23,17 +44,10 @@ def _sd(value, digits: int = 2) -> str:
 
 
 def markdown(report: dict) -> str:
-    c = report["config"]
     lines = [f"# Evaluation: {report['model']} (V {report['n_vocab']:,})", "",
              f"Command: `{report['command']}`", "",
-             f"Embedder for coherence and MAUVE features: {report['embedder']}. "
-             f"Continuations of {c['max_tokens']} tokens after {c['prefix_tokens']}-token "
-             f"prefixes; {c['samples']} samples per prefix. Every ± is a 95% t-interval over "
-             f"texts, except MAUVE: its mean and (sd) over {c['mauve_seeds']} k-means seeds, "
-             "num_buckets = texts / 10. "
-             f"Took {report['elapsed_s']:.0f} s; {report.get('generated_texts', 0)} texts "
-             f"generated at {report.get('texts_per_s', 0):.2f} texts/s, {c['batch']} at a "
-             "time (cached texts of earlier runs not counted).", ""]
+             open_ended_settings(report) +
+             f"Took {report['elapsed_s']:.0f} s; " + generation_speed(report), ""]
     for task, result in report.get("open_ended", {}).items():
         lines += [f"## Open-ended generation: {task}", "", f"{result['stand_in']}. "
                   f"Hyperparameters picked by MAUVE on {result['n_dev']} dev prefixes "
@@ -244,8 +258,9 @@ def plots(report: dict, out: Path) -> list[Path]:
     return written
 
 
-def write_reports(report: dict, out: Path) -> None:
+def write_reports(report: dict, out: Path) -> list[Path]:
+    """results.json, results.md and the plots the report has data for; the paths written."""
     out.mkdir(parents=True, exist_ok=True)
     (out / "results.json").write_text(json.dumps(report, indent=2) + "\n", encoding="utf-8")
     (out / "results.md").write_text(markdown(report) + "\n", encoding="utf-8")
-    plots(report, out)
+    return [out / "results.json", out / "results.md", *plots(report, out)]

@@ -270,7 +270,8 @@ class Evaluator:
         report["texts_per_s"] = round(self.texts_per_s, 3)
         print(f"generated {self.generated} texts in {self.generating_s:.0f} s "
               f"({self.texts_per_s:.2f} texts/s, {c.batch} at a time)", file=sys.stderr)
-        write_reports(report, self.out)
+        written = write_reports(report, self.out)
+        print(f"Wrote {', '.join(str(path) for path in written)}", file=sys.stderr)
         return report
 
     def close(self) -> None:
