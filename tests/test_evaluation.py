@@ -135,6 +135,28 @@ def test_texts_are_cached_as_they_finish_and_come_back_in_prompt_order(tmp_path,
         engine.generate(p.prefix, sampler="greedy", max_tokens=6).text for p in prompts]
 
 
+def test_each_finished_task_is_reported_before_the_next_one_runs(tmp_path, engine,
+                                                                  monkeypatch):
+    config = run.EvalConfig(tasks=("ablation", "gsm8k"), n_dev=2, max_tokens=4,
+                            out=str(tmp_path))
+    ev = run.Evaluator(config, engine=engine)
+
+    def interrupted(_ev):
+        raise KeyboardInterrupt  # Ctrl-C hours into GSM8K
+
+    monkeypatch.setattr(run.tasks, "gsm8k", interrupted)
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            ev.run()
+    finally:
+        ev.close()
+    report = json.loads((tmp_path / "results.json").read_text())
+    assert len(report["ablation"]) == 8 and report["pending"] == ["gsm8k"]
+    markdown = (tmp_path / "results.md").read_text()
+    assert "## Threshold ablation" in markdown
+    assert "**Interim report**: gsm8k still to run" in markdown
+
+
 @pytest.mark.parametrize("text, answer", [
     ("3 + 4 = 7. Then 7 * 2 = 14. The answer is 14.", "14"),
     ("The answer is $1,250.", "1250"),
@@ -258,6 +280,7 @@ def test_eval_end_to_end_on_the_bundled_model_and_resume(tmp_path, smollm2_path)
     for name in ("results.md", "diversity_coherence.png", "mauve.png", "temperature_file.png"):
         assert (out / name).stat().st_size > 0
     assert report["texts_per_s"] > 0 and report["generated_texts"] > 0
+    assert report["pending"] == [] and "Interim report" not in (out / "results.md").read_text()
     # Adaptive against the 7 others, every metric, Holm across methods, a verdict each.
     paired = report["open_ended"]["file"]["paired"]
     assert set(paired["against"]) == set(tasks.GRIDS) - {"adaptive"}

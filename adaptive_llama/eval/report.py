@@ -48,6 +48,9 @@ def markdown(report: dict) -> str:
              f"Command: `{report['command']}`", "",
              open_ended_settings(report) +
              f"Took {report['elapsed_s']:.0f} s; " + generation_speed(report), ""]
+    if report.get("pending"):
+        lines += [f"**Interim report**: {', '.join(report['pending'])} still to run; the "
+                  "command above resumes from the texts made so far.", ""]
     for task, result in report.get("open_ended", {}).items():
         lines += [f"## Open-ended generation: {task}", "", f"{result['stand_in']}. "
                   f"Hyperparameters picked by MAUVE on {result['n_dev']} dev prefixes "

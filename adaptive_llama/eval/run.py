@@ -249,30 +249,41 @@ class Evaluator:
                   "config": {k: v for k, v in asdict(self.config).items() if k != "command"}}
         open_tasks = ["file"] if c.prompts_file else [t for t in c.tasks
                                                        if t in ("wiki", "stories")]
+        pending = [*open_tasks, *(t for t in TASKS[2:] if t in c.tasks)]
         ablation_prompts = None
         for task in open_tasks:
             result = tasks.open_ended(self, task)
             test_prompts = result.pop("test_prompts")
             ablation_prompts = ablation_prompts or test_prompts[:c.n_dev]
             report.setdefault("open_ended", {})[task] = result
+            self._finished(task, pending, report, started)
         if "ablation" in c.tasks:
             if ablation_prompts is None:
                 prompts = tasks.open_ended_prompts(self, "wiki")
                 ablation_prompts = data.dev_test_split(prompts, c.n_dev, c.n_test,
                                                        c.seed)[1][:c.n_dev]
             report["ablation"] = tasks.ablation(self, ablation_prompts)
+            self._finished("ablation", pending, report, started)
         if "latency" in c.tasks:
             report["latency_us"] = tasks.latency(self, [tasks.GRIDS[m][0] for m in c.methods])
+            self._finished("latency", pending, report, started)
         if "gsm8k" in c.tasks:
             report["gsm8k"] = tasks.gsm8k(self)
+            self._finished("gsm8k", pending, report, started)
+        print(f"generated {self.generated} texts in {self.generating_s:.0f} s "
+              f"({self.texts_per_s:.2f} texts/s, {c.batch} at a time)", file=sys.stderr)
+        return report
+
+    def _finished(self, task: str, pending: list[str], report: dict, started: float) -> None:
+        """Write the reports after every task, so that a run cut off after hours still leaves
+        what it finished (an interim report names the tasks still to run)."""
+        pending.remove(task)
+        report["pending"] = list(pending)
         report["elapsed_s"] = round(time.perf_counter() - started, 1)
         report["generated_texts"] = self.generated
         report["texts_per_s"] = round(self.texts_per_s, 3)
-        print(f"generated {self.generated} texts in {self.generating_s:.0f} s "
-              f"({self.texts_per_s:.2f} texts/s, {c.batch} at a time)", file=sys.stderr)
         written = write_reports(report, self.out)
-        print(f"Wrote {', '.join(str(path) for path in written)}", file=sys.stderr)
-        return report
+        print(f"{task} done: wrote {', '.join(str(path) for path in written)}", file=sys.stderr)
 
     def close(self) -> None:
         self.cache.close()
