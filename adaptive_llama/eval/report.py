@@ -16,7 +16,7 @@ def open_ended_settings(report: dict) -> str:
     c = report["config"]
     return (f"Embedder for coherence and MAUVE features: {report['embedder']}. "
             f"Continuations of {c['max_tokens']} tokens after {c['prefix_tokens']}-token "
-            f"prefixes; {c['samples']} samples per prefix. Every ± is a 95% t-interval over "
+            f"prefixes; {c['samples']} sample{'s' if c['samples'] != 1 else ''} per prefix. Every ± is a 95% t-interval over "
             f"texts, except MAUVE: its mean and (sd) over {c['mauve_seeds']} k-means seeds, "
             "num_buckets = texts / 10. ")
 
