@@ -16,9 +16,9 @@ def open_ended_settings(report: dict) -> str:
     c = report["config"]
     return (f"Embedder for coherence and MAUVE features: {report['embedder']}. "
             f"Continuations of {c['max_tokens']} tokens after {c['prefix_tokens']}-token "
-            f"prefixes; {c['samples']} sample{'s' if c['samples'] != 1 else ''} per prefix. Every ± is a 95% t-interval over "
-            f"texts, except MAUVE: its mean and (sd) over {c['mauve_seeds']} k-means seeds, "
-            "num_buckets = texts / 10. ")
+            f"prefixes; {c['samples']} sample{'s' if c['samples'] != 1 else ''} per prefix. "
+            "Every ± is a 95% t-interval over texts, except MAUVE: its mean and (sd) over "
+            f"{c['mauve_seeds']} k-means seeds, num_buckets = texts / 10. ")
 
 
 def generation_speed(report: dict) -> str:
