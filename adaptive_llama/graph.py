@@ -235,7 +235,7 @@ def unsupported_op(device, epsilon: float, uniform: bool) -> str | None:
             g.build_forward_expand(graph.gf, tensor)
         for i in range(g.graph_n_nodes(graph.gf)):
             node = g.graph_node(graph.gf, i)
-            if not g.dev_supports_op(device, node):
+            if not g.backend_dev_supports_op(device, node):
                 return g.op_desc(node).decode()
     return None
 
@@ -269,6 +269,8 @@ def _backend_init(smpl, buft, n_outputs_max_per_seq):
         return missing is None
     except Exception:  # an exception must not cross into llama.cpp
         log.exception("backend sampling: the adaptive sampler's support check failed")
+        # Refused without a reason in `refusals`, llama.cpp would still run the chain.
+        refusals.append("the adaptive sampler's support check failed (the error is logged)")
         return False
 
 

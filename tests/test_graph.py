@@ -1,8 +1,10 @@
 """Adaptive decoding inside llama.cpp's graph (backend sampling): the ggml operations against
 the float64 reference, then whole generations through llama.cpp on the bundled model."""
 
+import ctypes
 import json
 import re
+from pathlib import Path
 
 import llama_cpp
 import numpy as np
@@ -256,19 +258,43 @@ def test_server_with_backend_sampling_answers_and_refuses_in_400s(graph_server):
     assert status == 200 and body["done"] and body["message"]["content"]
 
 
+def test_the_support_probe_runs_against_a_real_device():
+    # llama.cpp hands the sampler no device on the CPU, so without a GPU it never calls the
+    # probe; ask llama.cpp's CPU device, which runs every operation, through the same ctypes
+    # functions a GPU run uses (a misnamed one once failed only on CUDA).
+    lib = ctypes.CDLL(str(Path(llama_cpp.__file__).parent / "lib" / "libggml.so"))
+    lib.ggml_backend_dev_by_type.restype = ctypes.c_void_p
+    lib.ggml_backend_dev_by_type.argtypes = [ctypes.c_int]
+    cpu = lib.ggml_backend_dev_by_type(0)  # GGML_BACKEND_DEVICE_TYPE_CPU
+    assert cpu
+    for epsilon, uniform in ((0.0005, False), (0.01, True)):
+        assert graph.unsupported_op(cpu, epsilon, uniform) is None
+
+
+def _missing_top_k(device, epsilon, uniform):
+    return "TOP_K"
+
+
+def _probe_breaks(device, epsilon, uniform):
+    raise RuntimeError("probe broke")
+
+
+@pytest.mark.parametrize("probe,reason", [
+    (_missing_top_k, "FakeGPU cannot run the TOP_K operation that the adaptive sampler needs"),
+    (_probe_breaks, "the adaptive sampler's support check failed (the error is logged)")])
 def test_a_device_without_an_operation_falls_back_to_the_cpu_with_one_warning(
-        smollm2_path, monkeypatch, caplog):
-    # A device (on the CPU, llama.cpp hands the sampler no device) that lacks one operation.
+        smollm2_path, monkeypatch, caplog, probe, reason):
+    # A device (on the CPU, llama.cpp hands the sampler no device) that lacks one operation,
+    # or whose probe raises: either way the CPU chain runs, never a half-built graph chain.
     api = graph.ggml()
     monkeypatch.setattr(api, "backend_buft_get_device", lambda buft: 1)
     monkeypatch.setattr(api, "backend_dev_name", lambda device: b"FakeGPU")
-    monkeypatch.setattr(graph, "unsupported_op", lambda device, eps, uniform: "TOP_K")
+    monkeypatch.setattr(graph, "unsupported_op", probe)
     with caplog.at_level("WARNING"):
         eng = Engine(smollm2_path, n_ctx=256, backend_sampling=True)
     try:
         warnings = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
-        assert warnings == ["backend sampling is off: FakeGPU cannot run the TOP_K operation that "
-                            "the adaptive sampler needs; sampling on the CPU instead"]
+        assert warnings == [f"backend sampling is off: {reason}; sampling on the CPU instead"]
         assert not eng.backend_sampling
         result = eng.generate("Once upon a time", max_tokens=6, logprobs=1)
         assert result.backend in ("c", "numba") and len(result.logprobs) == 6
