@@ -22,6 +22,8 @@ python -m pip install -e ".[test,bench,qwen]"
 python -m pip install --no-deps exllamav2==0.3.2   # the evaluation's text stand-ins, as make test does
 
 # The whole suite with the test engines fully offloaded (backend sampling then runs on CUDA).
+# If loading a model segfaults, numpy was imported before llama_cpp on a system where that order
+# breaks (seen on an H100 image, models.md): rerun with LD_PRELOAD=<the libgomp.so.1 llama.cpp links>.
 ADAPTIVE_LLAMA_TEST_GPU_LAYERS=-1 python -m pytest -q tests
 
 for parallel in 1 8; do
