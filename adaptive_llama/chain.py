@@ -173,6 +173,7 @@ class SamplerChain:
         self._record_stats = record_stats
         self._chain = _internals.LlamaSampler()
         self._adaptive = None
+        self._closed_stats: TokenStats | None = None  # last_stats once the chain is freed
         self._graph_stats: TokenStats | None = None
         self._candidates: np.ndarray | None = None  # sample_from's llama_token_data rows
         if grammar is not None:
@@ -299,9 +300,10 @@ class SamplerChain:
 
     def last_stats(self) -> TokenStats | None:
         """The adaptive sampler's record of its last token (None for other samplers); in the
-        graph entropy and Conf are NaN, and so are the masses in uniform mode."""
+        graph entropy and Conf are NaN, and so are the masses in uniform mode. Still readable
+        after :meth:`close`."""
         if self._adaptive is None:
-            return None
+            return self._closed_stats
         if self.in_graph:
             return self._graph_stats
         s = self._stats
@@ -317,6 +319,7 @@ class SamplerChain:
         llama_cpp.llama_sampler_reset(self.pointer)
 
     def close(self) -> None:
+        self._closed_stats = self.last_stats()  # its record is freed with the sampler
         self._chain.close()
         if self.in_graph and self._adaptive is not None:
             graph.forget(self._adaptive)

@@ -9,8 +9,6 @@
 
 from __future__ import annotations
 
-import secrets
-
 from .engine import ContextOverflow, Engine, GenerationResult, Stream
 from .samplers import SEED, SamplerSpec, spec_of
 
@@ -29,8 +27,9 @@ class Chat:
         system: the system prompt, or None.
         sampler: the sampler spec of every reply (``send`` can override it per reply).
         max_tokens: the longest reply, >= 1.
-        seed: every reply uses this seed; None: a fresh random seed per reply (reported in
-            the reply's result), so ``regenerate`` gives another answer.
+        seed: every reply uses this seed; None: the engine's seed, and when the engine has
+            none either a fresh random seed per reply (reported in the reply's result), so
+            that ``regenerate`` gives another answer.
     """
 
     def __init__(self, engine: Engine, system: str | None = None,
@@ -100,8 +99,7 @@ class Chat:
         return self._reply(tokens, overrides)
 
     def _reply(self, tokens: list[int], overrides: dict) -> Stream:
-        seed = self.seed if self.seed is not None else secrets.randbits(32)
-        options = dict(sampler=self.sampler, max_tokens=self.max_tokens, seed=seed)
+        options = dict(sampler=self.sampler, max_tokens=self.max_tokens, seed=self.seed)
         options.update(overrides)
         stream = self.engine.stream(tokens, **options)
         stream.on_finish(self._add_reply)

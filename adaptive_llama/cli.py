@@ -9,7 +9,6 @@ from __future__ import annotations
 import functools
 import ipaddress
 import json
-import secrets
 import socket
 import sys
 
@@ -111,7 +110,7 @@ def load_engine(model, n_gpu_layers, n_ctx, threads, seed, verbose, backend_samp
     if show_progress:
         click.echo(f"loading {model or 'smollm2 (bundled)'} ...", err=True)
     engine = Engine(model, n_gpu_layers=n_gpu_layers, n_ctx=n_ctx, n_threads=threads,
-                    parallel=parallel, seed=seed or 0, verbose=verbose,
+                    parallel=parallel, seed=seed, verbose=verbose,
                     backend_sampling=backend_sampling)
     if sampler is not None:
         try:
@@ -181,8 +180,7 @@ def generate(model, prompt, sampler, max_tokens, chat, stop, as_json, n_gpu_laye
     engine = load_engine(model, n_gpu_layers, n_ctx, threads, seed, verbose, backend_sampling,
                          sampler=sampler)
     stream = engine.stream(engine.prompt_tokens(prompt, chat=chat), sampler=sampler,
-                           max_tokens=max_tokens, stop=list(stop),
-                           seed=secrets.randbits(32) if seed is None else seed)
+                           max_tokens=max_tokens, stop=list(stop))
     try:
         for piece in stream:
             if not as_json:
@@ -233,7 +231,8 @@ def run(model, sampler, system, max_tokens, resume, no_save, n_gpu_layers, n_ctx
             fail(f"cannot read the saved chat {resume!r} ({exc}); /chats lists the others")
 
     interactive = sys.stdin.isatty() and sys.stdout.isatty()
-    engine = load_engine(model, n_gpu_layers, n_ctx, threads, seed, verbose,
+    # The seed is the chat's (`/set seed` changes it), not the engine's.
+    engine = load_engine(model, n_gpu_layers, n_ctx, threads, None, verbose,
                          backend_sampling, show_progress=interactive, sampler=sampler)
     if not engine.has_chat_template:
         fail(f"{engine.name} is a base model (no chat template in its GGUF), so it cannot "

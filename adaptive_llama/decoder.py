@@ -1,20 +1,25 @@
-"""Batched decoding: many sequences in one llama.cpp context, one ``llama_batch`` per step.
+"""Batched decoding: many sequences in one llama.cpp context, continuous batching.
 
 The context has ``n_slots`` sequences (llama.cpp's ``n_seq_max``, each with its own
 ``n_ctx_seq`` KV cells). A :class:`Generation` takes a free slot; every :meth:`Decoder.step`
-puts one token of every generating sequence, then as many prompt tokens of newly joined
-ones as fit, into one batch, decodes it, and samples each sequence that got logits with its
-own chain on the logits of its batch index (costly chains side by side, in threads).
-Sequences join and finish independently (continuous batching); a finished one leaves its KV
-cells in its slot, so the next prompt that shares a prefix with them re-evaluates only the
-rest. A prompt that shares a longer prefix with another slot (a sibling sample of the same
-prompt, a common system prompt) copies that slot's cache instead of evaluating the prefix
-again; a prompt whose shared prefix a sibling is still evaluating waits for it.
+evaluates prompt chunks of newly joined sequences, then decodes one token of every
+generating sequence in one batch, and samples each sequence that got logits with its own
+chain (costly chains side by side, in threads). Sequences join and finish independently; a
+finished one leaves its KV cells in its slot, so the next prompt that shares a prefix with
+them re-evaluates only the rest. A prompt that shares a longer prefix with another slot (a
+sibling sample of the same prompt, a common system prompt) copies that slot's cache instead
+of evaluating the prefix again; a prompt whose shared prefix a sibling is still evaluating
+waits for it.
 
-A sequence's logits may depend on what else is in the batch: llama.cpp does not promise
-otherwise, and backends such as CUDA compute a batch with other kernels than a single row. On
-the CPU build tested here they did not (tests/test_server.py), but the same seed is promised
-to repeat its text only in the same company: alone, or with the same batch.
+**Same tokens, same logits.** llama.cpp computes a row with other kernels depending on its
+batch (one row or many; on the CPU its flash attention also by batch size and thread count,
+which the engine turns off), and the rounding differs. So that a reply is a function of the
+conversation's tokens, the sampler and the seed alone, whatever the cache holds, every
+prompt is evaluated the one canonical way: in chunks aligned to multiples of ``CHUNK``
+positions, each chunk decoded alone, and the logits of its last token sampled. A cache is
+reused only for whole chunks evaluated that way (``Slot.canonical``), never for the tokens a
+reply generated one at a time: the next turn evaluates them again as prompt. The generating
+rows of several sequences share a batch; on the CPU that changes no row (tests).
 """
 
 from __future__ import annotations
@@ -50,6 +55,10 @@ MEASURE_EVERY = 16  # every 16th step of threaded chains runs them one after ano
 # full), which costs about as much as evaluating one or two tokens: benchmarks/bench_batch.py
 # --sections sharing measures both.
 SHARE_FROM = 16
+# Prompts are evaluated in chunks aligned to multiples of this many positions (see the module
+# docstring). Smaller chunks would let a chat turn keep more of its cache; each chunk is a
+# llama_decode of its own (benchmarks/bench_determinism.py measures the cost).
+CHUNK = 64
 
 
 @dataclass(frozen=True)
@@ -152,6 +161,14 @@ class Slot:
     index: int
     tokens: list[int] = field(default_factory=list)
     generation: Generation | None = None
+    # The first `canonical` tokens' cells were evaluated as whole aligned chunks (a multiple
+    # of CHUNK): only they may be reused by another prompt.
+    canonical: int = 0
+
+    def reusable(self, prompt: list[int]) -> int:
+        """How many of ``prompt``'s first tokens this slot's cache can keep."""
+        return _whole_chunks(min(_shared_prefix(self.tokens, prompt), self.canonical,
+                                 len(prompt) - 1))
 
 
 class Decoder:
@@ -201,7 +218,7 @@ class Decoder:
         free = [slot for slot in self.slots if slot.generation is None]
         if not free:
             raise RuntimeError("every slot is busy")
-        slot = max(free, key=lambda s: (_shared_prefix(s.tokens, prompt), -s.index))
+        slot = max(free, key=lambda s: (s.reusable(prompt), -s.index))
         if generation.chain.in_graph:
             generation.chain.attach(self._ctx, slot.index)
         generation.todo = self._reuse(slot, prompt)
@@ -215,25 +232,22 @@ class Decoder:
         slot = self.slots[0]
         rest = self._reuse(slot, tokens)
         try:
-            for start in range(0, len(rest), self.n_batch):
-                chunk = rest[start:start + self.n_batch]
-                for j, token in enumerate(chunk):
-                    self._put(j, token, slot, j, j == len(chunk) - 1)
-                self._batch.n_tokens = len(chunk)
-                self._decode()
-                slot.tokens += chunk
+            while rest:
+                chunk = rest[:self._chunk_length(slot, len(rest))]
+                self._evaluate_chunk(slot, chunk, last=len(chunk) == len(rest))
+                del rest[:len(chunk)]
         except BaseException:
             self._forget(slot)
             raise
 
     def _reuse(self, slot: Slot, tokens: list[int]) -> list[int]:
         """Keep the slot's cache for the prefix it shares with ``tokens``; the rest, to
-        evaluate. At least two tokens are evaluated again: llama.cpp computes a one-token
-        batch with other kernels, and a repeated request would not repeat under its seed."""
-        shared = max(0, min(_shared_prefix(slot.tokens, tokens), len(tokens) - 2))
-        llama_cpp.llama_memory_seq_rm(self._memory, slot.index, shared, -1)
-        del slot.tokens[shared:]
-        return tokens[shared:]
+        evaluate (at least the last token, whose logits the first sample needs)."""
+        keep = slot.reusable(tokens)
+        llama_cpp.llama_memory_seq_rm(self._memory, slot.index, keep, -1)
+        del slot.tokens[keep:]
+        slot.canonical = keep
+        return tokens[keep:]
 
     def _share_prompts(self) -> list[Generation]:
         """Give each prompt still to evaluate the longest prefix cached in any other slot,
@@ -242,9 +256,8 @@ class Decoder:
         pending = [g for g in self.live if g.todo]
         for generation in pending:
             slot, prompt = generation.slot, generation.prompt_tokens
-            shared, _, source = max(((_shared_prefix(s.tokens, prompt), -s.index, s)
-                                     for s in self.slots if s is not slot), default=(0, 0, None))
-            keep = min(shared, len(prompt) - 2)  # as in _reuse
+            keep, _, source = max(((s.reusable(prompt), -s.index, s)
+                                   for s in self.slots if s is not slot), default=(0, 0, None))
             if keep - len(slot.tokens) >= self.share_from:
                 self._copy_prefix(source, slot, keep)
                 generation.todo = prompt[keep:]
@@ -254,8 +267,9 @@ class Decoder:
         """Whether ``generation`` is to wait for ``sibling`` to evaluate their shared prefix:
         it would save ``share_from`` tokens, and the sibling is further along it (or as far,
         in a lower slot: a strict order, so someone always goes)."""
-        shared = min(_shared_prefix(generation.prompt_tokens, sibling.prompt_tokens),
-                     len(generation.prompt_tokens) - 2)
+        prompt = generation.prompt_tokens
+        shared = _whole_chunks(min(_shared_prefix(sibling.prompt_tokens, prompt),
+                                   len(prompt) - 1))
         mine, theirs = len(generation.slot.tokens), len(sibling.slot.tokens)
         if shared - mine < self.share_from:
             return False
@@ -268,10 +282,12 @@ class Decoder:
         llama_cpp.llama_memory_seq_cp(self._memory, source.index, slot.index, -1, -1)
         llama_cpp.llama_memory_seq_rm(self._memory, slot.index, n, -1)
         slot.tokens = source.tokens[:n]
+        slot.canonical = n
 
     def _forget(self, slot: Slot) -> None:
         """Empty one slot's cache (after a failure, what it holds is no longer known)."""
         slot.tokens.clear()
+        slot.canonical = 0
         llama_cpp.llama_memory_seq_rm(self._memory, slot.index, 0, -1)
 
     def _decode(self) -> None:
@@ -284,6 +300,7 @@ class Decoder:
         """Empty every slot's cache."""
         for slot in self.slots:
             slot.tokens.clear()
+            slot.canonical = 0
         llama_cpp.llama_memory_clear(self._memory, True)
 
     def cancel(self, generation: Generation) -> None:
@@ -294,63 +311,78 @@ class Decoder:
     # ---- one step ----
 
     def step(self) -> None:
-        """Decode one batch: a token of every generating sequence, then prompt tokens.
+        """Evaluate prompt chunks, then decode one token of every generating sequence.
 
-        The batch lists the sequences in the order of their ids (slots): with a cache of its
-        own for each sequence, llama.cpp splits a batch into micro-batches of consecutive
-        sequence ids, so in the order sequences happened to join it would split into many
-        small ones, each a matrix-vector product (measured: 23.0 instead of 40.0 tok/s for
-        32 sequences of Qwen2.5-1.5B on 2 cores).
+        Each prompt chunk is a decode of its own (see the module docstring); a prompt whose
+        last chunk is in samples its first token at once. The generating sequences' tokens
+        then go in one batch, in the order of their ids (slots): with a cache of its own for
+        each sequence, llama.cpp splits a batch into micro-batches of consecutive sequence
+        ids, so in the order sequences happened to join it would split into many small ones,
+        each a matrix-vector product (measured: 23.0 instead of 40.0 tok/s for 32 sequences of
+        Qwen2.5-1.5B on 2 cores).
         """
         if not self.live:
             return
-        # What goes in: every generating sequence's token, then prompt tokens up to n_batch
-        # (lower slots first; a prompt cut short goes on in the next step).
-        room = self.n_batch - sum(g.next_token is not None for g in self.live)
-        waiting = self._share_prompts()
-        chunks: dict[Generation, list[int]] = {}
-        for generation in self.live:
-            if generation.todo and room > 0 and generation not in waiting:
-                chunks[generation] = generation.todo[:room]
-                room -= len(chunks[generation])
-        fed: list[tuple[Generation, int]] = []   # (generation, prompt tokens in the batch)
-        wants: list[tuple[Generation, int]] = []  # (generation, batch index of its logits)
-        n = 0
-        for generation in self.live:  # in slot order (add keeps it so)
-            if generation.next_token is not None:
-                self._put(n, generation.next_token, generation.slot, 0, True)
-                wants.append((generation, n))
-                n += 1
-            elif generation in chunks:
-                chunk = chunks[generation]
-                complete = len(chunk) == len(generation.todo)
-                for j, token in enumerate(chunk):
-                    self._put(n, token, generation.slot, j, complete and j == len(chunk) - 1)
-                    n += 1
-                fed.append((generation, len(chunk)))
-                if complete:
-                    wants.append((generation, n - 1))
-        self._batch.n_tokens = n
+        generating = [g for g in self.live if g.next_token is not None]  # in slot order
         try:
+            self._evaluate_prompts(max(CHUNK, self.n_batch - len(generating)))
+            if not generating:
+                return
+            for i, generation in enumerate(generating):
+                self._put(i, generation.next_token, generation.slot, 0, True)
+            self._batch.n_tokens = len(generating)
             self._decode()
-            self.tuner.observe()
-            for generation, _ in wants:  # the token it fed, if any, is in its cache now
-                if generation.next_token is not None:
-                    generation.slot.tokens.append(generation.next_token)
-                    generation.next_token = None
-            for generation, count in fed:
-                generation.slot.tokens += generation.todo[:count]
-                del generation.todo[:count]
-            decoded = time.perf_counter()
-            tokens = self._choose(wants)
-            for (generation, index), token in zip(wants, tokens):
-                self._take(generation, index, token, decoded)
+            for generation in generating:  # the token it fed is in its cache now
+                generation.slot.tokens.append(generation.next_token)
+                generation.next_token = None
+            self._sample([(g, i) for i, g in enumerate(generating)])
         except BaseException:
             # A Ctrl-C or an error mid-step: what the KV cells hold is no longer known.
             for generation in list(self.live):
                 self._forget(generation.slot)
                 self._finish(generation, "interrupted")
             raise
+
+    def _evaluate_prompts(self, room: int) -> None:
+        """Evaluate whole chunks of the prompts still to evaluate, lower slots first, up to
+        ``room`` tokens; a prompt whose last chunk is in samples its first token."""
+        waiting = self._share_prompts()
+        for generation in list(self.live):
+            if not generation.todo or generation in waiting:
+                continue
+            slot = generation.slot
+            while generation.todo:
+                n = self._chunk_length(slot, len(generation.todo))
+                if n > room:
+                    return
+                chunk, last = generation.todo[:n], n == len(generation.todo)
+                self._evaluate_chunk(slot, chunk, last)
+                del generation.todo[:n]
+                room -= n
+                if last:
+                    self._sample([(generation, n - 1)])
+
+    def _chunk_length(self, slot: Slot, left: int) -> int:
+        """The next chunk of a prompt: up to the next multiple of CHUNK, or its end."""
+        return min(CHUNK - len(slot.tokens) % CHUNK, left)
+
+    def _evaluate_chunk(self, slot: Slot, chunk: list[int], last: bool) -> None:
+        """Decode one aligned chunk alone (logits for its last token when ``last``)."""
+        for j, token in enumerate(chunk):
+            self._put(j, token, slot, j, last and j == len(chunk) - 1)
+        self._batch.n_tokens = len(chunk)
+        self._decode()
+        if len(chunk) == CHUNK and slot.canonical == len(slot.tokens):
+            slot.canonical += CHUNK
+        slot.tokens += chunk
+
+    def _sample(self, wants: list[tuple[Generation, int]]) -> None:
+        """Choose and record the next token of each (generation, batch index of its logits)
+        of the last decode."""
+        self.tuner.observe()
+        decoded = time.perf_counter()
+        for (generation, index), token in zip(wants, self._choose(wants)):
+            self._take(generation, index, token, decoded)
 
     def _put(self, i: int, token: int, slot: Slot, offset: int, logits: bool) -> None:
         batch = self._batch
@@ -397,7 +429,8 @@ class Decoder:
             started = time.thread_time()
             for i, chain, index in cpu:
                 tokens[i] = chain.sample(ctx, index)
-            self._chain_s = (time.thread_time() - started) / len(cpu)
+            if len(cpu) > 1:  # a step of several chains: the only kind the choice is for
+                self._chain_s = (time.thread_time() - started) / len(cpu)
         return tokens
 
     def _take(self, generation: Generation, index: int, token: int, decoded: float) -> None:
@@ -468,6 +501,11 @@ class Decoder:
 def _run_chains(group: list[tuple[int, SamplerChain, int]]) -> list[tuple[int, int]]:
     """(position, token) for each (position, chain, logits address) of the group."""
     return [(i, chain.sample_from(logits)) for i, chain, logits in group]
+
+
+def _whole_chunks(n: int) -> int:
+    """``n`` tokens rounded down to whole chunks."""
+    return max(0, n) // CHUNK * CHUNK
 
 
 def _shared_prefix(a: list[int], b: list[int]) -> int:

@@ -29,7 +29,7 @@ from typing import Callable, Iterator
 from .chain import SamplerChain, check_in_graph
 from .decoder import MAX_LOGPROBS, Decoder, Generation, GenerationResult, TokenLogprob  # noqa: F401
 from .models import ModelError, resolve_model
-from .samplers import SEED, SamplerSpec, SpecError, spec_of
+from .samplers import SEED, SamplerSpec, SpecError, seed_or_fresh, spec_of
 from .threads import ThreadTuner, default_threads
 
 import llama_cpp  # noqa: E402  (after .chain, which checks its version)
@@ -138,7 +138,8 @@ class Engine:
             other processes keep some of them busy (:mod:`adaptive_llama.threads`).
         parallel: sequences decoded together (slots); the KV cache holds
             ``parallel x n_ctx`` tokens.
-        seed: default seed of every generation, 0 to 2**32 - 1.
+        seed: the seed of every generation that names none, 0 to 2**32 - 1; None (the
+            default): a fresh random seed for each, reported in its result.
         verbose: show llama.cpp's own log.
         backend_sampling: run the sampler chain inside llama.cpp's graph, on the device that
             holds the output layer (:mod:`adaptive_llama.graph`): only the chosen token and
@@ -154,7 +155,7 @@ class Engine:
     """
 
     def __init__(self, model=None, *, n_gpu_layers: int = 0, n_ctx: int = 2048,
-                 n_threads: int | None = None, parallel: int = 1, seed: int = 0,
+                 n_threads: int | None = None, parallel: int = 1, seed: int | None = None,
                  verbose: bool = False, backend_sampling: bool = False):
         _check_int("n_gpu_layers", n_gpu_layers, low=-1)
         _check_int("n_ctx", n_ctx, low=0)
@@ -167,8 +168,13 @@ class Engine:
         if not isinstance(backend_sampling, bool):
             raise ValueError(f"`backend_sampling` has to be True or False, but is "
                              f"{backend_sampling!r}")
-        self.seed = SEED.validate(seed)
+        self.seed = None if seed is None else SEED.validate(seed)
         self.backend_sampling = backend_sampling
+        self.n_gpu_layers = n_gpu_layers
+        # Whether a token's logits are a function of the tokens before it alone (whatever
+        # the batch, the cache, the threads or the other sequences): on the CPU, yes (see
+        # _new_context); with layers on a GPU, llama.cpp's kernels depend on the batch.
+        self.batch_invariant = n_gpu_layers == 0
         self.path: Path = resolve_model(model)
         set_llama_log(verbose)
         self._model = self._load_model(n_gpu_layers, verbose)
@@ -192,6 +198,11 @@ class Engine:
     def _load_model(self, n_gpu_layers: int, verbose: bool):
         params = llama_cpp.llama_model_default_params()
         params.n_gpu_layers = 0x7FFFFFFF if n_gpu_layers == -1 else n_gpu_layers
+        # No repacked weight layouts (AVX2/AVX-512 repack, AMX): they compute a row with
+        # other kernels depending on its place in the batch (groups of four rows against
+        # single rows), so a reply would depend on what else was decoded with it; and the
+        # AMX path crashed (SIGSEGV in ggml_backend_amx_mul_mat) on the AMX CPUs of our CI.
+        params.use_extra_bufts = False
         try:
             return _internals.LlamaModel(path_model=str(self.path), params=params,
                                          verbose=verbose)
@@ -212,6 +223,14 @@ class Engine:
         params.n_batch = params.n_ubatch = min(N_BATCH, params.n_ctx)
         params.n_threads = params.n_threads_batch = threads
         params.no_perf = True
+        if self.batch_invariant:
+            # Batch-invariant evaluation (see batch_invariant): llama.cpp's CPU flash attention
+            # computes a row with other kernels in a batch of 64 or more rows, and splits a
+            # single row's attention over the threads once 512 cells are in view, so the
+            # logits of a token depended on how its prompt was batched, on the cache, on the
+            # thread count and on the other sequences. Without it every row is computed the
+            # same way, whatever the batch (tests/test_determinism.py checks it bit for bit).
+            params.flash_attn_type = llama_cpp.LLAMA_FLASH_ATTN_TYPE_DISABLED
         if self.backend_sampling:
             # The sampled logits, probabilities and ids take V entries per possible output:
             # at most one output per sequence per step, not n_batch of them.
@@ -229,7 +248,7 @@ class Engine:
 
     def _graph_can_sample(self) -> bool:
         """Whether the output device runs the adaptive chain in the graph (a trial attach)."""
-        with SamplerChain("adaptive:temp=0.7", self.seed, self.n_vocab, in_graph=True) as chain:
+        with SamplerChain("adaptive:temp=0.7", 0, self.n_vocab, in_graph=True) as chain:
             try:
                 chain.attach(self.ctx, 0)
             except SpecError as exc:
@@ -377,7 +396,7 @@ class Engine:
             raise ContextOverflow(
                 f"the prompt has {len(prompt_tokens)} tokens, but the context window holds "
                 f"{self.n_ctx}: shorten it or raise n_ctx")
-        chain = SamplerChain(spec, self.seed if seed is None else seed, self.n_vocab,
+        chain = SamplerChain(spec, seed_or_fresh(self.seed if seed is None else seed), self.n_vocab,
                              grammar=grammar, vocab_model=self._model,
                              record_stats=record_stats, in_graph=self.backend_sampling)
         # An empty stop string would end every reply at once: it is no stop string.

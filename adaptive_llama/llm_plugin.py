@@ -13,7 +13,6 @@ sampler, seed, backend, mean k...).
 from __future__ import annotations
 
 import json
-import secrets
 import threading
 from pathlib import Path
 from typing import Optional
@@ -199,9 +198,7 @@ class AdaptiveModel(llm.Model):
                 reply = chat.send(prompt.prompt)
             else:  # a base model continues the text
                 text = prompt.prompt if not prompt.system else f"{prompt.system}\n\n{prompt.prompt}"
-                seed = options.seed if options.seed is not None else secrets.randbits(32)
-                reply = engine.stream(engine.tokenize(text), sampler=settings["sampler"],
-                                      max_tokens=settings["max_tokens"], seed=seed)
+                reply = engine.stream(engine.tokenize(text), **settings)
         except (ContextOverflow, SpecError) as exc:
             raise llm.ModelError(str(exc)) from None
         yield from reply

@@ -14,6 +14,8 @@ This module imports neither llama_cpp nor numpy: a chain builder is handed to ea
 
 from __future__ import annotations
 
+import secrets
+
 import math
 from dataclasses import dataclass, field, replace
 from typing import Any, Callable, Protocol
@@ -130,6 +132,13 @@ TEMP = Param("temp", float, 1.0, "temperature, applied before the sampler (1: no
              low=1e-6, high=1e6)
 # Seeds reach llama.cpp as uint32: a larger one would silently wrap to another seed.
 SEED = Param("seed", int, 0, "random seed", low=0, high=2**32 - 1)
+
+
+def seed_or_fresh(seed: int | None) -> int:
+    """The one seed rule of the API, CLI, REPL, servers and llm plugin: a seed given is used
+    as it is (the same request, the same reply); None draws a fresh random seed, which the
+    result reports so that the reply can be repeated."""
+    return secrets.randbits(32) if seed is None else seed
 _MASS = Param("p", float, 0.95, "probability mass kept", low=0.0, high=1.0, low_open=True)
 _TOP_K = Param("k", int, 40, "tokens kept", low=1, high=INT32_MAX)
 _MIROSTAT_TAU = Param("tau", float, 5.0, "target surprise, in bits", low=0.0, low_open=True)

@@ -7,6 +7,7 @@ import llama_cpp
 import pytest
 
 from adaptive_llama import ContextOverflow, Engine, ModelError
+from adaptive_llama import decoder
 from adaptive_llama.decoder import _shared_prefix
 from adaptive_llama.samplers import SpecError
 
@@ -174,7 +175,6 @@ def test_chains_sampled_in_threads_choose_what_one_thread_would(smollm2_path, mo
     are those of sampling them one after another (the decode itself is the same: 2 threads)."""
     import threading
 
-    from adaptive_llama import decoder
 
     where = []
 
@@ -270,7 +270,8 @@ def test_each_batch_lists_its_sequences_in_slot_order(batched, monkeypatch):
 
 SHARED = ("This chapter of a science book for young readers explains, in plain words and "
           "short sentences, why everyday things in nature are the way they are. Each section "
-          "answers one question that children often ask their parents and teachers. ")
+          "answers one question that children often ask their parents and teachers. ") * 3
+# Prompts are evaluated and shared in whole chunks: the shared prefix spans several.
 QUESTIONS = [SHARED + q for q in ("The sky is blue because", "Cats purr because",
                                   "The sea is salty because", "Leaves fall in autumn because")]
 
@@ -284,15 +285,19 @@ def fed_tokens(engine, monkeypatch) -> list[int]:
     return fed
 
 
+def whole_chunks(n: int) -> int:
+    return n // decoder.CHUNK * decoder.CHUNK
+
+
 def alone(engine, prompt, **kwargs):
     engine.decoder.forget()  # from an empty cache
     return engine.generate(prompt, **kwargs)
 
 
 def test_siblings_wait_for_the_shared_prefix_and_copy_it(batched, monkeypatch):
-    # Three prompts sharing about 44 tokens in three empty slots: the first evaluates the
-    # prefix while the others wait a step, then they copy it. The same tokens come out as
-    # with no sharing, and as each alone.
+    # Three prompts sharing about 130 tokens in three empty slots: the first evaluates the
+    # prefix while the others wait, then they copy its whole chunks. The same tokens come
+    # out as with no sharing, and as each alone.
     samplers, seeds = ["greedy", "adaptive", "top-p:p=0.9"], [1, 2, 3]
     prefix = len(batched.tokenize(SHARED))
     assert prefix >= 2 * batched.decoder.share_from
@@ -306,7 +311,7 @@ def test_siblings_wait_for_the_shared_prefix_and_copy_it(batched, monkeypatch):
     (shared, fed_shared), (separate, fed_separate) = runs.values()
     assert [r.tokens for r in shared] == [r.tokens for r in separate]
     # two of three prefixes copied (the tokenizer may merge a token at the seam)
-    assert fed_separate - fed_shared >= 2 * (prefix - 2)
+    assert fed_separate - fed_shared >= 2 * whole_chunks(prefix - 1) > 0
     for prompt, sampler, seed, result in zip(QUESTIONS, samplers, seeds, shared):
         assert alone(batched, prompt, sampler=sampler, seed=seed, max_tokens=12).tokens \
             == result.tokens
@@ -324,8 +329,9 @@ def test_a_prompt_copies_the_prefix_from_a_sibling_that_generated_past_it(batche
     second.text()
     first.text()
     prefix = len(batched.tokenize(SHARED))
-    # the second prompt's first step: the first's next token and the second's own suffix
-    assert fed[0] <= 1 + len(second_tokens) - (prefix - 2)
+    # the shared whole chunks were copied, not evaluated: what was fed is the second's own
+    # suffix and one token per step of each generation
+    assert sum(fed) <= len(second_tokens) - whole_chunks(prefix - 1) + 12 + 20
     assert second.result.tokens == alone(batched, QUESTIONS[3], sampler="adaptive", seed=4,
                                          max_tokens=12).tokens
     assert first.result.tokens == alone(batched, QUESTIONS[0], sampler="greedy",

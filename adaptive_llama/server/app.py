@@ -30,7 +30,6 @@ import hmac
 import itertools
 import json
 import logging
-import secrets
 import time
 from typing import Literal
 
@@ -221,7 +220,7 @@ class Server:
                                          body.logprobs_wanted())
         return Job(prompt_tokens=prompt_tokens, sampler=sampler,
                    max_tokens=min(max_tokens or room, room),
-                   seed=body.seed if body.seed is not None else secrets.randbits(32),
+                   seed=body.seed,
                    stop=stop, stream=body.stream, loop=asyncio.get_running_loop(),
                    logprobs=logprobs)
 

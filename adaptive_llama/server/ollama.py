@@ -22,7 +22,6 @@ import asyncio
 import datetime
 import hashlib
 import json
-import secrets
 from pathlib import Path
 
 from fastapi import Request
@@ -146,7 +145,7 @@ def add_routes(app, server: Server, max_body: int) -> None:
         sampler, _ = server.checked(sampler_for(server.sampler, options), None)
         return Job(prompt_tokens=tokens, sampler=sampler,
                    max_tokens=min(wanted, room),
-                   seed=options.seed if options.seed is not None else secrets.randbits(32),
+                   seed=options.seed,
                    stop=[s for s in options.stop or [] if s], stream=body.stream,
                    loop=asyncio.get_running_loop())
 

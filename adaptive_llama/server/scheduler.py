@@ -37,7 +37,7 @@ class Job:
     prompt_tokens: list[int]
     sampler: SamplerSpec
     max_tokens: int
-    seed: int
+    seed: int | None  # None: the engine's rule (its seed, else a fresh one)
     stop: list[str]
     stream: bool  # the client wants the pieces as they come (otherwise only the result)
     loop: asyncio.AbstractEventLoop

@@ -1,0 +1,83 @@
+"""Same seed, same reply, whatever the cache holds: a reply is a function of the model, the
+conversation's tokens, the sampler spec and the seed (README, "Reproducibility").
+
+On the CPU the engine evaluates batch-invariantly (no flash attention, no repacked weights),
+so a token's logits do not depend on how its prompt was split into batches, on what the
+cache held, on the thread count or on the other sequences. Prompts here are long (266 to
+530 tokens): llama.cpp's CPU flash attention changed kernels at 64 rows and split a row's
+attention over the threads at 512 cached cells, which short prompts never reach.
+"""
+
+import re
+
+import numpy as np
+import llama_cpp
+
+from adaptive_llama import Engine
+from conftest import GPU_LAYERS
+from test_repl import chat as repl_chat
+
+LONG = ("The history of the river Danube is long and full of events. " * 20
+        + "Tell me about the sea:")  # 266 tokens
+
+
+def logits_after(engine, tokens):
+    engine.prefill(tokens)
+    row = llama_cpp.llama_get_logits_ith(engine.ctx, -1)
+    return np.ctypeslib.as_array(row, shape=(engine.n_vocab,)).copy()
+
+
+def test_a_tokens_logits_do_not_depend_on_how_its_prompt_was_batched(engine):
+    tokens = engine.tokenize(LONG * 2)  # 531 tokens: a 512-token batch and the rest
+    engine.clear_cache()
+    whole = logits_after(engine, tokens)
+    engine.clear_cache()
+    engine.prefill(tokens[:37])
+    engine.prefill(tokens[:300])  # 263 more from a cache of 37
+    in_pieces = logits_after(engine, tokens)
+    from_cache = logits_after(engine, tokens)  # all cached: the last token alone again
+    assert np.array_equal(whole, in_pieces)
+    assert np.array_equal(whole, from_cache)
+    engine.clear_cache()
+
+
+def test_same_seed_same_reply_whatever_the_cache_holds(engine):
+    def reply():
+        return engine.generate(LONG, sampler="adaptive:eps=0.0005", seed=42,
+                               max_tokens=40).text
+
+    texts = [reply() for _ in range(3)]
+    engine.clear_cache()
+    texts.append(reply())
+    assert texts[0] and texts == [texts[0]] * 4
+
+
+def test_the_thread_count_changes_no_reply(smollm2_path):
+    prompt = LONG * 2  # past 512 cached cells, where flash attention split by threads
+    texts = []
+    for threads in (1, 2):
+        engine = Engine(smollm2_path, n_ctx=1024, n_threads=threads, n_gpu_layers=GPU_LAYERS)
+        try:
+            texts.append(engine.generate(prompt, sampler="adaptive", seed=3,
+                                         max_tokens=24).text)
+        finally:
+            engine.close()
+    assert texts[0] and texts[0] == texts[1]
+
+
+def test_regenerating_a_later_turn_repeats_it_even_from_an_empty_cache(engine):
+    chat = engine.chat(system=LONG, sampler="adaptive", seed=7, max_tokens=24)
+    chat.send("Hello! Which rivers do you know?").text()
+    second = chat.send("And which seas?").text()
+    assert chat.regenerate().text() == second  # the cache holds the whole conversation
+    engine.clear_cache()  # as a new process would start: every turn evaluated anew
+    assert chat.regenerate().text() == second
+    assert second
+
+
+def test_compare_with_the_same_sampler_repeats_the_reply_after_a_long_conversation():
+    out = repl_chat(f"/set system {LONG}", "Hello! Which rivers do you know?",
+                    "And which seas?", "/compare adaptive", args=("--seed", "5"))
+    shown = re.findall(r"--- adaptive:[^\n]* ---\n(.*?)\n[^\n]*tokens/s", out, re.S)
+    assert len(shown) == 2 and shown[0].strip()
+    assert shown[0].strip() == shown[1].strip()
