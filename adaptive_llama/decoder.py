@@ -226,16 +226,24 @@ class Decoder:
         # live stays in slot order: step() lists the batch in this order
         bisect.insort(self.live, generation, key=lambda g: g.slot.index)
 
-    def evaluate(self, tokens: list[int]) -> None:
+    def evaluate(self, tokens: list[int], generated: int = 0) -> None:
         """Evaluate tokens in the first slot, outside any generation (its cache is reused for
-        a shared prefix); the logits of the last one stay in the context."""
+        a shared prefix); the logits of the last one stay in the context. The last
+        ``generated`` tokens are decoded one at a time, as a generation decodes the tokens it
+        made, so that the logits are those that generation saw."""
         slot = self.slots[0]
-        rest = self._reuse(slot, tokens)
+        prompt, made = tokens[:len(tokens) - generated], tokens[len(tokens) - generated:]
+        rest = self._reuse(slot, prompt)
         try:
             while rest:
                 chunk = rest[:self._chunk_length(slot, len(rest))]
                 self._evaluate_chunk(slot, chunk, last=len(chunk) == len(rest))
                 del rest[:len(chunk)]
+            for token in made:
+                self._put(0, token, slot, 0, True)
+                self._batch.n_tokens = 1
+                self._decode()
+                slot.tokens.append(token)
         except BaseException:
             self._forget(slot)
             raise

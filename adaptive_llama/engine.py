@@ -375,13 +375,15 @@ class Engine:
 
     # ---- generation ----
 
-    def prefill(self, tokens: list[int]) -> None:
+    def prefill(self, tokens: list[int], generated: int = 0) -> None:
         """Evaluate ``tokens`` in the first slot (reusing its cache for a shared prefix); the
         context then holds the logits that follow them (``llama_get_logits_ith(ctx, -1)``).
-        For measurements and tests; generation does this itself."""
+        The last ``generated`` of them are decoded one at a time, as a generation decodes
+        the tokens it made: the logits are then those that generation sampled from. For
+        measurements and tests; generation does this itself."""
         if self.decoder.live:
             raise RuntimeError("prefill needs an idle engine: generations are running")
-        self.decoder.evaluate(tokens)
+        self.decoder.evaluate(tokens, generated)
 
     def start(self, prompt_tokens: list[int], *, sampler: SamplerSpec | str = "adaptive",
               max_tokens: int = 256, seed: int | None = None, stop: list[str] | tuple = (),

@@ -175,7 +175,6 @@ def test_chains_sampled_in_threads_choose_what_one_thread_would(smollm2_path, mo
     are those of sampling them one after another (the decode itself is the same: 2 threads)."""
     import threading
 
-
     where = []
 
     def recorded(group):

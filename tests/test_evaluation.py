@@ -303,7 +303,7 @@ def test_eval_end_to_end_on_the_bundled_model_and_resume(tmp_path, smollm2_path)
     assert len(lines) == 7 * 3 * 2 + 3 + 8 * 3 + 4 * 2 * 3
 
     scores = (out / "scores.jsonl").read_text()
-    assert '"key": "mauve|' in scores and '"key": "paired_mauve|' in scores
+    assert '"key": "mauve|' in scores and '"key": "paired_mauve_permutation|' in scores
 
     # An interrupted run: half the generations gone, the last line cut short. The rerun
     # makes only what is missing, and (seeded) makes it exactly as before.

@@ -117,10 +117,11 @@ def graph_engine(smollm2_path):
 
 
 def replay_logits(engine, prompt, tokens):
-    """The raw logits before each token of ``tokens``, from an engine sampling on the CPU."""
+    """The raw logits before each token of ``tokens``, from an engine sampling on the CPU
+    (the generated tokens decoded one at a time, as the generation did)."""
     rows, context = [], engine.prompt_tokens(prompt)
-    for token in tokens:
-        engine.prefill(context)
+    for generated, token in enumerate(tokens):
+        engine.prefill(context, generated)
         rows.append(np.ctypeslib.as_array(llama_cpp.llama_get_logits_ith(engine.ctx, -1),
                                           shape=(engine.n_vocab,)).copy())
         context = context + [token]

@@ -96,11 +96,22 @@ def test_paired_mauve_of_a_method_with_itself_is_zero():
     rng = np.random.default_rng(0)
     a = rng.normal(size=(60, 16)).astype(np.float32)
     q = rng.normal(0.3, 1, size=(60, 16)).astype(np.float32)
-    same = metrics.paired_bootstrap_mauve(a, a, q, n_boot=5)
+    same = metrics.paired_mauve(a, a, q, resamples=5)
     assert same["diff"] == 0 and same["ci"] == [0.0, 0.0] and same["p"] == 1.0
     far = rng.normal(4, 1, size=(60, 16)).astype(np.float32)
-    apart = metrics.paired_bootstrap_mauve(a, far, q, n_boot=10)
-    assert apart["diff"] > 0.3 and apart["ci"][0] > 0
+    apart = metrics.paired_mauve(a, far, q, resamples=19)
+    # every permutation mixes the far texts into both sides: none is as extreme (p = 1/20)
+    assert apart["diff"] > 0.3 and apart["ci"][0] > 0 and apart["p"] == pytest.approx(1 / 20)
+    assert apart["ci"][0] < apart["diff"] < apart["ci"][1]  # centred on its estimate
+
+
+def test_paired_mauve_of_two_alike_methods_is_not_distinguishable():
+    rng = np.random.default_rng(5)
+    q = rng.normal(0.3, 1, size=(80, 8)).astype(np.float32)
+    a, b = (rng.normal(size=(80, 8)).astype(np.float32) for _ in range(2))
+    alike = metrics.paired_mauve(a, b, q, resamples=19)
+    assert alike["ci"][0] < alike["diff"] < alike["ci"][1]
+    assert alike["ci"][0] < 0 < alike["ci"][1] and alike["p"] > 0.05
 
 
 def test_mauve_over_seeds_reports_mean_and_spread():

@@ -495,3 +495,27 @@ def test_bad_logprobs_requests_are_400s(server, client, path, body, needle):
     status, _, answer = raw("POST", server, path, body)
     assert status == 400 and needle in answer["error"]["message"], answer
     assert client.completions.create(model="any", prompt="Hi", max_tokens=2).choices
+
+
+def test_a_repeated_request_repeats_its_reply_from_the_cache_and_beside_another(client):
+    # A 190-token system prompt: evaluated in full, then from the cache, then beside another
+    # request that shares it (which may copy its chunks from this one's slot, or the other
+    # way round). The reply is the same each time.
+    system = {"role": "system", "content": "You are a careful guide to rivers and seas. " * 20}
+
+    def ask(question, seed):
+        return client.chat.completions.create(
+            model="any", max_tokens=16, seed=seed, extra_body={"sampler": "adaptive"},
+            messages=[system, {"role": "user", "content": question}]
+        ).choices[0].message.content
+
+    replies = [ask("Tell me about the sea.", 11), ask("Tell me about the sea.", 11)]
+    beside = {}
+    threads = [threading.Thread(target=lambda q=q, s=s: beside.update({s: ask(q, s)}))
+               for q, s in (("Tell me about the sea.", 11), ("Name a long river.", 12))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=120)
+    replies.append(beside[11])
+    assert replies[0] and replies == [replies[0]] * 3

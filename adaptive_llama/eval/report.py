@@ -184,8 +184,9 @@ def paired_section(paired: dict) -> list[str]:
     lines = [f"### Adaptive against each method, prefix by prefix ({paired['n_prefixes']} "
              "prefixes)", "",
              "Adaptive minus the method: mean difference, 95% bootstrap interval over prefixes "
-             f"(MAUVE: {paired['mauve_bootstrap']} resamples of the prefixes, both methods and "
-             "the human texts together), p-value Holm-adjusted across the methods. Lower "
+             f"(MAUVE: a paired permutation test and a half-sampling interval, "
+             f"{paired['mauve_bootstrap']} resamples each), p-value Holm-adjusted across the "
+             "methods. Lower "
              "rep-n is better; higher diversity, coherence and MAUVE are better.", "",
              "| against | " + " | ".join(METRIC_NAMES[m] for m in metrics) + " |",
              "|---" * (len(metrics) + 1) + "|"]

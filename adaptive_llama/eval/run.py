@@ -221,13 +221,13 @@ class Evaluator:
 
     def paired_mauve(self, a_texts: list[str], b_texts: list[str],
                      references: list[str]) -> dict:
-        """MAUVE(a) - MAUVE(b), with its bootstrap interval over prefixes (text i of each
-        list belongs to prefix i)."""
-        n_boot, seed = self.config.mauve_bootstrap, self.config.seed
+        """MAUVE(a) - MAUVE(b), its permutation p-value and half-sampling interval over
+        prefixes (text i of each list belongs to prefix i; :func:`metrics.paired_mauve`)."""
+        resamples, seed = self.config.mauve_bootstrap, self.config.seed
         return self.scores.get_or_compute(
-            "paired_mauve", [a_texts, b_texts, references, n_boot, seed],
-            lambda: metrics.paired_bootstrap_mauve(self.embed(a_texts), self.embed(b_texts),
-                                                   self.embed(references), n_boot, seed))
+            "paired_mauve_permutation", [a_texts, b_texts, references, resamples, seed],
+            lambda: metrics.paired_mauve(self.embed(a_texts), self.embed(b_texts),
+                                         self.embed(references), resamples, seed))
 
     # ---- the whole run ----
 
