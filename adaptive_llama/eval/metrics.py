@@ -134,8 +134,9 @@ def paired_mauve(a_features, b_features, q_features, resamples: int = 40,
       [-0.879, +0.004]). A random half of the prefixes, drawn without replacement, has
       no duplicates, and its difference varies about as much as the full estimate does
       (variance s^2 (1/m - 1/n) = s^2 / n at m = n/2), so the interval is the estimate plus
-      or minus 1.96 times the sd of those differences. Its coverage is checked by
-      simulation in benchmarks/mauve_coverage.py.
+      or minus 1.96 times the sd of those differences. Simulated (benchmarks/
+      mauve_coverage.py, 50 runs of 200 prefixes), it covered the true difference in 88%
+      and 92% of runs: about a 90% interval.
     """
     a, b, q = (np.asarray(x, dtype=np.float32) for x in (a_features, b_features, q_features))
     rng = np.random.default_rng(seed)
