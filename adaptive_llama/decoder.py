@@ -6,10 +6,10 @@ evaluates prompt chunks of newly joined sequences, then decodes one token of eve
 generating sequence in one batch, and samples each sequence that got logits with its own
 chain (costly chains side by side, in threads). Sequences join and finish independently; a
 finished one leaves its KV cells in its slot, so the next prompt that shares a prefix with
-them re-evaluates only the rest. A prompt that shares a longer prefix with another slot (a
-sibling sample of the same prompt, a common system prompt) copies that slot's cache instead
-of evaluating the prefix again; a prompt whose shared prefix a sibling is still evaluating
-waits for it.
+them re-evaluates only the rest (from its last whole chunk). A prompt that shares a longer
+prefix with another slot (a sibling sample of the same prompt, a common system prompt)
+copies that slot's cache instead of evaluating the prefix again; a prompt whose shared
+prefix a sibling is still evaluating waits for it.
 
 **Same tokens, same logits.** llama.cpp computes a row with other kernels depending on its
 batch (one row or many; on the CPU its flash attention also by batch size and thread count,
@@ -167,8 +167,7 @@ class Slot:
 
     def reusable(self, prompt: list[int]) -> int:
         """How many of ``prompt``'s first tokens this slot's cache can keep."""
-        return _whole_chunks(min(_shared_prefix(self.tokens, prompt), self.canonical,
-                                 len(prompt) - 1))
+        return _keepable(min(_shared_prefix(self.tokens, prompt), self.canonical), prompt)
 
 
 class Decoder:
@@ -239,11 +238,8 @@ class Decoder:
                 chunk = rest[:self._chunk_length(slot, len(rest))]
                 self._evaluate_chunk(slot, chunk, last=len(chunk) == len(rest))
                 del rest[:len(chunk)]
-            for token in made:
-                self._put(0, token, slot, 0, True)
-                self._batch.n_tokens = 1
-                self._decode()
-                slot.tokens.append(token)
+            for token in made:  # one row each, never canonical
+                self._evaluate_chunk(slot, [token], last=True)
         except BaseException:
             self._forget(slot)
             raise
@@ -276,8 +272,7 @@ class Decoder:
         it would save ``share_from`` tokens, and the sibling is further along it (or as far,
         in a lower slot: a strict order, so someone always goes)."""
         prompt = generation.prompt_tokens
-        shared = _whole_chunks(min(_shared_prefix(sibling.prompt_tokens, prompt),
-                                   len(prompt) - 1))
+        shared = _keepable(_shared_prefix(sibling.prompt_tokens, prompt), prompt)
         mine, theirs = len(generation.slot.tokens), len(sibling.slot.tokens)
         if shared - mine < self.share_from:
             return False
@@ -511,9 +506,10 @@ def _run_chains(group: list[tuple[int, SamplerChain, int]]) -> list[tuple[int, i
     return [(i, chain.sample_from(logits)) for i, chain, logits in group]
 
 
-def _whole_chunks(n: int) -> int:
-    """``n`` tokens rounded down to whole chunks."""
-    return max(0, n) // CHUNK * CHUNK
+def _keepable(shared: int, prompt: list[int]) -> int:
+    """Of ``shared`` cached tokens at the start of ``prompt``, how many a cache may keep: whole
+    chunks, and never the prompt's last token (evaluated again for its logits)."""
+    return max(0, min(shared, len(prompt) - 1)) // CHUNK * CHUNK
 
 
 def _shared_prefix(a: list[int], b: list[int]) -> int:

@@ -8,8 +8,10 @@ What runs where: the token loop (:mod:`adaptive_llama.decoder`) is Python: per s
 ``llama_decode`` of a batch holding a token of every running sequence, then one
 ``llama_sampler_sample`` per sequence. Inside it llama.cpp fills the candidate array and runs
 the chain (:mod:`adaptive_llama.chain`), whose adaptive and eta samplers are C
-(``native/adaptive.c``). Each sequence's KV cache is reused for the longest common prefix of
-tokens, so a chat turn only evaluates what is new. A ``KeyboardInterrupt`` (or
+(``native/adaptive.c``). Prompts are evaluated in aligned 64-token chunks, and a sequence's
+KV cache is reused for the whole chunks its prompt shares with what it holds (never for a
+reply's generated tokens), so that the same seed gives the same reply whatever the cache
+held. A ``KeyboardInterrupt`` (or
 :meth:`Stream.cancel`) stops a reply between tokens and leaves the engine ready for the next
 request. Conversations live in :mod:`adaptive_llama.chat`; :meth:`Engine.generate_batch`
 generates for many prompts at once.
@@ -170,7 +172,6 @@ class Engine:
                              f"{backend_sampling!r}")
         self.seed = None if seed is None else SEED.validate(seed)
         self.backend_sampling = backend_sampling
-        self.n_gpu_layers = n_gpu_layers
         # Whether a token's logits are a function of the tokens before it alone (whatever
         # the batch, the cache, the threads or the other sequences): on the CPU, yes (see
         # _new_context); with layers on a GPU, llama.cpp's kernels depend on the batch.

@@ -14,9 +14,8 @@ This module imports neither llama_cpp nor numpy: a chain builder is handed to ea
 
 from __future__ import annotations
 
-import secrets
-
 import math
+import secrets
 from dataclasses import dataclass, field, replace
 from typing import Any, Callable, Protocol
 
