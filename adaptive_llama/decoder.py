@@ -164,6 +164,10 @@ class Slot:
     # The first `canonical` tokens' cells were evaluated as whole aligned chunks (a multiple
     # of CHUNK): only they may be reused by another prompt.
     canonical: int = 0
+    # When a generation last joined (Decoder.add's count): among slots that keep as much of a
+    # prompt, the least recently used is overwritten, so that a cache that may be asked for
+    # again (the chat being read, the next request with a system prompt) lasts longest.
+    joined: int = 0
 
     def reusable(self, prompt: list[int]) -> int:
         """How many of ``prompt``'s first tokens this slot's cache can keep."""
@@ -196,6 +200,7 @@ class Decoder:
         self.share_from = SHARE_FROM
         self._chain_s = 0.0  # one chain's CPU time to choose a token, at the last measure
         self._steps = 0
+        self._joins = 0
 
     def close(self) -> None:
         for generation in list(self.live):
@@ -212,12 +217,15 @@ class Decoder:
     # ---- joining ----
 
     def add(self, generation: Generation) -> None:
-        """Give the generation the free slot whose cache shares most with its prompt."""
+        """Give the generation the free slot whose cache shares most with its prompt (the
+        least recently used among equals)."""
         prompt = generation.prompt_tokens
         free = [slot for slot in self.slots if slot.generation is None]
         if not free:
             raise RuntimeError("every slot is busy")
-        slot = max(free, key=lambda s: (s.reusable(prompt), -s.index))
+        slot = max(free, key=lambda s: (s.reusable(prompt), -s.joined, -s.index))
+        self._joins += 1
+        slot.joined = self._joins
         if generation.chain.in_graph:
             generation.chain.attach(self._ctx, slot.index)
         generation.todo = self._reuse(slot, prompt)
@@ -304,6 +312,7 @@ class Decoder:
         for slot in self.slots:
             slot.tokens.clear()
             slot.canonical = 0
+            slot.joined = 0
         llama_cpp.llama_memory_clear(self._memory, True)
 
     def cancel(self, generation: Generation) -> None:

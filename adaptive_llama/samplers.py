@@ -74,7 +74,7 @@ class Param:
     def _number(self, value: Any, name: str) -> int | float:
         what = "an integer" if self.kind is int else "a finite number"
         try:
-            number = float(value.strip() if isinstance(value, str) else value)
+            number = float(value)  # float() itself skips surrounding whitespace
         except (TypeError, ValueError, OverflowError):
             raise SpecError(f"`{name}` has to be {what}, but is {value!r}") from None
         if not math.isfinite(number):  # NaN, inf, and text such as 1e400

@@ -35,6 +35,12 @@ def write(home, text):
     return path
 
 
+def write_file(folder, text):
+    path = folder / "config.toml"
+    path.write_text(text)
+    return path
+
+
 def cli(*args, home):
     env = {**os.environ, "XDG_CONFIG_HOME": str(home)}
     return subprocess.run([sys.executable, "-m", "adaptive_llama.cli", *args], env=env,
@@ -95,7 +101,7 @@ def test_the_repl_shows_where_each_value_came_from(config_home):
     assert "system      Answer in one word." in out
 
 
-@pytest.mark.parametrize("text,needles", [
+BAD_FILES = [
     ('[models.smollm2]\nsampler = "min-p"\nctxx = 512\n', ["line 3", "`ctxx`", "ctx,"]),
     ('[models.smollm2]\nctx = 100\n', ["line 2", "`ctx`", ">= 256", "100"]),
     ('[models.smollm2]\nsampler = "nucleus"\n', ["line 2", "`sampler`", "unknown sampler"]),
@@ -103,7 +109,10 @@ def test_the_repl_shows_where_each_value_came_from(config_home):
     ('[models.smollm2]\nsampler = min-p\n', ["line 2", "Invalid value"]),
     ('[model.smollm2]\nctx = 512\n', ["line 1", "unknown `model`"]),
     ('models = 3\n', ["line 1", "unknown `models`"]),
-])
+]
+
+
+@pytest.mark.parametrize("text,needles", BAD_FILES)
 def test_a_bad_file_is_one_line_naming_file_line_and_key_and_nothing_starts(
         config_home, text, needles):
     path = write(config_home, text)
@@ -115,3 +124,67 @@ def test_a_bad_file_is_one_line_naming_file_line_and_key_and_nothing_starts(
         for needle in needles:
             assert needle in line, (needle, line)
         assert "loading" not in result.stderr and not result.stdout
+
+
+@pytest.mark.parametrize("text,needles", BAD_FILES + [
+    ('[models]\nsmollm2 = 3\n', ["line 2", "`models.smollm2` has to be a table"]),
+    ('[defaults]\n\nctx = 0\nthreads = 0\n',
+     ["line 4", "`threads` in [defaults] has to be an integer in [1, 4096], but is 0"]),
+    ('[defaults]\nthreads = true\n', ["line 2", "integer in [1, 4096], but is True"]),
+    ('[defaults]\nctx = 255\n',
+     ["`ctx` in [defaults] has to be an integer >= 256 (or 0), but is 255"]),
+    ('[defaults]\nn_gpu_layers = -2\n', ["line 2", "integer >= -1, but is -2"]),
+    ('[defaults]\nbackend_sampling = 1\n', ["line 2", "has to be true or false, but is 1"]),
+    ('[defaults]\nsystem = 1\n', ["line 2", "has to be text in quotes, but is 1"]),
+    ('[defaults]\nsampler = 0.5\n', ["line 2", "has to be a sampler spec in quotes"]),
+    ('defaults.threads = 0\n', ["`threads` in [defaults]"]),  # dotted: no line to name
+])
+def test_load_names_the_file_the_line_and_what_is_wrong(tmp_path, text, needles):
+    path = tmp_path / "config.toml"
+    path.write_text(text)
+    with pytest.raises(config.ConfigError) as info:
+        config.load(path)
+    message = str(info.value)
+    assert message.startswith(f"{path}")
+    for needle in needles:
+        assert needle in message, (needle, message)
+
+
+def test_every_key_accepts_its_bounds(tmp_path):
+    path = write_file(tmp_path, "[defaults]\nctx = 0\nthreads = 4096\nn_gpu_layers = -1\n"
+                      "backend_sampling = false\nsystem = \"\"\n[models.a]\nctx = 256\n"
+                      "threads = 1\n")
+    assert config.load(path) == {
+        "defaults": {"ctx": 0, "threads": 4096, "n_gpu_layers": -1,
+                     "backend_sampling": False, "system": ""},
+        "models.a": {"ctx": 256, "threads": 1}}
+
+
+def test_an_unreadable_file_is_named(tmp_path):
+    path = write_file(tmp_path, "")
+    path.write_bytes(b"[defaults]\nsystem = \"\xff\"\n")
+    with pytest.raises(config.ConfigError, match=f"^{path}: cannot be read"):
+        config.load(path)
+
+
+def test_the_file_lives_under_xdg_config_home_or_dot_config(monkeypatch, tmp_path):
+    monkeypatch.setenv("XDG_CONFIG_HOME", str(tmp_path))
+    assert config.config_path() == tmp_path / "adaptive-llama" / "config.toml"
+    monkeypatch.delenv("XDG_CONFIG_HOME")
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    assert config.config_path() == tmp_path / "home" / ".config" / "adaptive-llama" / "config.toml"
+
+
+def test_two_tables_naming_one_model_the_name_as_given_wins(tmp_path):
+    # A file names the model by its stem, file name and full path: the name the user typed is
+    # the most specific, then the full path, then the file name, then the stem.
+    gguf = tmp_path / "tiny.gguf"
+    path = write_file(tmp_path, f'[models.tiny]\nctx = 300\nthreads = 3\n'
+                                f'[models."tiny.gguf"]\nctx = 400\n'
+                                f'[models."{gguf}"]\nn_gpu_layers = 5\nctx = 500\n')
+    settings = config.settings_for(str(gguf), path)
+    assert settings.values == {"ctx": 500, "threads": 3, "n_gpu_layers": 5}
+    assert settings.source["ctx"] == f'{path} [models.{gguf}]'
+    assert settings.source["threads"] == f"{path} [models.tiny]"
+    assert config.settings_for("tiny.gguf", path).values["ctx"] == 400
+    assert config.settings_for(None, path).values == {}  # the bundled model: no table here

@@ -81,3 +81,13 @@ def test_compare_with_the_same_sampler_repeats_the_reply_after_a_long_conversati
     shown = re.findall(r"--- adaptive:[^\n]* ---\n(.*?)\n[^\n]*tokens/s", out, re.S)
     assert len(shown) == 2 and shown[0].strip()
     assert shown[0].strip() == shown[1].strip()
+
+
+def test_seed_zero_is_a_seed_not_a_missing_one(engine, monkeypatch):
+    # 0 is falsy: a rule written `seed or fresh()` would draw a random seed for it.
+    first, second = (engine.generate("Once upon a time", sampler="top-p:p=0.99,temp=1.5",
+                                     seed=0, max_tokens=16) for _ in range(2))
+    assert first.seed == second.seed == 0 and first.text == second.text
+    monkeypatch.setattr(engine, "seed", 0)  # as Engine(seed=0) sets it
+    assert engine.generate("Once upon a time", sampler="top-p:p=0.99,temp=1.5",
+                           max_tokens=16).text == first.text

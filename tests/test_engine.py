@@ -316,6 +316,35 @@ def test_siblings_wait_for_the_shared_prefix_and_copy_it(batched, monkeypatch):
             == result.tokens
 
 
+def test_a_repeated_prompt_finds_its_slot_and_new_prompts_take_the_least_recently_used(
+        batched, monkeypatch):
+    # Three slots; prompts a, b, c (about 120 tokens each, nothing shared) fill them in turn.
+    # Asking a again reuses slot 0's whole chunks; d then overwrites the least recently used
+    # slot (b's, slot 1), not a's or c's, so that a and c are still found afterwards.
+    a, b, c, d = ((f"{topic}. ") * 16 + "Tell me more:" for topic in (
+        "Rivers carry water to the sea", "Mountains rise where plates collide",
+        "Bread rises because yeast makes gas", "Bees make honey from the nectar of flowers"))
+    batched.decoder.forget()
+    fed = fed_tokens(batched, monkeypatch)
+
+    def slot_of(prompt):
+        fed.clear()
+        batched.generate(prompt, sampler="greedy", max_tokens=2)
+        slot = next(s.index for s in batched.decoder.slots
+                    if s.tokens[:len(batched.tokenize(prompt))] == batched.tokenize(prompt))
+        return slot, sum(fed)
+
+    n = len(batched.tokenize(a))
+    assert decoder.CHUNK < n < batched.decoder.n_ctx_seq - 8
+    assert [slot_of(p)[0] for p in (a, b, c)] == [0, 1, 2]
+    slot, evaluated = slot_of(a)
+    assert slot == 0 and evaluated <= n - whole_chunks(n - 1) + 2
+    assert slot_of(d)[0] == 1
+    for prompt, slot in ((a, 0), (c, 2)):
+        found, evaluated = slot_of(prompt)
+        assert found == slot and evaluated < decoder.CHUNK + 2
+
+
 def test_a_prompt_copies_the_prefix_from_a_sibling_that_generated_past_it(batched,
                                                                           monkeypatch):
     batched.decoder.forget()

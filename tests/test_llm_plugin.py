@@ -56,15 +56,20 @@ def test_epsilon_and_temperature_options_shape_the_spec(llm_home):
     assert figures["sampler"].startswith("adaptive:eps=0.002") and "temp=0.7" in figures["sampler"]
 
 
-def test_a_continued_conversation_sends_its_history(llm_home):
+def test_a_continued_conversation_sends_its_history(llm_home, engine):
     first = llm("-m", "adaptive/smollm2", "My name is Zed.", "-o", "max_tokens", "8")
     second = llm("-c", "What is my name?", "-o", "max_tokens", "8")
     assert first.exit_code == 0 and second.exit_code == 0
     one, two = logged(llm_home)
     assert one["conversation_id"] == two["conversation_id"]
     a, b = json.loads(one["response_json"]), json.loads(two["response_json"])
-    # the second prompt holds the first exchange, then the new question
-    assert b["prompt_tokens"] > a["prompt_tokens"] + a["completion_tokens"]
+    # The follow-up sends the first exchange, the reply as it was shown, then the question:
+    # exactly those three messages in the chat template, no system prompt, nothing twice.
+    sent = [{"role": "user", "content": "My name is Zed."},
+            {"role": "assistant", "content": one["response"]},
+            {"role": "user", "content": "What is my name?"}]
+    assert b["prompt_tokens"] == len(engine.chat_prompt_tokens(sent))
+    assert a["prompt_tokens"] == len(engine.chat_prompt_tokens(sent[:1]))
 
 
 def test_llm_chat_keeps_the_conversation(llm_home):

@@ -121,3 +121,57 @@ def test_mauve_over_seeds_reports_mean_and_spread():
     mean, sd = metrics.mauve_seeds(p, q, seeds=3)
     singles = [metrics.mauve_score(p, q, seed=25 + i) for i in range(3)]
     assert mean == pytest.approx(np.mean(singles)) and sd == pytest.approx(np.std(singles))
+
+
+def test_coherence_of_short_and_zero_vectors():
+    # Norms below 1 still divide (cos 1 and -1); a zero vector has no direction: 0, not nan.
+    np.testing.assert_allclose(
+        metrics.coherence([[0.1, 0.0], [0.0, 0.3], [0.0, 0.0]],
+                          [[0.2, 0.0], [0.0, -0.1], [1.0, 1.0]]),
+        [1.0, -1.0, 0.0])
+
+
+def test_mean_ci_takes_t_from_the_table_up_to_30_degrees_of_freedom_then_1_96():
+    # Two values 1, 3: sd sqrt 2, df 1, t 12.706: half = 12.706 * sqrt 2 / sqrt 2.
+    assert metrics.mean_ci([1.0, 3.0]) == (2.0, pytest.approx(12.706))
+    for n, t in ((31, 2.042), (32, 1.96)):
+        values = [float(v) for v in range(n)]
+        sd = float(np.std(values, ddof=1))
+        assert metrics.mean_ci(values)[1] == pytest.approx(t * sd / math.sqrt(n))
+
+
+def test_proportion_ci_is_the_wilson_interval():
+    # 5 of 10: the Wilson centre is 0.5 itself; half = z sqrt(p q / n + z^2 / 4n^2) / (1 + z^2/n)
+    z = 1.96
+    p, half = metrics.proportion_ci(5, 10)
+    assert p == 0.5
+    assert half == pytest.approx(z * math.sqrt(0.025 + z * z / 400) / (1 + z * z / 10))
+    assert all(math.isnan(v) for v in metrics.proportion_ci(0, 0))
+
+
+def test_paired_bootstrap_p_value_is_two_sided_with_ties_counted_against_the_claim():
+    # All differences 0: every replicate is 0, both tails hold all of them: p = 1.
+    assert metrics.paired_bootstrap([0.0] * 20, n_boot=100)["p"] == 1.0
+    # Differences 3 and -1: a replicate mean is 3 (1/4), 1 (1/2) or -1 (1/4), so the lower
+    # tail holds 1/4 and p = 2 * 1/4 (+ 1/20001); the interval runs from -1 to 3.
+    result = metrics.paired_bootstrap([3.0, -1.0], n_boot=20000)
+    assert result["diff"] == 1.0 and result["ci"] == [-1.0, 3.0]
+    assert result["p"] == pytest.approx(0.5, abs=0.02)
+    flipped = metrics.paired_bootstrap([-3.0, 1.0], n_boot=20000)
+    assert flipped["p"] == pytest.approx(0.5, abs=0.02)
+
+
+def test_paired_bootstrap_interval_is_the_2_5_and_97_5_percentiles():
+    # For many prefixes the bootstrap mean is close to normal: the percentile interval is
+    # mean +- 1.96 sd / sqrt(n) (population sd, as the bootstrap resamples the sample itself).
+    d = np.random.default_rng(7).normal(0.2, 1.0, 400)
+    result = metrics.paired_bootstrap(d, n_boot=40000)
+    se = float(np.std(d)) / math.sqrt(len(d))
+    assert result["ci"][0] == pytest.approx(d.mean() - 1.96 * se, abs=0.05 * se)
+    assert result["ci"][1] == pytest.approx(d.mean() + 1.96 * se, abs=0.05 * se)
+
+
+def test_paired_bootstrap_resamples_every_prefix():
+    # One prefix carries the whole difference: replicates without it are 0, with it 1 or more.
+    result = metrics.paired_bootstrap([50.0] + [0.0] * 49, n_boot=4000)
+    assert result["diff"] == 1.0 and result["ci"][0] == 0.0 and result["ci"][1] >= 3.0

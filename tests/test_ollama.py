@@ -5,7 +5,8 @@ import json
 import ollama
 import pytest
 
-from test_server import API_KEY, raw, server, server_log, wait_idle  # noqa: F401 (fixtures)
+from test_server import (API_KEY, raw, server, server_log,  # noqa: F401 (fixtures)
+                         wait_idle)
 
 MODEL = "SmolLM2-135M-Instruct.Q4_1.gguf"
 HELLO = [{"role": "user", "content": "Name one colour."}]
@@ -119,3 +120,14 @@ def test_the_api_key_guards_the_ollama_routes_too(server):  # noqa: F811
     with pytest.raises(ollama.ResponseError) as caught:
         ollama.Client(host=f"http://127.0.0.1:{server}").list()
     assert caught.value.status_code == 401
+
+
+@pytest.mark.parametrize("num_predict", [-1, -2])
+def test_num_predict_below_zero_runs_until_the_context_is_full(client, num_predict):
+    # Ollama: -1 is "no limit" (-2: "fill the context"); here both stop where the slot's
+    # window ends, never before it unless the model ends its reply.
+    prompt = "Count on: " + ", ".join(str(i) for i in range(1, 40))
+    reply = client.generate(MODEL, prompt=prompt, raw=True,
+                            options={"temperature": 0, "num_predict": num_predict})
+    assert reply.done_reason == "length"
+    assert reply.prompt_eval_count + reply.eval_count == 512  # --ctx: each slot's window

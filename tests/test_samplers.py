@@ -5,7 +5,7 @@ import math
 
 import pytest
 
-from adaptive_llama.samplers import (EPSILON, SAMPLERS, SEED, SamplerSpec, SpecError,
+from adaptive_llama.samplers import (EPSILON, SAMPLERS, SEED, Param, SamplerSpec, SpecError,
                                      parse_spec, spec_of, table, valid_specs)
 
 
@@ -107,3 +107,70 @@ def test_seeds_outside_uint32_are_refused_not_wrapped(seed):
     with pytest.raises(SpecError, match="`seed`"):
         SEED.validate(seed)
     assert SEED.validate(2**32 - 1) == 2**32 - 1
+
+
+@pytest.mark.parametrize("text,accepted", [
+    # min-p's p lies in the closed [0, 1]: both ends are valid, just outside is not.
+    ("min-p:p=0", True), ("min-p:p=1", True), ("min-p:p=-1e-9", False),
+    ("min-p:p=1.000001", False),
+    # top-p's p lies in (0, 1]: 0 is not valid, 1 is.
+    ("top-p:p=0", False), ("top-p:p=1e-300", True), ("top-p:p=1", True),
+    # temp lies in [1e-6, 1e6].
+    ("top-k:temp=1e-6", True), ("top-k:temp=1e6", True), ("top-k:temp=1000000.5", False),
+    ("top-k:k=1", True), ("top-k:k=2147483647", True), ("top-k:k=2147483648", False),
+])
+def test_each_bound_is_open_or_closed_as_its_range_says(text, accepted):
+    if accepted:
+        parse_spec(text)
+    else:
+        with pytest.raises(SpecError):
+            parse_spec(text)
+
+
+def test_range_text_writes_the_interval_with_its_brackets():
+    assert EPSILON.range_text() == "in (0, 1)"
+    assert SAMPLERS["min-p"].params[0].range_text() == "in [0, 1]"
+    assert SAMPLERS["mirostat"].params[0].range_text() == "in (0, inf)"
+    assert SAMPLERS["top-k"].params[0].range_text() == "an integer in [1, 2147483647]"
+    assert Param("x", float, 0.0, "h", high=2.0).range_text() == "in (-inf, 2]"
+    assert Param("n", int, 3, "h").range_text() == "an integer in (-inf, inf)"
+
+
+def test_spec_text_shows_temp_only_when_it_is_not_one_and_reads_back():
+    assert str(parse_spec("top-k:k=40")) == "top-k:k=40"
+    assert str(parse_spec("top-k:k=40,temp=5")) == "top-k:k=40,temp=5"  # 5.0 written as 5
+    assert str(parse_spec("top-p:temp=0.25")) == "top-p:p=0.95,temp=0.25"
+    assert str(parse_spec("greedy")) == "greedy"
+    assert str(SamplerSpec("greedy", {}, 2.0)) == "greedy"  # greedy takes no temperature
+    for name in SAMPLERS:
+        for spec in (parse_spec(name), parse_spec(name).with_param("temp", 1.5)
+                     if SAMPLERS[name].takes_temp else parse_spec(name)):
+            assert parse_spec(str(spec)) == spec
+
+
+def test_with_param_names_what_the_sampler_takes():
+    spec = parse_spec("top-k:k=5")
+    changed = spec.with_param("k", 7)
+    assert (changed.name, changed.params, changed.temp) == ("top-k", {"k": 7}, 1.0)
+    with pytest.raises(SpecError) as info:
+        spec.with_param("p", 0.5)
+    assert str(info.value) == "top-k has no `p`; it takes k=, temp="
+    with pytest.raises(SpecError) as info:
+        parse_spec("greedy").with_param("temp", 0.5)
+    assert str(info.value) == "greedy has no `temp`; it takes no parameters"
+
+
+def test_a_value_holding_an_equals_sign_is_a_bad_value():
+    with pytest.raises(SpecError, match=r"`p` has to be a finite number, but is '0.5=0.6'"):
+        parse_spec("top-p:p=0.5=0.6")
+
+
+def test_the_listings_show_every_sampler_with_its_defaults():
+    specs = valid_specs()
+    assert specs.startswith("greedy, top-k:k=40, top-p:p=0.95, ")
+    assert "adaptive:eps=0.0005,mode=multinomial" in specs
+    assert specs.endswith("(all but greedy also take temp=1)")
+    lines = table().splitlines()
+    assert lines[0].startswith("greedy     argmax")
+    eps_line = next(line for line in lines if line.lstrip().startswith("eps=0.0005"))
+    assert eps_line == " " * 12 + f"{'eps=0.0005':<16} in (0, 1): threshold epsilon"

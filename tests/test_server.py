@@ -305,6 +305,25 @@ def test_api_key_is_checked_on_every_route(server, key):
                       max_retries=0).models.list()
 
 
+@pytest.mark.parametrize("header,allowed", [
+    (f"Bearer {API_KEY}", True),
+    (f"bearer {API_KEY}", True),           # the scheme is case-insensitive (RFC 9110)
+    (f"Bearer   {API_KEY} ", True),        # spaces around the token
+    (f"Basic {API_KEY}", False),
+    (API_KEY, False),                      # no scheme
+    (f"Bearer {API_KEY}x", False),
+    (f"Bearer {API_KEY[:-1]}", False),     # a prefix of the key
+    ("Bearer", False),
+    ("", False),
+])
+def test_only_a_bearer_header_with_the_whole_key_passes(server, header, allowed):
+    conn = http.client.HTTPConnection("127.0.0.1", server, timeout=30)
+    conn.request("GET", "/v1/models", headers={"Authorization": header})
+    status = conn.getresponse().status
+    conn.close()
+    assert status == (200 if allowed else 401)
+
+
 def test_a_tiny_epsilon_keeps_the_server_alive(client):
     # eps=1e-20 once overflowed the C kernel's candidate buffer and killed the process.
     for eps in ("1e-20", "1e-300", "5e-324"):

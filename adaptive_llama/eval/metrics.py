@@ -108,15 +108,12 @@ def paired_bootstrap(diffs, n_boot: int = 2000, seed: int = 0) -> dict:
     d = np.asarray(diffs, dtype=np.float64)
     rng = np.random.default_rng(seed)
     means = d[rng.integers(0, len(d), size=(n_boot, len(d)))].mean(axis=1)
-    return _interval(float(d.mean()), means)
-
-
-def _interval(estimate: float, replicates) -> dict:
-    r = np.asarray(replicates, dtype=np.float64)
-    below, above = (r <= 0).mean(), (r >= 0).mean()
-    p = min(1.0, 2 * min(below, above) + 1 / (len(r) + 1))
-    low, high = np.percentile(r, [2.5, 97.5])
-    return {"diff": estimate, "ci": [float(low), float(high)], "p": float(p)}
+    # Two-sided: twice the smaller tail, each tail counting replicates at 0 (ties go against
+    # the claim), plus one replicate's weight so that p is never 0.
+    below, above = (means <= 0).mean(), (means >= 0).mean()
+    p = min(1.0, 2 * min(below, above) + 1 / (n_boot + 1))
+    low, high = np.percentile(means, [2.5, 97.5])
+    return {"diff": float(d.mean()), "ci": [float(low), float(high)], "p": float(p)}
 
 
 def paired_mauve(a_features, b_features, q_features, resamples: int = 40,
