@@ -59,22 +59,35 @@ class Chat:
 
         Moves the start past the oldest exchanges until the prompt leaves room for a reply;
         ContextOverflow when the last message (with the system prompt) cannot fit at all.
+        The prompt shrinks as the start moves on, so the first start that leaves room is
+        found by bisection: a few renderings of the conversation, not one per message.
         """
         n_ctx = self.engine.n_ctx
         room = min(self.max_tokens, n_ctx // 4)
-        while True:
-            tokens = self.engine.chat_prompt_tokens(self._conversation(messages[start:]))
-            left = len(messages) - start
-            if len(tokens) + room <= n_ctx or left <= 1:
-                break
-            start += 2 if left > 2 and messages[start + 1]["role"] == "assistant" else 1
+        starts = _exchange_starts(messages, start)
+        rendered: dict[int, list[int]] = {}
+
+        def prompt(i: int) -> list[int]:
+            if i not in rendered:
+                rendered[i] = self.engine.chat_prompt_tokens(
+                    self._conversation(messages[starts[i]:]))
+            return rendered[i]
+
+        low, high = 0, len(starts) - 1
+        while low < high:
+            middle = (low + high) // 2
+            if len(prompt(middle)) + room <= n_ctx:
+                high = middle
+            else:
+                low = middle + 1
+        tokens = prompt(low)
         if len(tokens) >= n_ctx:
             what = "this message with the system prompt" if self.system else "this message"
             raise ContextOverflow(
                 f"{what} alone is {len(tokens)} tokens, more than the context window "
                 f"({n_ctx}); shorten it or raise the context size. The conversation is "
                 "unchanged.")
-        return tokens, start
+        return tokens, starts[low]
 
     def send(self, text: str, **overrides) -> Stream:
         """Add a user message and stream the reply; the reply joins the history as it ends.
@@ -129,3 +142,14 @@ class Chat:
         """Tokens the conversation in the window occupies now (0 when empty)."""
         conv = self._conversation(self.window)
         return len(self.engine.chat_prompt_tokens(conv)) if conv else 0
+
+
+def _exchange_starts(messages: list[dict], start: int) -> list[int]:
+    """Where the window may start, from ``start`` on: each time past one exchange (a
+    message and the assistant's reply to it), down to the last message alone."""
+    starts = [start]
+    while len(messages) - start > 1:
+        left = len(messages) - start
+        start += 2 if left > 2 and messages[start + 1]["role"] == "assistant" else 1
+        starts.append(start)
+    return starts

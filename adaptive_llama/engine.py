@@ -328,24 +328,22 @@ class Engine:
             raise ModelError(f"{self.name} has no chat template (tokenizer.chat_template): "
                              "use plain completion (generate without --chat)")
         nonce = secrets.token_hex(4)
-        marks = [f"\ue000{nonce}:{i}\ue001" for i in range(len(messages))]
-        rendered = self._formatter(messages=[{**m, "content": mark}
-                                             for m, mark in zip(messages, marks)])
-        by_mark = {mark: m["content"] for m, mark in zip(messages, marks)}
+        rendered = self._formatter(messages=[{**m, "content": f"\ue000{nonce}:{i}\ue001"}
+                                             for i, m in enumerate(messages)])
         tokens = [] if rendered.added_special else self.tokenize("", add_bos=True)
-        text = ""  # plain text gathered since the last control token
-        for part, is_content in _split_marks(rendered.prompt, by_mark):
+        text: list[str] = []  # plain text gathered since the last control token
+        for part, is_content in _split_marks(rendered.prompt, messages, nonce):
             if is_content:
-                text += part
+                text.append(part)
                 continue
             for chunk, special_id in self._split_specials(part):
                 if special_id is None:
-                    text += chunk
+                    text.append(chunk)
                 else:
-                    tokens += self.tokenize(text, add_bos=False) if text else []
+                    tokens += self.tokenize("".join(text), add_bos=False) if text else []
                     tokens.append(special_id)
-                    text = ""
-        return tokens + (self.tokenize(text, add_bos=False) if text else [])
+                    text = []
+        return tokens + (self.tokenize("".join(text), add_bos=False) if text else [])
 
     def _split_specials(self, markup: str) -> Iterator[tuple[str, int | None]]:
         """Markup split into plain text and control tokens (longest match first)."""
@@ -545,16 +543,13 @@ def _check_int(name: str, value, low: int, high: int | None = None) -> None:
         raise ValueError(f"`{name}` has to be an integer {span}, but is {value!r}")
 
 
-def _split_marks(rendered: str, by_mark: dict[str, str]) -> Iterator[tuple[str, bool]]:
-    """The rendered template as (markup, False) and (message text, True) parts."""
-    rest = rendered
-    while rest:
-        found = [(rest.find(mark), mark) for mark in by_mark if mark in rest]
-        if not found:
-            yield rest, False
-            return
-        at, mark = min(found)
-        if at:
-            yield rest[:at], False
-        yield by_mark[mark], True
-        rest = rest[at + len(mark):]
+def _split_marks(rendered: str, messages: list[dict],
+                 nonce: str) -> Iterator[tuple[str, bool]]:
+    """The rendered template as (markup, False) and (message text, True) parts: each mark
+    ``\ue000NONCE:i\ue001`` stands for message i's content. One pass over the text."""
+    parts = re.split(f"\ue000{nonce}:(\\d+)\ue001", rendered)
+    for i, part in enumerate(parts):
+        if i % 2:
+            yield messages[int(part)]["content"], True
+        elif part:
+            yield part, False
