@@ -9,6 +9,7 @@ from __future__ import annotations
 import functools
 import ipaddress
 import json
+import os
 import socket
 import sys
 
@@ -16,6 +17,7 @@ import click
 from click.core import ParameterSource
 
 from . import config
+from .limits import MAX_THREADS
 from .models import ModelError, describe_models
 from .samplers import SEED, SpecError, parse_spec, table, valid_specs
 
@@ -87,7 +89,7 @@ def model_options(fn):
         click.option("--ctx", "n_ctx", type=click.IntRange(min=0), default=2048,
                      show_default=True, help="Context window in tokens, rounded up to a "
                      "multiple of 256 (0: the model's own)."),
-        click.option("--threads", type=click.IntRange(min=1), default=None,
+        click.option("--threads", type=click.IntRange(1, MAX_THREADS), default=None,
                      help="CPU threads (default: the physical cores available, adapted "
                      "while decoding when other work competes for them)."),
         click.option("--seed", type=click.IntRange(int(SEED.low), int(SEED.high)),
@@ -337,10 +339,11 @@ def _is_loopback(host: str) -> bool:
         return False
 
 
-def _check_port_free(host: str, port: int) -> None:
+def _free_port(host: str, port: int) -> int:
+    """``port``, or for 0 the free port the system picks, checked before the model loads."""
     try:
-        with socket.create_server((host, port)):
-            pass
+        with socket.create_server((host, port)) as sock:
+            return sock.getsockname()[1]
     except OSError as exc:
         fail(f"cannot listen on {host}:{port} ({exc.strerror}): choose another --port")
 
@@ -355,6 +358,12 @@ def _check_port_free(host: str, port: int) -> None:
 @click.option("--api-key", envvar="ADAPTIVE_LLAMA_API_KEY", default=None,
               help="Require 'Authorization: Bearer KEY' on every request "
                    "(or set ADAPTIVE_LLAMA_API_KEY).")
+@click.option("--allow-origin", "allow_origins", multiple=True, metavar="ORIGIN",
+              help="A web page (e.g. https://chat.example.com, or * for any) that may call "
+                   "the server besides loopback pages; repeatable.")
+@click.option("--allow-host", "allow_hosts", multiple=True, metavar="NAME",
+              help="A host name the server answers besides localhost, 127.0.0.1 and [::1] "
+                   "(on a loopback --host); repeatable.")
 @click.option("--sampler", default="adaptive", callback=_spec, show_default=True,
               help="Default sampler spec; a request's body field `sampler` overrides it.")
 @click.option("--max-queue", type=click.IntRange(min=0), default=8, show_default=True,
@@ -367,26 +376,37 @@ def _check_port_free(host: str, port: int) -> None:
 @model_options
 @user_errors
 @configured
-def serve(model, host, port, allow_remote, api_key, sampler, max_queue, max_body, parallel,
-          n_gpu_layers, n_ctx, threads, seed, backend_sampling, verbose):
+def serve(model, host, port, allow_remote, api_key, allow_origins, allow_hosts, sampler,
+          max_queue, max_body, parallel, n_gpu_layers, n_ctx, threads, seed, backend_sampling,
+          verbose):
     """Serve MODEL over the OpenAI API (/v1/chat/completions, /v1/completions, /v1/models)."""
     try:
         import uvicorn
 
         from .server import create_app
+        from .server.guard import check_api_key
     except ImportError as exc:
         fail(f"`serve` needs the server extra ({exc.name} is missing): "
              "pip install 'adaptive-llama[server]'")
+    if api_key is None and "ADAPTIVE_LLAMA_API_KEY" in os.environ:  # click skips an empty one
+        api_key = os.environ["ADAPTIVE_LLAMA_API_KEY"]
+    try:
+        check_api_key(api_key)
+    except ValueError as exc:
+        fail(f"--api-key: {exc}")
     if not _is_loopback(host):
         if not allow_remote:
             fail(f"--host {host} is reachable from other machines; add --allow-remote "
                  "to mean it (and consider --api-key)")
         click.echo(f"Warning: serving on {host}, reachable from other machines"
                    f"{'' if api_key else ' with no --api-key'}.", err=True)
-    _check_port_free(host, port)
+    port = _free_port(host, port)
     engine = load_engine(model, n_gpu_layers, n_ctx, threads, seed, verbose, backend_sampling,
                          parallel=parallel, sampler=sampler)
-    app = create_app(engine, sampler, api_key=api_key, max_queue=max_queue, max_body=max_body)
+    # On a public address the server cannot know the names it is reached by: any Host.
+    app = create_app(engine, sampler, api_key=api_key, max_queue=max_queue, max_body=max_body,
+                     allow_origins=allow_origins,
+                     allow_hosts=allow_hosts if _is_loopback(host) else None)
     click.echo(f"Serving {engine.name} at http://{host}:{port}/v1 (default sampler {sampler}, "
                f"{parallel} slots of {engine.n_ctx} tokens, {engine.threads} threads); "
                "Ctrl-C stops.", err=True)

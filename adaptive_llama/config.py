@@ -13,10 +13,11 @@
     backend_sampling = false
 
 Keys: ``sampler`` (a spec), ``system`` (the REPL's system prompt), ``ctx``, ``n_gpu_layers``,
-``threads``, ``backend_sampling``. ``run``, ``generate`` and ``serve`` use them; the command line wins over the file,
-a model's table over ``[defaults]``, and the file over the built-in defaults. Each value comes
-with where it came from, which ``/show`` and ``adaptive-llama models`` print. The whole file is
-checked before anything starts: a bad one is one error naming the file, the line and the key.
+``threads`` (1 to 512), ``backend_sampling``. ``run``, ``generate`` and ``serve`` use them;
+the command line wins over the file, a model's table over ``[defaults]``, and the file over
+the built-in defaults. Each value comes with where it came from, which ``/show`` and
+``adaptive-llama models`` print. The whole file is checked before anything starts: a bad one
+is one error naming the file, the line and the key.
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ if sys.version_info >= (3, 11):
 else:  # pragma: no cover - Python 3.10
     import tomli as tomllib
 
+from .limits import MAX_THREADS
 from .samplers import SpecError, parse_spec
 
 DEFAULTS_TABLE = "defaults"
@@ -82,7 +84,7 @@ KEYS = {
     "system": _text,
     "ctx": _integer(256, also=(0,)),
     "n_gpu_layers": _integer(-1),
-    "threads": _integer(1, 4096),
+    "threads": _integer(1, MAX_THREADS),
     "backend_sampling": _boolean,
 }
 

@@ -30,6 +30,7 @@ from typing import Callable, Iterator
 
 from .chain import SamplerChain, check_in_graph
 from .decoder import MAX_LOGPROBS, Decoder, Generation, GenerationResult, TokenLogprob  # noqa: F401
+from .limits import MAX_THREADS
 from .models import ModelError, resolve_model
 from .samplers import SEED, SamplerSpec, SpecError, seed_or_fresh, spec_of
 from .threads import ThreadTuner, default_threads
@@ -165,7 +166,7 @@ class Engine:
             raise ValueError(f"`n_ctx` has to be 0 (the model's own) or at least {CTX_STEP}, "
                              f"but is {n_ctx}")
         if n_threads is not None:
-            _check_int("n_threads", n_threads, low=1)
+            _check_int("n_threads", n_threads, low=1, high=MAX_THREADS)
         _check_int("parallel", parallel, low=1)
         if not isinstance(backend_sampling, bool):
             raise ValueError(f"`backend_sampling` has to be True or False, but is "
@@ -304,9 +305,10 @@ class Engine:
 
     # ---- text to tokens and back ----
 
-    def tokenize(self, text: str, add_bos: bool = True) -> list[int]:
-        """Plain text to tokens: text that looks like a control token stays text."""
-        return self._model.tokenize(text.encode("utf-8", "replace"), add_bos, False)
+    def tokenize(self, text: str, add_bos: bool = True, special: bool = False) -> list[int]:
+        """Text to tokens. Text that looks like a control token stays text unless
+        ``special`` (a raw prompt, written with the model's own markup by its caller)."""
+        return self._model.tokenize(text.encode("utf-8", "replace"), add_bos, special)
 
     def detokenize(self, tokens: list[int]) -> str:
         return b"".join(self.piece(t) for t in tokens).decode("utf-8", "replace")

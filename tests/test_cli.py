@@ -4,6 +4,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 
 import pytest
 from click.testing import CliRunner
@@ -75,6 +76,8 @@ def test_run_refuses_a_model_without_a_chat_template(monkeypatch, smollm2_path):
     (["--seed", "-1"], "--seed"),
     (["--ctx", "1"], "`n_ctx` has to be 0 (the model's own) or at least 256, but is 1"),
     (["--ctx", "10000000"], "could not create a context of 10000000 tokens"),
+    (["--threads", "513"], "--threads"),            # ggml's thread pool holds 512
+    (["--threads", "99999999999"], "--threads"),
 ])
 def test_bad_values_are_one_line_errors(args, needle):
     result = run_cli("generate", "smollm2", "--prompt", "x", "--max-tokens", "2", *args)
@@ -187,6 +190,44 @@ def test_serve_on_a_port_in_use_says_so(smollm2_path):
         port = busy.getsockname()[1]
         result = run_cli("serve", str(smollm2_path), "--port", str(port))
     assert_one_line_error(result, f"127.0.0.1:{port}", "--port")
+
+
+@pytest.mark.parametrize("args,env,needle", [
+    (["--api-key", ""], {}, "the API key is empty"),
+    (["--api-key", "  "], {}, "the API key is empty"),
+    ([], {"ADAPTIVE_LLAMA_API_KEY": ""}, "the API key is empty"),
+    (["--api-key", "clé"], {}, "printable ASCII"),
+    (["--api-key", "key\twith-tab"], {}, "printable ASCII"),
+])
+def test_serve_refuses_a_key_that_turns_authentication_off_or_cannot_be_sent(args, env,
+                                                                             needle):
+    result = subprocess.run([sys.executable, "-m", "adaptive_llama.cli", "serve", *args],
+                            env={**os.environ, **env}, capture_output=True, text=True,
+                            timeout=120)
+    assert_one_line_error(result, "--api-key", needle)
+
+
+def test_serve_on_port_0_says_which_port_it_took(smollm2_path):
+    proc = subprocess.Popen([sys.executable, "-m", "adaptive_llama.cli", "serve",
+                             str(smollm2_path), "--port", "0", "--ctx", "256"],
+                            stderr=subprocess.PIPE, text=True)
+    try:
+        line = next(line for line in proc.stderr if line.startswith("Serving"))
+        port = int(line.split("http://127.0.0.1:")[1].split("/")[0])
+        assert port > 0
+        from test_server import health
+
+        deadline = time.monotonic() + 60
+        while True:  # the line comes as uvicorn starts listening
+            try:
+                assert health(port)["status"] == "ok"
+                break
+            except ConnectionRefusedError:
+                assert time.monotonic() < deadline
+                time.sleep(0.2)
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
 
 
 def test_serve_with_a_bad_default_sampler_fails_before_loading(smollm2_path):

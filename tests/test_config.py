@@ -129,8 +129,8 @@ def test_a_bad_file_is_one_line_naming_file_line_and_key_and_nothing_starts(
 @pytest.mark.parametrize("text,needles", BAD_FILES + [
     ('[models]\nsmollm2 = 3\n', ["line 2", "`models.smollm2` has to be a table"]),
     ('[defaults]\n\nctx = 0\nthreads = 0\n',
-     ["line 4", "`threads` in [defaults] has to be an integer in [1, 4096], but is 0"]),
-    ('[defaults]\nthreads = true\n', ["line 2", "integer in [1, 4096], but is True"]),
+     ["line 4", "`threads` in [defaults] has to be an integer in [1, 512], but is 0"]),
+    ('[defaults]\nthreads = true\n', ["line 2", "integer in [1, 512], but is True"]),
     ('[defaults]\nctx = 255\n',
      ["`ctx` in [defaults] has to be an integer >= 256 (or 0), but is 255"]),
     ('[defaults]\nn_gpu_layers = -2\n', ["line 2", "integer >= -1, but is -2"]),
@@ -151,11 +151,11 @@ def test_load_names_the_file_the_line_and_what_is_wrong(tmp_path, text, needles)
 
 
 def test_every_key_accepts_its_bounds(tmp_path):
-    path = write_file(tmp_path, "[defaults]\nctx = 0\nthreads = 4096\nn_gpu_layers = -1\n"
+    path = write_file(tmp_path, "[defaults]\nctx = 0\nthreads = 512\nn_gpu_layers = -1\n"
                       "backend_sampling = false\nsystem = \"\"\n[models.a]\nctx = 256\n"
                       "threads = 1\n")
     assert config.load(path) == {
-        "defaults": {"ctx": 0, "threads": 4096, "n_gpu_layers": -1,
+        "defaults": {"ctx": 0, "threads": 512, "n_gpu_layers": -1,
                      "backend_sampling": False, "system": ""},
         "models.a": {"ctx": 256, "threads": 1}}
 

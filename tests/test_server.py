@@ -18,6 +18,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from adaptive_llama import kernel
+from adaptive_llama.decoder import TokenLogprob
 from test_fuzz import spec_texts
 
 API_KEY = "test-key"
@@ -67,10 +68,10 @@ def server(smollm2_path, server_log):
                        "--max-body", str(MAX_BODY), "--parallel", str(PARALLEL))
 
 
-def raw(method, port, path, body=None, key=API_KEY, timeout=60, parse=True):
+def raw(method, port, path, body=None, key=API_KEY, timeout=60, parse=True, headers=None):
     """(status, headers, parsed JSON body) of one plain HTTP request."""
     conn = http.client.HTTPConnection("127.0.0.1", port, timeout=timeout)
-    headers = {"Authorization": f"Bearer {key}"} if key else {}
+    headers = {**({"Authorization": f"Bearer {key}"} if key else {}), **(headers or {})}
     data = body if isinstance(body, (bytes, type(None))) else json.dumps(body).encode()
     conn.request(method, path, body=data, headers=headers)
     resp = conn.getresponse()
@@ -225,7 +226,7 @@ def test_non_streaming_client_that_disconnects_stops_the_generation(server):
     before = wait_idle(server)
     sock = socket.create_connection(("127.0.0.1", server))
     body = json.dumps({**COUNTING, "max_tokens": 450}).encode()
-    sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer "
+    sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: localhost\r\nAuthorization: Bearer "
                  + API_KEY.encode() + b"\r\nContent-Type: application/json\r\n"
                  + f"Content-Length: {len(body)}\r\n\r\n".encode() + body)
     deadline = time.monotonic() + 20
@@ -358,7 +359,7 @@ def test_a_body_over_the_limit_is_413_and_nothing_else_waits(client, server):
 
 def test_a_half_sent_body_is_one_log_line_not_a_traceback(server, server_log):
     sock = socket.create_connection(("127.0.0.1", server))
-    sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer "
+    sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: localhost\r\nAuthorization: Bearer "
                  + API_KEY.encode() + b"\r\nContent-Length: 5000\r\n\r\n{\"prompt\": ")
     time.sleep(0.3)
     sock.close()
@@ -551,3 +552,195 @@ def test_a_repeated_request_repeats_its_reply_from_the_cache_and_beside_another(
         t.join(timeout=120)
     replies.append(beside[11])
     assert replies[0] and replies == [replies[0]] * 3
+
+
+# ---- who may call the server, and what a request may hold ----
+
+HI = {"messages": HELLO, "max_tokens": 1}
+
+
+@pytest.mark.parametrize("headers,status", [
+    ({"Origin": "http://evil.example"}, 403),             # a web page the user visits
+    ({"Origin": "null"}, 403),                            # a sandboxed page or a file
+    ({"Origin": "http://localhost:3000"}, 200),           # a local web UI
+    ({"Origin": "http://127.0.0.1:8080"}, 200),
+    ({"Host": "evil.example:8080"}, 403),                 # DNS rebinding
+    ({"Host": "localhost:1234"}, 200),
+    ({"Host": "[::1]:8080"}, 200),
+    ({"Content-Type": "text/plain"}, 415),                # a CORS "simple request"
+    ({"Content-Type": "multipart/form-data; boundary=x"}, 415),
+    ({"Content-Type": "application/x-www-form-urlencoded"}, 200),  # curl -d, no Origin
+    ({"Content-Type": "application/x-www-form-urlencoded", "Origin": "http://localhost"}, 415),
+    ({"Content-Type": "text/plain", "Origin": "http://localhost"}, 415),
+    ({"Content-Type": "application/json; charset=utf-8"}, 200),
+])
+def test_web_pages_and_foreign_host_names_cannot_drive_the_server(server, headers, status):
+    for path in ("/v1/chat/completions", "/api/chat"):
+        body = {**HI, "model": "m", "stream": False, "options": {"num_predict": 1}}
+        got, _, payload = raw("POST", server, path, body, headers=headers)
+        assert got == status, (path, payload)
+        if status != 200:
+            message = payload["error"] if path.startswith("/api/") else \
+                payload["error"]["message"]
+            assert any(word in message for word in ("--allow-", "Content-Type"))
+
+
+def test_a_loopback_page_may_ask_first_and_read_the_answer(server):
+    preflight = {"Origin": "http://localhost:5173", "Access-Control-Request-Method": "POST",
+                 "Access-Control-Request-Headers": "authorization, content-type"}
+    status, headers, _ = raw("OPTIONS", server, "/v1/chat/completions", key=None,
+                             headers=preflight, parse=False)
+    assert status == 200
+    assert headers["Access-Control-Allow-Origin"] == "http://localhost:5173"
+    status, _, _ = raw("OPTIONS", server, "/v1/chat/completions", key=None, parse=False,
+                       headers={**preflight, "Origin": "http://evil.example"})
+    assert status in (400, 403)
+
+
+@pytest.mark.parametrize("path,extra,field", [
+    ("/v1/chat/completions", {"response_format": {"type": "json_object"}}, "response_format"),
+    ("/v1/chat/completions", {"response_format": {"type": "json_schema", "json_schema": {}}},
+     "response_format"),
+    ("/v1/chat/completions", {"tools": [{"type": "function", "function": {"name": "f"}}]},
+     "tools"),
+    ("/v1/chat/completions", {"tool_choice": "required"}, "tool_choice"),
+    ("/v1/chat/completions", {"logit_bias": {"42": 5}}, "logit_bias"),
+    ("/v1/completions", {"echo": True}, "echo"),
+    ("/v1/completions", {"suffix": "end"}, "suffix"),
+    ("/v1/completions", {"best_of": 3}, "best_of"),
+    ("/api/chat", {"format": "json"}, "format"),
+    ("/api/chat", {"format": {"type": "object"}}, "format"),
+    ("/api/chat", {"tools": [{"type": "function"}]}, "tools"),
+    ("/api/generate", {"images": ["aGk="]}, "images"),
+    ("/api/generate", {"context": [1, 2, 3]}, "context"),
+])
+def test_fields_the_server_does_not_do_are_refused_by_name(server, path, extra, field):
+    base = {"prompt": "Hi", "max_tokens": 1} if path == "/v1/completions" else \
+        {**HI, "model": "m", "prompt": "Hi", "stream": False}
+    status, _, payload = raw("POST", server, path, {**base, **extra})
+    message = payload["error"] if path.startswith("/api/") else payload["error"]["message"]
+    assert status == 400 and f"`{field}` is not supported" in message
+
+
+@pytest.mark.parametrize("path,extra", [
+    ("/v1/chat/completions", {"response_format": {"type": "text"}, "tools": [],
+                              "tool_choice": "none", "logit_bias": {}}),
+    ("/v1/completions", {"echo": False, "suffix": None, "best_of": 1}),
+    ("/api/generate", {"format": "", "images": [], "context": []}),
+])
+def test_the_same_fields_at_values_that_change_nothing_pass(server, path, extra):
+    base = {"prompt": "Hi", "max_tokens": 1} if path == "/v1/completions" else \
+        {**HI, "model": "m", "prompt": "Hi", "stream": False, "options": {"num_predict": 1}}
+    assert raw("POST", server, path, {**base, **extra})[0] == 200
+
+
+@pytest.mark.parametrize("path,body,needle", [
+    ("/v1/chat/completions", {**HI, "max_tokens": "5"}, "`max_tokens`"),
+    ("/v1/chat/completions", {**HI, "max_tokens": True}, "`max_tokens`"),
+    ("/v1/chat/completions", {**HI, "stream": "yes"}, "`stream`"),
+    ("/v1/chat/completions", {**HI, "logprobs": "yes"}, "`logprobs`"),
+    ("/v1/chat/completions", {**HI, "stop": ["x"] * 17}, "`stop`: List should have at most 16"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": [
+        {"type": "image_url", "image_url": {"url": "data:,"}}]}]},
+     "`messages.0.content.0`: this server reads text parts only, not 'image_url'"),
+    ("/api/chat", {"model": "m", "messages": [{"role": "user", "content": "Hi",
+                                               "images": ["aGk="]}]},
+     "`messages.0.images`: this server reads text only"),
+    ("/api/chat", {"model": "m", "messages": HELLO, "options": {"stop": ["x"] * 17}},
+     "at most 16"),
+    ("/api/chat", {"model": "m", "messages": HELLO, "options": {"num_predict": "5"}},
+     "num_predict"),
+])
+def test_strict_types_and_bounded_lists(server, path, body, needle):
+    status, _, payload = raw("POST", server, path, body)
+    message = payload["error"] if path.startswith("/api/") else payload["error"]["message"]
+    assert status == 400 and needle in message, message
+
+
+@pytest.fixture(scope="module")
+def roomy(smollm2_path, tmp_path_factory):
+    """A server with the default body limit (2 MiB), for the large bodies."""
+    yield from serving(smollm2_path, tmp_path_factory.mktemp("roomy") / "server.log",
+                       "--parallel", "2")
+
+
+@pytest.mark.parametrize("depth", [5_000, 100_000])
+def test_deeply_nested_json_is_a_400_in_the_protocols_shape(roomy, depth):
+    body = b'{"messages": [], "x": ' + b"[" * depth + b"]" * depth + b"}"
+    status, _, payload = raw("POST", roomy, "/v1/chat/completions", body)
+    assert status == 400 and payload["error"]["message"] == "the body is nested too deeply"
+    status, _, payload = raw("POST", roomy, "/api/chat", body)
+    assert status == 400 and payload == {"error": "the body is nested too deeply"}
+
+
+def test_a_request_holds_at_most_4096_messages(roomy):
+    status, _, payload = raw("POST", roomy, "/v1/chat/completions",
+                             {"messages": HELLO * 4097, "max_tokens": 1})
+    assert status == 400 and "`messages`: List should have at most 4096 items" in \
+        payload["error"]["message"]
+
+
+def test_a_raw_prompt_keeps_its_own_chat_markup(server, engine):
+    # The caller wrote the template's markup: each tag is one control token, as in /api/chat.
+    text = "<|im_start|>user\nName one colour.<|im_end|>\n<|im_start|>assistant\n"
+    status, _, payload = raw("POST", server, "/v1/completions",
+                             {"prompt": text, "max_tokens": 1})
+    assert status == 200
+    assert payload["usage"]["prompt_tokens"] == len(engine.tokenize(text, special=True)) \
+        < len(engine.tokenize(text)) - 6
+    status, _, payload = raw("POST", server, "/api/generate",
+                             {"model": "m", "prompt": text, "raw": True, "stream": False,
+                              "options": {"num_predict": 1}})
+    assert payload["prompt_eval_count"] == len(engine.tokenize(text, special=True))
+
+
+def test_abusive_requests_leave_other_clients_served(roomy):
+    # Six clients send 3,000-message conversations at once, while another asks for one
+    # token: it is answered within seconds, and /health all along.
+    flood = json.dumps({"messages": [{"role": "user", "content": "Hi"}] * 3000,
+                        "max_tokens": 1}).encode()
+    nested = b'{"messages": ' + b"[" * 50_000 + b"]" * 50_000 + b"}"
+    statuses = []
+
+    def abuse(body):
+        statuses.append(raw("POST", roomy, "/v1/chat/completions", body, timeout=120)[0])
+
+    threads = [threading.Thread(target=abuse, args=(body,))
+               for body in [flood] * 6 + [nested] * 2]
+    for thread in threads:
+        thread.start()
+    started = time.monotonic()
+    status, _, payload = raw("POST", roomy, "/v1/chat/completions", HI, timeout=60)
+    served_s = time.monotonic() - started
+    health_s = max(_timed(lambda: health(roomy)) for _ in range(5))
+    for thread in threads:
+        thread.join(timeout=120)
+    assert status == 200 and payload["usage"]["completion_tokens"] == 1
+    assert served_s < 10 and health_s < 2, (served_s, health_s)
+    # the floods fit no 512-token window (400) or wait their turn (503 beyond the queue)
+    assert sorted(statuses) == [400] * 8, statuses
+
+
+def _timed(fn) -> float:
+    started = time.monotonic()
+    fn()
+    return time.monotonic() - started
+
+
+def test_completion_token_texts_join_into_the_reply_and_offsets_index_it():
+    from adaptive_llama.server.app import _CompletionLogprobs
+
+    # "Emojis: 😀😃" as a tokenizer may split it: each emoji's 4 bytes over two tokens.
+    text = "Emojis: 😀😃"
+    pieces = [b"Emojis", b":", b" ", "😀".encode()[:2], "😀".encode()[2:],
+              "😃".encode()[:3], "😃".encode()[3:]]
+    entries = [TokenLogprob(i, piece, -1.0) for i, piece in enumerate(pieces)]
+    whole = _CompletionLogprobs()(entries)
+    assert "".join(whole["tokens"]) == text
+    assert whole["tokens"][3:] == ["", "😀", "", "😃"]
+    assert whole["text_offset"] == [0, 6, 7, 8, 8, 9, 9]  # 9 characters in all
+    # streamed in chunks that split a character, the same tokens and offsets
+    streamed = _CompletionLogprobs()
+    parts = [streamed(entries[:4]), streamed(entries[4:6]), streamed(entries[6:])]
+    assert sum((p["tokens"] for p in parts), []) == whole["tokens"]
+    assert sum((p["text_offset"] for p in parts), []) == whole["text_offset"]

@@ -25,24 +25,25 @@ keeps serving.
 from __future__ import annotations
 
 import asyncio
+import codecs
 import contextlib
-import hmac
 import itertools
 import json
 import logging
 import time
-from typing import Literal
+from typing import Annotated, ClassVar, Literal
 
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse
+from fastapi.middleware.cors import CORSMiddleware
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from sse_starlette.sse import EventSourceResponse
-from starlette.datastructures import Headers
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 
 from ..engine import MAX_LOGPROBS, Engine, GenerationResult, TokenLogprob
 from ..samplers import SEED, SamplerSpec, SpecError, parse_spec, spec_of
+from .errors import APIError, too_large
+from .guard import LOOPBACK_NAMES, LOOPBACK_ORIGIN, Access, Guard
 from .scheduler import Job, QueueFull, Scheduler
 
 log = logging.getLogger(__name__)
@@ -55,37 +56,29 @@ FINISH_REASONS = {"stop": "stop", "stop_string": "stop", "length": "length",
                   "interrupted": "stop"}
 
 
-class APIError(Exception):
-    """An error the client caused (or a busy server), answered in OpenAI's error shape."""
-
-    def __init__(self, status: int, message: str, *, type: str = "invalid_request_error",
-                 param: str | None = None, code: str | None = None, headers=None):
-        super().__init__(message)
-        self.status, self.message, self.type = status, message, type
-        self.param, self.code, self.headers = param, code, headers
-
-    def response(self, path: str = "") -> JSONResponse:
-        """OpenAI's error shape; Ollama's, ``{"error": message}``, on its routes (/api/)."""
-        if path.startswith("/api/"):
-            body = {"error": self.message}
-        else:
-            body = {"error": {"message": self.message, "type": self.type,
-                              "param": self.param, "code": self.code}}
-        return JSONResponse(body, status_code=self.status, headers=self.headers)
-
-
 # ---- request bodies ----
 
+# Bounds on what one request may hold: far beyond what a context window takes, small enough
+# that checking a body costs milliseconds (a 2 MiB body held 600k messages).
+MAX_MESSAGES = 4096
+MAX_PARTS = 256  # content parts of one message
+MAX_STOPS = 16  # OpenAI allows 4
+MAX_PROMPTS = 16  # a list of prompts: more than one is refused in words (one per request)
+
+
 class _Body(BaseModel):
-    # Unknown OpenAI fields (logit_bias, user, ...) are accepted and ignored, as most local
-    # servers do, so that clients sending their full default set keep working.
-    model_config = ConfigDict(extra="ignore")
+    # Strict types, as OpenAI's: "5" is not a number and "yes" not a boolean. Unknown
+    # fields (user, ...) are ignored, as most local servers do, so that clients sending
+    # their full default set keep working; fields that would change the reply and that the
+    # server does not do are refused (UNSUPPORTED: field -> the values that change nothing).
+    model_config = ConfigDict(extra="ignore", strict=True)
+    UNSUPPORTED: ClassVar[dict[str, tuple]] = {"logit_bias": (None, {})}
 
     model: str | None = None
     max_tokens: int | None = Field(None, ge=1)
     temperature: float | None = Field(None, ge=0, le=2)
     top_p: float | None = Field(None, gt=0, le=1)
-    stop: str | list[str] | None = None
+    stop: str | Annotated[list[str], Field(max_length=MAX_STOPS)] | None = None
     seed: int | None = Field(None, ge=0, le=SEED.high)
     n: int = Field(1, ge=1, le=1)  # one context, one choice
     stream: bool = False
@@ -93,27 +86,48 @@ class _Body(BaseModel):
     sampler: str | None = None
 
 
-class TextPart(BaseModel):
-    type: Literal["text"]
-    text: str
+class ContentPart(BaseModel):
+    model_config = ConfigDict(extra="ignore", strict=True)
+    type: str
+    text: str | None = None
 
 
 class Message(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="ignore", strict=True)
     role: Literal["system", "developer", "user", "assistant"]
-    content: str | list[TextPart] | None = None
+    content: str | Annotated[list[ContentPart], Field(max_length=MAX_PARTS)] | None = None
+    images: list | None = None  # Ollama's
 
-    def as_template_message(self) -> dict:
+    def as_template_message(self, index: int) -> dict:
+        """The message for the chat template; 400 for a part the model cannot read."""
+        where = f"messages.{index}"
+        if self.images:
+            raise APIError(400, f"`{where}.images`: this server reads text only",
+                           param=f"{where}.images", code="unsupported_field")
         content = self.content or ""
         if not isinstance(content, str):
+            for i, part in enumerate(content):
+                if part.type != "text" or part.text is None:
+                    raise APIError(400, f"`{where}.content.{i}`: this server reads text "
+                                   f"parts only, not {part.type!r}",
+                                   param=f"{where}.content", code="unsupported_field")
             content = "".join(part.text for part in content)
         # Chat templates know "system"; OpenAI's newer "developer" role means the same.
         role = "system" if self.role == "developer" else self.role
         return {"role": role, "content": content}
 
 
+def template_messages(messages: list[Message]) -> list[dict]:
+    return [m.as_template_message(i) for i, m in enumerate(messages)]
+
+
 class ChatBody(_Body):
-    messages: list[Message] = Field(min_length=1)
+    UNSUPPORTED: ClassVar[dict[str, tuple]] = {
+        **_Body.UNSUPPORTED, "response_format": (None, {"type": "text"}),
+        "tools": (None, []), "tool_choice": (None, "none", "auto"), "functions": (None, []),
+        "function_call": (None, "none", "auto")}
+
+    messages: list[Message] = Field(min_length=1, max_length=MAX_MESSAGES)
     max_completion_tokens: int | None = Field(None, ge=1)
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
@@ -125,7 +139,11 @@ class ChatBody(_Body):
 
 
 class CompletionBody(_Body):
-    prompt: str | list[str]
+    UNSUPPORTED: ClassVar[dict[str, tuple]] = {
+        **_Body.UNSUPPORTED, "echo": (None, False), "suffix": (None, ""),
+        "best_of": (None, 1)}
+
+    prompt: str | Annotated[list[str], Field(max_length=MAX_PROMPTS)]
     logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
 
     def logprobs_wanted(self) -> int | None:
@@ -164,18 +182,28 @@ def _chat_logprobs(entries: list[TokenLogprob]) -> dict:
                         for e in entries]}
 
 
-def _completion_logprobs(entries: list[TokenLogprob], offset: int) -> dict:
-    """The completions endpoint's (legacy) ``logprobs``; ``offset``: characters of text
-    before these tokens."""
-    tokens = [e.text.decode("utf-8", "replace") for e in entries]
-    offsets = []
-    for token in tokens:
-        offsets.append(offset)
-        offset += len(token)
-    return {"tokens": tokens, "token_logprobs": [e.logprob for e in entries],
-            "top_logprobs": [{t.decode("utf-8", "replace"): lp for _, t, lp in e.top}
-                             for e in entries],
-            "text_offset": offsets}
+class _CompletionLogprobs:
+    """The completions endpoint's (legacy) ``logprobs`` of one reply, chunk by chunk.
+
+    A token's text is the characters it completes, so that the tokens join into the reply's
+    text and ``text_offset`` indexes it: a character split over tokens belongs to the token
+    that ends it (the ones before it read "", as in llama-server).
+    """
+
+    def __init__(self):
+        self._decoder = codecs.getincrementaldecoder("utf-8")("replace")
+        self._offset = 0  # characters of the reply before the next token
+
+    def __call__(self, entries: list[TokenLogprob]) -> dict:
+        tokens = [self._decoder.decode(e.text) for e in entries]
+        offsets = []
+        for token in tokens:
+            offsets.append(self._offset)
+            self._offset += len(token)
+        return {"tokens": tokens, "token_logprobs": [e.logprob for e in entries],
+                "top_logprobs": [{t.decode("utf-8", "replace"): lp for _, t, lp in e.top}
+                                 for e in entries],
+                "text_offset": offsets}
 
 
 def _usage(result: GenerationResult) -> dict:
@@ -185,28 +213,15 @@ def _usage(result: GenerationResult) -> dict:
 
 
 class Server:
-    """The routes' shared state: the engine, its scheduler, the default sampler, the key."""
+    """The routes' shared state: the engine, its scheduler, the default sampler."""
 
-    def __init__(self, engine: Engine, sampler: SamplerSpec, api_key: str | None,
-                 max_queue: int, model_id: str | None = None):
+    def __init__(self, engine: Engine, sampler: SamplerSpec, max_queue: int,
+                 model_id: str | None = None):
         self.engine = engine
         self.sampler = sampler
-        self.api_key = api_key
         self.model_id = model_id or engine.name
         self.scheduler = Scheduler(engine, max_queue)
         self._ids = itertools.count(1)
-
-    def key_error(self, headers: Headers) -> APIError | None:
-        """The 401 for a request without the right key (None when it may pass)."""
-        if self.api_key is None:
-            return None
-        scheme, _, token = headers.get("authorization", "").partition(" ")
-        if scheme.lower() == "bearer" and hmac.compare_digest(token.strip().encode(),
-                                                              self.api_key.encode()):
-            return None
-        return APIError(401, "invalid or missing API key: send the header "
-                        "'Authorization: Bearer KEY'", code="invalid_api_key",
-                        headers={"WWW-Authenticate": "Bearer"})
 
     def job(self, prompt_tokens: list[int], body: _Body, max_tokens: int | None,
             prompt_field: str) -> Job:
@@ -288,7 +303,8 @@ class Server:
             obj = "chat.completion"
         else:
             choice = {"index": 0, "text": result.text,
-                      "logprobs": _completion_logprobs(result.logprobs, 0) if logprobs else None,
+                      "logprobs": (_CompletionLogprobs()(result.logprobs)
+                                   if logprobs else None),
                       "finish_reason": reason}
             obj = "text_completion"
         return {**head, "object": obj, "choices": [choice], "usage": _usage(result),
@@ -296,15 +312,14 @@ class Server:
 
     async def _events(self, job: Job, head: dict, kind: str, include_usage: bool):
         obj = "chat.completion.chunk" if kind == "chat" else "text_completion"
-        sent = 0  # characters of text sent so far (the completions' text_offset)
+        completion_logprobs = _CompletionLogprobs()
 
         def chunk(delta_text: str | None, reason: str | None = None, entries=(),
                   **extra) -> str:
-            nonlocal sent
             logprobs = None
             if job.logprobs is not None and delta_text is not None:
                 logprobs = (_chat_logprobs(entries) if kind == "chat"
-                            else _completion_logprobs(entries, sent))
+                            else completion_logprobs(entries))
             if kind == "chat":
                 delta = {} if delta_text is None else {"content": delta_text}
                 choice = {"index": 0, "delta": delta, "logprobs": logprobs,
@@ -312,7 +327,6 @@ class Server:
             else:
                 choice = {"index": 0, "text": delta_text or "", "logprobs": logprobs,
                           "finish_reason": reason}
-            sent += len(delta_text or "")
             return _json({**head, "object": obj, "choices": [choice], **extra})
 
         try:
@@ -342,63 +356,69 @@ class Server:
             job.cancelled.set()  # a client that left stops the generation at the next token
 
 
-async def _parse(request: Request, model: type[_Body], max_body: int) -> _Body:
-    """The JSON body, whatever the Content-Type says (curl users often send none).
+async def _parse(request: Request, model: type[BaseModel], max_body: int) -> BaseModel:
+    """The JSON body, whatever the Content-Type says (curl users often send none; see
+    :mod:`.guard` for the types refused).
 
-    Read at most ``max_body`` bytes (413 beyond), and decoded off the event loop.
+    Read at most ``max_body`` bytes (413 beyond), then decoded and validated off the event
+    loop (:func:`_decode`).
     """
     raw = bytearray()
     try:
         async for chunk in request.stream():
             raw += chunk
             if len(raw) > max_body:
-                raise _too_large(max_body)
+                raise too_large(max_body)
     except ClientDisconnect:
         log.warning("%s %s: the client left while sending its body", request.method,
                     request.url.path)
         raise APIError(400, "the body ended early: the client disconnected") from None
+    return await asyncio.to_thread(_decode, bytes(raw), model)
+
+
+def _decode(raw: bytes, model: type[BaseModel]) -> BaseModel:
+    """The body as ``model``, or the 400 that says what is wrong with it."""
     try:
-        data = await asyncio.to_thread(json.loads, bytes(raw) or b"null")
+        data = json.loads(raw or b"null")
+        if not isinstance(data, dict):
+            raise APIError(400, "the body has to be a JSON object")
+        _refuse_unsupported(data, getattr(model, "UNSUPPORTED", {}))
+        return model.model_validate(data)
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
         raise APIError(400, f"the body is not valid JSON: {exc}") from None
-    if not isinstance(data, dict):
-        raise APIError(400, "the body has to be a JSON object")
-    try:
-        return model.model_validate(data)
+    except RecursionError:
+        raise APIError(400, "the body is nested too deeply") from None
     except ValidationError as exc:
-        first = exc.errors()[0]
-        where = ".".join(str(part) for part in first["loc"])
+        errors = exc.errors()
+        # A field that takes a string or a list fails once per kind; the error of the kind
+        # that was sent (a list too long) says more than "not a string".
+        first = next((e for e in errors if not e["type"].endswith("_type")), errors[0])
+        where = ".".join(str(part) for part in first["loc"] if not _is_type_tag(part))
         given = f" (got {_short(first['input'])})" if "input" in first and where else ""
         raise APIError(400, f"`{where}`: {first['msg']}{given}", param=where) from None
+
+
+def _is_type_tag(part) -> bool:
+    """pydantic's name for one kind of a union (``str``, ``list[str]``, ``ContentPart``) in
+    an error's location, where field names and indexes are what a client can act on."""
+    return isinstance(part, str) and (part in ("str", "int", "float", "bool", "dict")
+                                      or "[" in part or part[:1].isupper())
+
+
+def _refuse_unsupported(data: dict, fields: dict[str, tuple]) -> None:
+    """400 naming the first field that asks for something this server does not do (JSON
+    mode, tools, ...): answering it with plain text would look like success."""
+    for name, harmless in fields.items():
+        if name in data and not any(data[name] == h and type(data[name]) is type(h)
+                                    for h in harmless):
+            raise APIError(400, f"`{name}` is not supported by this server; remove it "
+                           f"(accepted: {' or '.join(json.dumps(h) for h in harmless)})",
+                           param=name, code="unsupported_field")
 
 
 def _short(value, limit: int = 80) -> str:
     text = repr(value)
     return text if len(text) <= limit else text[:limit] + "..."
-
-
-def _too_large(max_body: int) -> APIError:
-    return APIError(413, f"the body is larger than this server's limit of {max_body:,} "
-                    "bytes (adaptive-llama serve --max-body)", code="request_too_large")
-
-
-class Guard:
-    """Pure ASGI middleware (which, unlike Starlette's BaseHTTPMiddleware, leaves
-    disconnect detection working): the API key, and a Content-Length over the limit."""
-
-    def __init__(self, app, server: "Server", max_body: int):
-        self.app, self.server, self.max_body = app, server, max_body
-
-    async def __call__(self, scope, receive, send):
-        if scope["type"] == "http":
-            headers = Headers(scope=scope)
-            error = self.server.key_error(headers)
-            length = headers.get("content-length", "")
-            if error is None and length.isdigit() and int(length) > self.max_body:
-                error = _too_large(self.max_body)
-            if error is not None:
-                return await error.response(scope["path"])(scope, receive, send)
-        return await self.app(scope, receive, send)
 
 
 def _json(value: dict) -> str:
@@ -407,9 +427,17 @@ def _json(value: dict) -> str:
 
 def create_app(engine: Engine, sampler: SamplerSpec | str = "adaptive", *,
                api_key: str | None = None, max_queue: int = 8, model_id: str | None = None,
-               max_body: int = MAX_BODY) -> FastAPI:
-    """The ASGI application; run it with uvicorn (``adaptive-llama serve`` does)."""
-    server = Server(engine, spec_of(sampler), api_key, max_queue, model_id)
+               max_body: int = MAX_BODY, allow_origins: tuple[str, ...] = (),
+               allow_hosts: tuple[str, ...] | None = ()) -> FastAPI:
+    """The ASGI application; run it with uvicorn (``adaptive-llama serve`` does).
+
+    ``allow_origins``: web pages besides loopback ones that may call it (``"*"``: any);
+    ``allow_hosts``: host names besides loopback ones it answers (None: any, for a server
+    on a public address). See :mod:`.guard`. ValueError for an empty or non-ASCII key.
+    """
+    access = Access(api_key, allow_origins,
+                    None if allow_hosts is None else (*LOOPBACK_NAMES, *allow_hosts))
+    server = Server(engine, spec_of(sampler), max_queue, model_id)
 
     @contextlib.asynccontextmanager
     async def lifespan(_app):
@@ -420,7 +448,11 @@ def create_app(engine: Engine, sampler: SamplerSpec | str = "adaptive", *,
                   lifespan=lifespan)
     app.state.server = server
 
-    app.add_middleware(Guard, server=server, max_body=max_body)
+    app.add_middleware(Guard, access=access, max_body=max_body)
+    # Outermost: answers browsers' preflight requests, for the pages Access allows only.
+    app.add_middleware(CORSMiddleware, allow_origins=sorted(access.allow_origins),
+                       allow_origin_regex=LOOPBACK_ORIGIN, allow_methods=["GET", "POST"],
+                       allow_headers=["*"])
 
     @app.exception_handler(APIError)
     async def api_error(request: Request, exc: APIError):
@@ -447,7 +479,7 @@ def create_app(engine: Engine, sampler: SamplerSpec | str = "adaptive", *,
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request):
         body = await _parse(request, ChatBody, max_body)
-        messages = [m.as_template_message() for m in body.messages]
+        messages = template_messages(body.messages)
         try:  # off the event loop: a long conversation must not stall other requests
             tokens = await asyncio.to_thread(engine.chat_prompt_tokens, messages)
         except Exception as exc:  # no template, or the template rejects the roles given
@@ -468,7 +500,8 @@ def create_app(engine: Engine, sampler: SamplerSpec | str = "adaptive", *,
         if not prompt:
             raise APIError(400, "`prompt`: the prompt is empty", param="prompt")
         # OpenAI's completions endpoint defaults to 16 tokens.
-        tokens = await asyncio.to_thread(engine.tokenize, prompt)
+        # A raw prompt: its caller wrote any chat markup (<|im_start|>...) on purpose.
+        tokens = await asyncio.to_thread(engine.tokenize, prompt, True, True)
         job = server.job(tokens, body, body.max_tokens or 16, "prompt")
         return await server.respond(request, job, body, "completion")
 

@@ -23,6 +23,7 @@ import datetime
 import hashlib
 import json
 from pathlib import Path
+from typing import ClassVar
 
 from fastapi import Request
 from fastapi.responses import StreamingResponse
@@ -31,14 +32,16 @@ from pydantic import BaseModel, ConfigDict, Field
 from .. import __version__
 from ..engine import GenerationResult
 from ..samplers import SEED, SamplerSpec, SpecError, parse_spec
-from .app import FINISH_REASONS, APIError, Message, Server, _parse
+from .app import (FINISH_REASONS, MAX_MESSAGES, MAX_STOPS, Message, Server, _parse,
+                  template_messages)
+from .errors import APIError
 from .scheduler import Job
 
 NDJSON = "application/x-ndjson"
 
 
 class Options(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="ignore", strict=True)
 
     temperature: float | None = Field(None, ge=0, le=2)
     top_p: float | None = Field(None, gt=0, le=1)
@@ -46,12 +49,15 @@ class Options(BaseModel):
     min_p: float | None = Field(None, ge=0, le=1)
     seed: int | None = Field(None, ge=0, le=SEED.high)
     num_predict: int | None = Field(None, ge=-2)
-    stop: list[str] | None = None
+    stop: list[str] | None = Field(None, max_length=MAX_STOPS)
     sampler: str | None = None
 
 
 class _Body(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    # As the OpenAI bodies (app._Body): strict types, unknown fields ignored, fields that
+    # would change the reply and are not done here refused.
+    model_config = ConfigDict(extra="ignore", strict=True)
+    UNSUPPORTED: ClassVar[dict[str, tuple]] = {"format": (None, ""), "tools": (None, [])}
 
     model: str = Field(min_length=1)
     stream: bool = True
@@ -59,17 +65,20 @@ class _Body(BaseModel):
 
 
 class ChatBody(_Body):
-    messages: list[Message] = Field(min_length=1)
+    messages: list[Message] = Field(min_length=1, max_length=MAX_MESSAGES)
 
 
 class GenerateBody(_Body):
+    UNSUPPORTED: ClassVar[dict[str, tuple]] = {
+        **_Body.UNSUPPORTED, "images": (None, []), "context": (None, []), "suffix": (None, "")}
+
     prompt: str = ""
     system: str | None = None
     raw: bool = False
 
 
 class ShowBody(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="ignore", strict=True)
     model: str = Field(min_length=1)
 
 
@@ -210,7 +219,7 @@ def add_routes(app, server: Server, max_body: int) -> None:
     @app.post("/api/chat")
     async def chat(request: Request):
         body = await _parse(request, ChatBody, max_body)
-        messages = [m.as_template_message() for m in body.messages]
+        messages = template_messages(body.messages)
         try:
             tokens = await asyncio.to_thread(engine.chat_prompt_tokens, messages)
         except Exception as exc:  # no template, or the template rejects the roles given
@@ -225,7 +234,8 @@ def add_routes(app, server: Server, max_body: int) -> None:
                     "done_reason": "load"}
         if body.raw or not engine.has_chat_template:
             text = body.prompt if body.system is None else f"{body.system}\n\n{body.prompt}"
-            tokens = await asyncio.to_thread(engine.tokenize, text)
+            # raw: the caller wrote the template's markup itself, on purpose
+            tokens = await asyncio.to_thread(engine.tokenize, text, True, body.raw)
         else:
             messages = ([{"role": "system", "content": body.system}] if body.system else [])
             messages.append({"role": "user", "content": body.prompt})
