@@ -12,6 +12,7 @@ import json
 import os
 import socket
 import sys
+from pathlib import Path
 
 import click
 from click.core import ParameterSource
@@ -285,7 +286,7 @@ def run(model, sampler, system, max_tokens, resume, no_save, n_gpu_layers, n_ctx
               help="Folder for generations.jsonl (resume cache) and the reports.")
 @click.option("--seed", type=click.IntRange(int(SEED.low), int(SEED.high)), default=0,
               show_default=True)
-@click.option("--threads", type=click.IntRange(min=1), default=None,
+@click.option("--threads", type=click.IntRange(1, MAX_THREADS), default=None,
               help="CPU threads (default: the physical cores, adapted to the load).")
 @user_errors
 def evaluate(model, tasks, methods, temperatures, batch, prompts_file, n_dev, n_test, samples,
@@ -295,6 +296,7 @@ def evaluate(model, tasks, methods, temperatures, batch, prompts_file, n_dev, n_
     from .eval.run import EvalConfig, Evaluator, require_extras
 
     require_extras()
+    _writable_folder(out, "--out")
     if prompts_file:
         load_prompts_file(prompts_file)  # a malformed line stops us before the model loads
     sizes = {k: v for k, v in dict(n_dev=n_dev, n_test=n_test, samples=samples,
@@ -321,6 +323,19 @@ def evaluate(model, tasks, methods, temperatures, batch, prompts_file, n_dev, n_
              "the same command resumes from there")
     finally:
         evaluator.close()
+
+
+def _writable_folder(folder: str, option: str) -> None:
+    """Make ``folder`` if needed, or a one-line exit saying why it cannot hold files."""
+    path = Path(folder)
+    if path.exists() and not path.is_dir():
+        fail(f"{option}: {folder} is a file; give a folder")
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        fail(f"{option}: {folder} cannot be created ({exc.strerror})")
+    if not os.access(path, os.W_OK | os.X_OK):
+        fail(f"{option}: {folder} is not writable; give another folder")
 
 
 def _listed(text: str, option: str) -> tuple[str, ...]:

@@ -2,8 +2,11 @@
 and a small end-to-end run of `adaptive-llama eval` on the bundled model."""
 
 import json
+import os
+import signal
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -60,6 +63,40 @@ def test_generation_cache_survives_a_line_cut_short(tmp_path):
     cache.add({"key": "k2", "text": "again"})
     cache.close()
     assert JsonLinesCache(path).get("k2")["text"] == "again"
+
+
+def test_damaged_lines_are_skipped_and_counted_and_the_file_only_cut_back(tmp_path):
+    path = tmp_path / "generations.jsonl"
+    good = [json.dumps({"key": f"k{i}", "text": "ü" * 3}).encode() + b"\n" for i in range(3)]
+    damaged = [b"{}\n", b"[1, 2]\n", b'{"key": 5}\n', b"not json\n",
+               '{"key": "k9", "text": "\u00fc"}\n'.encode()[:-4] + b"\xc3\n"]  # bad UTF-8
+    cut = json.dumps({"key": "k3", "text": "€"}).encode()[:-3]  # cut inside the "€"
+    path.write_bytes(good[0] + b"".join(damaged) + good[1] + good[2] + cut)
+    before = path.read_bytes()
+    cache = JsonLinesCache(path)
+    assert set(cache.rows) == {"k0", "k1", "k2"} and cache.skipped == len(damaged)
+    assert path.read_bytes() == before[:len(before) - len(cut)]  # cut back, nothing rewritten
+    cache.close()
+
+
+def test_an_interrupted_repair_never_empties_the_cache(tmp_path):
+    # The repair of a cut last line is killed the moment the file first shrinks: what is
+    # left has to be the file without that line (it once rewrote the file in place, and an
+    # interruption then left 0 bytes).
+    path = tmp_path / "generations.jsonl"
+    whole = ((json.dumps({"key": "k", "text": "x" * 1000}) + "\n") * 20_000).encode()
+    path.write_bytes(whole + b'{"key": "cut')
+    code = ("import sys; from pathlib import Path; "
+            "from adaptive_llama.eval.cache import JsonLinesCache; "
+            "JsonLinesCache(Path(sys.argv[1]))")
+    proc = subprocess.Popen([sys.executable, "-c", code, str(path)])
+    deadline = time.monotonic() + 120
+    while proc.poll() is None and time.monotonic() < deadline:
+        if path.stat().st_size < len(whole) + 12:
+            proc.send_signal(signal.SIGKILL)
+            break
+    proc.wait(timeout=60)
+    assert path.read_bytes() == whole
 
 
 def test_score_cache_computes_once_per_inputs_and_package_versions(tmp_path):
@@ -347,6 +384,21 @@ def test_bad_eval_options_are_one_line_errors(tmp_path, args, needle):
     assert result.returncode == 2
     line, = result.stderr.strip().splitlines()
     assert needle in line and not (tmp_path / "generations.jsonl").exists()
+
+
+def test_an_out_folder_that_cannot_hold_files_is_one_line(tmp_path):
+    a_file = tmp_path / "hostname"
+    a_file.write_text("x")
+    locked = tmp_path / "locked"
+    locked.mkdir(mode=0o500)
+    cases = [(a_file, "is a file"), (a_file / "below", "cannot be created")]
+    if os.geteuid() != 0:  # root writes anywhere
+        cases.append((locked, "is not writable"))
+    for out, needle in cases:
+        result = eval_cli("--out", str(out))
+        assert result.returncode == 2, result.stderr
+        line, = result.stderr.strip().splitlines()
+        assert line.startswith(f"Error: --out: {out}") and needle in line
 
 
 def test_context_holds_the_longest_continuation_and_gsm8k_answer():

@@ -7,34 +7,44 @@ from __future__ import annotations
 import copy
 import hashlib
 import json
+import logging
+import os
 from importlib import metadata
 from pathlib import Path
 from typing import Callable
+
+log = logging.getLogger(__name__)
 
 
 class JsonLinesCache:
     """Rows keyed by their ``"key"``, read from a JSON-lines file and appended to it.
 
-    A last line cut short by an interruption is dropped, a damaged line ignored: what they
-    held is made again.
+    The file is only ever appended to or cut back, never rewritten, so that an interruption
+    at any moment loses at most the line being written. A last line cut short by an earlier
+    interruption is cut off the file; a damaged line (bad JSON or UTF-8, no key) is skipped
+    and counted in ``skipped``. What they held is made again.
     """
 
     def __init__(self, path: Path):
         self.path = path
         self.rows: dict[str, dict] = {}
+        self.skipped = 0
         if path.exists():
-            text = path.read_text(encoding="utf-8")
-            if text and not text.endswith("\n"):
-                # An interruption cut the last line short: drop it, so that the next row
-                # starts on a line of its own.
-                text = text[: text.rfind("\n") + 1]
-                path.write_text(text, encoding="utf-8")
-            for line in text.splitlines():
-                try:
-                    row = json.loads(line)
-                except json.JSONDecodeError:
-                    continue  # a damaged line: made again
-                self.rows[row["key"]] = row
+            data = path.read_bytes()
+            whole = data.rfind(b"\n") + 1
+            if whole < len(data):
+                # One truncate: the next row starts on a line of its own, and a signal now
+                # cannot leave anything but the file before or after the cut.
+                os.truncate(path, whole)
+            for line in data[:whole].splitlines():
+                row = _row(line)
+                if row is None:
+                    self.skipped += 1
+                else:
+                    self.rows[row["key"]] = row
+            if self.skipped:
+                log.warning("%s: skipped %d damaged lines (their entries are made again)",
+                            path, self.skipped)
         path.parent.mkdir(parents=True, exist_ok=True)
         self._file = path.open("a", encoding="utf-8")
 
@@ -52,6 +62,15 @@ class JsonLinesCache:
 
     def close(self) -> None:
         self._file.close()
+
+
+def _row(line: bytes) -> dict | None:
+    """The row a line holds, or None for a damaged one."""
+    try:
+        row = json.loads(line)
+    except ValueError:  # JSON or UTF-8
+        return None
+    return row if isinstance(row, dict) and isinstance(row.get("key"), str) else None
 
 
 # The packages a score depends on besides its inputs: an upgrade of any of them scores anew.
