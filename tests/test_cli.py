@@ -203,7 +203,7 @@ def test_serve_refuses_a_key_that_turns_authentication_off_or_cannot_be_sent(arg
                                                                              needle):
     result = subprocess.run([sys.executable, "-m", "adaptive_llama.cli", "serve", *args],
                             env={**os.environ, **env}, capture_output=True, text=True,
-                            timeout=120)
+                            timeout=120, check=False)
     assert_one_line_error(result, "--api-key", needle)
 
 

@@ -742,5 +742,5 @@ def test_completion_token_texts_join_into_the_reply_and_offsets_index_it():
     # streamed in chunks that split a character, the same tokens and offsets
     streamed = _CompletionLogprobs()
     parts = [streamed(entries[:4]), streamed(entries[4:6]), streamed(entries[6:])]
-    assert sum((p["tokens"] for p in parts), []) == whole["tokens"]
-    assert sum((p["text_offset"] for p in parts), []) == whole["text_offset"]
+    assert [t for p in parts for t in p["tokens"]] == whole["tokens"]
+    assert [o for p in parts for o in p["text_offset"]] == whole["text_offset"]

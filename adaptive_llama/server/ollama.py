@@ -32,8 +32,15 @@ from pydantic import BaseModel, ConfigDict, Field
 from .. import __version__
 from ..engine import GenerationResult
 from ..samplers import SEED, SamplerSpec, SpecError, parse_spec
-from .app import (FINISH_REASONS, MAX_MESSAGES, MAX_STOPS, Message, Server, _parse,
-                  template_messages)
+from .app import (
+    FINISH_REASONS,
+    MAX_MESSAGES,
+    MAX_STOPS,
+    Message,
+    Server,
+    _parse,
+    template_messages,
+)
 from .errors import APIError
 from .scheduler import Job
 
