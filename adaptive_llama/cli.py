@@ -230,7 +230,7 @@ def run(model, sampler, system, max_tokens, resume, no_save, n_gpu_layers, n_ctx
         except FileNotFoundError:
             known = ", ".join(store.names()[:5]) or "none"
             fail(f"there is no saved chat {resume!r} in {store.folder} (newest: {known})")
-        except (OSError, UnicodeDecodeError, ValueError) as exc:
+        except (OSError, ValueError) as exc:
             fail(f"cannot read the saved chat {resume!r} ({exc}); /chats lists the others")
 
     interactive = sys.stdin.isatty() and sys.stdout.isatty()
@@ -241,16 +241,38 @@ def run(model, sampler, system, max_tokens, resume, no_save, n_gpu_layers, n_ctx
         fail(f"{engine.name} is a base model (no chat template in its GGUF), so it cannot "
              f"chat; continue text with it instead: adaptive-llama generate {model} "
              "--prompt TEXT")
+    ctx = click.get_current_context()
     repl = Repl(engine, sampler=sampler, system=system, max_tokens=max_tokens, seed=seed,
-                interactive=interactive, sources=click.get_current_context().meta["sources"],
-                store=store, chat_name=resume)
+                interactive=interactive, sources=ctx.meta["sources"], store=store,
+                chat_name=resume)
     if resume is not None:
         try:
             repl.restore(check_saved_chat(saved, repl.chat))
         except (ValueError, RecursionError) as exc:
             fail(f"the saved chat {resume!r} cannot be continued: {exc}")
-        repl.note(f"continuing {resume}: {len(repl.chat.messages)} messages")
+        given = {key: value for key, value in (("sampler", sampler), ("system", system),
+                                               ("max_tokens", max_tokens), ("seed", seed))
+                 if ctx.get_parameter_source(key) in GIVEN}
+        repl.take_settings(given, f"saved chat {resume}")
+        _continue(repl, store, resume)
     repl.loop()
+
+
+def _continue(repl, store, name: str) -> None:
+    """Save into chat ``name`` from now on, or into a copy when another REPL holds it."""
+    try:
+        held = store.claim(name)
+    except OSError as exc:
+        repl.note(f"continuing {name} unsaved: {store.folder} cannot be written "
+                  f"({exc.strerror or exc})")
+        repl.store = None
+        return
+    if held:
+        repl.note(f"continuing {name}: {len(repl.chat.messages)} messages")
+        return
+    repl.new_saved_chat()
+    repl.note(f"{name} is open in another REPL; continuing its {len(repl.chat.messages)} "
+              f"messages in a copy, {repl.chat_name}")
 
 
 @main.command("eval")

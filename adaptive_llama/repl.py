@@ -17,7 +17,7 @@ from pathlib import Path
 
 from . import kernel
 from .chat import Chat
-from .chats import ChatStore, write_atomically
+from .chats import ChatStore, read_text_file, write_user_file
 from .engine import ContextOverflow, Engine, GenerationResult
 from .samplers import INT32_MAX, SEED, Param, SpecError, parse_spec, table
 
@@ -40,8 +40,11 @@ COMMANDS = {
 }
 SET_KEYS = ("eps", "temp", "seed", "max-tokens", "sampler", "system")
 MULTILINE = '"""'
-HISTORY_FILE = Path(os.environ.get("XDG_STATE_HOME", Path.home() / ".local" / "state")) \
-    / "adaptive-llama" / "history"
+
+
+def history_file() -> Path:
+    base = os.environ.get("XDG_STATE_HOME") or Path.home() / ".local" / "state"
+    return Path(base) / "adaptive-llama" / "history"
 
 
 def k_colour(k: int) -> str:
@@ -65,7 +68,7 @@ class Repl:
         self.engine = engine
         # every message and command is saved as it happens (None: nothing is kept)
         self.store = store
-        self.chat_name = chat_name or (store.new_name() if store else None)
+        self.chat_name = chat_name
         # where sampler, system, ctx, threads... came from (command line, config.toml, /set)
         self.sources = dict(sources or {})
         self.chat = Chat(engine, system=system, sampler=sampler, max_tokens=max_tokens,
@@ -77,6 +80,23 @@ class Repl:
         self.interrupt_pending = False  # a Ctrl-C that came with the Enter of a message
         self.last: GenerationResult | None = None  # the last reply, while it is the last message
         self.warned_dropped = 0
+        if chat_name is None:
+            self.new_saved_chat()
+
+    def new_saved_chat(self) -> None:
+        """From now on, save into a new chat (its lock held); the one before stays as it is.
+        A folder that cannot be written: the chat goes on unsaved, with one note."""
+        if self.store is None:
+            return
+        try:
+            name = self.store.new_name()
+            self.store.claim(name)
+        except OSError as exc:
+            self.note(f"chats cannot be saved in {self.store.folder} "
+                      f"({exc.strerror or exc}); this one is not kept")
+            self.store, self.chat_name = None, None
+            return
+        self.chat_name = name
 
     # ---- output ----
 
@@ -93,14 +113,23 @@ class Repl:
     def _terminal_reader(self):
         from prompt_toolkit import PromptSession
         from prompt_toolkit.completion import WordCompleter
-        from prompt_toolkit.history import FileHistory
+        from prompt_toolkit.history import FileHistory, InMemoryHistory
         from prompt_toolkit.input.typeahead import get_typeahead, store_typeahead
         from prompt_toolkit.keys import Keys
 
-        HISTORY_FILE.parent.mkdir(parents=True, exist_ok=True)
         words = list(COMMANDS) + list(SET_KEYS) + ["on", "off", "samplers", "random"]
-        session = PromptSession(history=FileHistory(str(HISTORY_FILE)),
-                                completer=WordCompleter(words, sentence=True))
+        path = history_file()
+        try:  # a history that cannot be written would fail on every Enter
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.touch()
+            if not os.access(path, os.W_OK):
+                raise PermissionError(13, "not writable")
+            history = FileHistory(str(path))
+        except OSError as exc:
+            self.note(f"line history is off: {path} cannot be written "
+                      f"({exc.strerror or exc})")
+            history = InMemoryHistory()
+        session = PromptSession(history=history, completer=WordCompleter(words, sentence=True))
 
         def read(prompt: str) -> str | None:
             try:
@@ -119,13 +148,14 @@ class Repl:
 
         return read
 
-    def read_message(self) -> str | None:
-        """One message: a line, or a \"\"\" block over several lines. None at end of input."""
+    def read_message(self) -> tuple[str, bool] | None:
+        """(text, whether it came as a \"\"\" block): one line, or a block over several
+        lines, which is always text, never a command. None at end of input."""
         line = self.read_line(">>> " if self.interactive else "")
         if line is None:
             return None
         if not line.strip().startswith(MULTILINE):
-            return line
+            return line, False
         lines = [line.strip()[len(MULTILINE):]]
         while not lines[-1].rstrip().endswith(MULTILINE):
             more = self.read_line("... " if self.interactive else "")
@@ -133,7 +163,7 @@ class Repl:
                 break
             lines.append(more)
         text = "\n".join(lines)
-        return text.rstrip().removesuffix(MULTILINE).strip("\n")
+        return text.rstrip().removesuffix(MULTILINE).strip("\n"), True
 
     # ---- the loop ----
 
@@ -146,14 +176,15 @@ class Repl:
                       "Ctrl-D or /bye to quit.")
         while True:
             try:
-                text = self.read_message()
+                message = self.read_message()
             except KeyboardInterrupt:  # Ctrl-C at the prompt: a fresh line, not an exit
                 continue
-            if text is None:
+            if message is None:
                 return
+            text, block = message
             if not text.strip():
                 continue
-            if text.strip().startswith("/") and "\n" not in text.strip():
+            if text.strip().startswith("/") and not block:
                 if self.command(text.strip()) == "quit":
                     return
             else:
@@ -284,10 +315,13 @@ class Repl:
                                                   for key, source in self.sources.items()))
 
     def cmd_clear(self, arg):
+        kept = self.chat_name if self.chat.messages else None
         self.chat.clear()
         self.last = None
         self.warned_dropped = 0
-        self.note("conversation cleared")
+        self.new_saved_chat()
+        self.note("conversation cleared" + (f"; it stays saved as {kept}" if kept and
+                                            self.store else ""))
 
     def cmd_undo(self, arg):
         self.last = None
@@ -373,30 +407,43 @@ class Repl:
             self.note("usage: /save FILE")
             return
         data = self.saved_data()
-        path = Path(arg).expanduser()
         try:
-            write_atomically(path, json.dumps(data, indent=2, ensure_ascii=False))
-        except OSError as exc:
-            self.note(f"could not save to {path}: {exc.strerror or exc}; nothing was lost")
+            path = Path(arg).expanduser()
+            written = write_user_file(path, json.dumps(data, indent=2, ensure_ascii=False))
+        except (OSError, ValueError, RuntimeError) as exc:  # RuntimeError: ~nouser
+            self.note(f"could not save to {arg}: {getattr(exc, 'strerror', None) or exc}; "
+                      "nothing was lost")
             return
-        self.note(f"saved {len(self.chat.messages)} messages to {path}")
+        self.note(f"saved {len(self.chat.messages)} messages to {written}")
 
     def cmd_load(self, arg):
         if not arg:
             self.note("usage: /load FILE")
             return
-        path = Path(arg).expanduser()
         try:
+            path = Path(arg).expanduser()
             saved = read_saved_chat(path, self.chat)
-        except OSError as exc:
-            self.note(f"could not read {path}: {exc.strerror or exc}; the chat is unchanged")
+        except (OSError, RuntimeError) as exc:  # RuntimeError: ~nouser
+            self.note(f"could not read {arg}: {getattr(exc, 'strerror', None) or exc}; "
+                      "the chat is unchanged")
             return
-        except (ValueError, UnicodeDecodeError, RecursionError) as exc:
-            self.note(f"{path} is not a saved chat ({exc}); the chat is unchanged")
+        except (ValueError, RecursionError) as exc:
+            self.note(f"{arg} is not a saved chat ({exc}); the chat is unchanged")
             return
         self.restore(saved)
+        self.new_saved_chat()  # the loaded chat is saved as a new one; the current one stays
         self.note(f"loaded {len(self.chat.messages)} messages; sampler {self.chat.sampler}, "
                   f"seed {_seed_text(self.chat.seed)}")
+
+    def take_settings(self, given: dict, restored_from: str) -> None:
+        """After a restore: the values given on the command line win over the saved ones,
+        and /show says where each came from."""
+        chat = self.chat
+        for key, value in given.items():
+            setattr(chat, key, value)
+        for key in ("sampler", "system", "max_tokens", "seed"):
+            self.sources[key.replace("_", "-")] = ("command line" if key in given
+                                                    else restored_from)
 
     def restore(self, saved: dict) -> None:
         """Take over a checked saved chat (:func:`check_saved_chat`): messages and settings."""
@@ -415,7 +462,7 @@ MAX_TOKENS = Param("max-tokens", int, 256, "the longest reply, in tokens", low=1
 def read_saved_chat(path: Path, current: Chat) -> dict:
     """A /save file, every field checked (ValueError says which is wrong); fields it lacks
     keep the current chat's values."""
-    return check_saved_chat(json.loads(path.read_text(encoding="utf-8")), current)
+    return check_saved_chat(json.loads(read_text_file(path)), current)
 
 
 def check_saved_chat(data, current: Chat) -> dict:

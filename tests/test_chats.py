@@ -123,3 +123,105 @@ def test_ctrl_c_mid_reply_saves_the_partial_reply():
         child.expect(pexpect.EOF)
     finally:
         child.close(force=True)
+
+
+def test_two_repls_never_write_one_chat():
+    run("--max-tokens", "4", input="Mine\n")
+    name, = store().names()
+    before = store().path(name).read_text()
+    holder = store()
+    assert holder.claim(name)  # another REPL has it open
+    out = run("--resume", name, "--max-tokens", "4", input="Theirs\n").stdout
+    assert f"{name} is open in another REPL; continuing its 2 messages in a copy" in out
+    assert store().path(name).read_text() == before
+    copy, = set(store().names()) - {name}
+    assert [m["content"] for m in store().load(copy)["messages"]][::2] == ["Mine", "Theirs"]
+
+
+def test_two_repls_started_together_get_two_chats():
+    procs = [subprocess.Popen([sys.executable, "-m", "adaptive_llama.cli", "run",
+                               "--max-tokens", "4"], stdin=subprocess.PIPE,
+                              stdout=subprocess.DEVNULL, text=True) for _ in range(2)]
+    for i, proc in enumerate(procs):
+        proc.communicate(f"Hello {i}\n", timeout=300)
+    firsts = sorted(store().load(n)["messages"][0]["content"] for n in store().names())
+    assert firsts == ["Hello 0", "Hello 1"]
+
+
+def test_load_and_clear_start_a_new_chat_and_keep_the_old_one(tmp_path):
+    other = tmp_path / "other.json"
+    run("--max-tokens", "4", input=f"Keep me\n/save {other}\n")
+    name, = store().names()
+    out = run("--resume", name, "--max-tokens", "4",
+              input=f"/load {other}\n/clear\nAfter clear\n").stdout
+    assert "it stays saved as" in out
+    assert [m["content"] for m in store().load(name)["messages"]][::2] == ["Keep me"]
+    contents = sorted(m["content"] for n in store().names()
+                      for m in store().load(n)["messages"] if m["role"] == "user")
+    assert contents == ["After clear", "Keep me", "Keep me"]  # the /load became its own chat
+
+
+def test_a_block_holding_a_command_is_text():
+    run("--max-tokens", "4", input='"""\n/clear\n"""\n')
+    name, = store().names()
+    assert store().load(name)["messages"][0] == {"role": "user", "content": "/clear"}
+
+
+def test_save_writes_through_links_and_refuses_what_is_not_a_file(tmp_path):
+    target = tmp_path / "target.json"
+    link = tmp_path / "link.json"
+    link.symlink_to(target)
+    fifo = tmp_path / "fifo"
+    os.mkfifo(fifo)
+    out = run("--max-tokens", "4", input=f"Hi\n/save {link}\n/save {fifo}\n/save ~nouser/x\n"
+              f"/load {fifo}\n/load /dev/zero\n/load ~nouser/x\n/load {tmp_path}\n"
+              "/show\n").stdout
+    assert link.is_symlink() and json.loads(target.read_text())["messages"][0]["content"] == "Hi"
+    assert f"saved 2 messages to {target}" in out
+    assert stat_kind(fifo) == "fifo"
+    assert out.count("could not save to") == 2 and "nothing was lost" in out
+    assert out.count("the chat is unchanged") == 4, out
+    assert "(2 messages)" in out  # the REPL went on, the chat intact
+
+
+def stat_kind(path):
+    import stat
+
+    mode = os.lstat(path).st_mode
+    return "fifo" if stat.S_ISFIFO(mode) else "file" if stat.S_ISREG(mode) else "other"
+
+
+def test_damaged_chats_folder_entries_are_one_line_or_skipped():
+    run("--max-tokens", "4", input="Hi\n")
+    folder = store().folder
+    (folder / "gone.json").symlink_to(folder / "nowhere.json")  # a dangling link
+    numbered = store().path("numbered")
+    numbered.write_text(json.dumps({"messages": [5]}))
+    numbered.with_suffix(".partial").write_text("half a reply")
+    out = run("--max-tokens", "4", input="/chats\n").stdout
+    assert "saved in" in out and "Traceback" not in out
+    result = run("--resume", "numbered", input="")
+    assert result.returncode == 2 and "Traceback" not in result.stderr
+    assert len(result.stderr.strip().splitlines()) == 1
+
+
+def test_an_unwritable_state_folder_means_a_chat_without_history(tmp_path):
+    state = tmp_path / "state"
+    state.write_text("a file where the folder should be")
+    result = subprocess.run([sys.executable, "-m", "adaptive_llama.cli", "run",
+                             "--max-tokens", "4"], input="Hi\n/show\n", capture_output=True,
+                            text=True, timeout=300, check=False,
+                            env={**os.environ, "XDG_STATE_HOME": str(state)})
+    assert result.returncode == 0 and "Traceback" not in result.stderr
+    assert "chats cannot be saved in" in result.stdout and "(2 messages)" in result.stdout
+
+
+def test_the_command_line_wins_over_a_resumed_chat_and_show_says_so():
+    run("--max-tokens", "30", "--sampler", "top-k:k=5", "--seed", "7", input="Hi\n")
+    name, = store().names()
+    out = run("--resume", "--max-tokens", "20", "--sampler", "greedy", "--system",
+              "Be brief.", input="/show\n").stdout
+    assert "sampler     greedy" in out and "max-tokens  20" in out and "seed        7" in out
+    assert "system      Be brief." in out
+    assert "sampler: command line" in out and "max-tokens: command line" in out
+    assert f"seed: saved chat {name}" in out
