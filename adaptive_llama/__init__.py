@@ -1,12 +1,11 @@
 """adaptive-llama: adaptive decoding (Zhu et al., ICML 2024) for GGUF models on llama.cpp.
 
-The kernel (:func:`adaptive_k`, :func:`adaptive_stats`) and the sampler specs need numpy and
-numba only; the parts that run llama.cpp (:class:`Engine`, :class:`Chat`,
-:class:`SamplerChain`, :func:`use_sampler`) load on first use, and check the installed
-llama-cpp-python's version then.
+The kernel (:func:`adaptive_k`, :func:`adaptive_stats`) needs numpy and numba only; it and
+the parts that run llama.cpp (:class:`Engine`, :class:`Chat`, :class:`SamplerChain`,
+:func:`use_sampler`) load on first use, and check the installed llama-cpp-python's version
+then.
 """
 
-from .kernel import BACKEND, AdaptiveStats, adaptive_k, adaptive_stats
 from .models import ModelError
 from .samplers import SAMPLERS, SamplerSpec, SpecError, parse_spec
 
@@ -18,13 +17,16 @@ __all__ = [
     "use_sampler", "LLAMA_CPP_VERSION",
 ]
 
-_LAZY = {"Engine": "engine", "GenerationResult": "engine", "Stream": "engine",
+_LAZY = {"BACKEND": "kernel", "AdaptiveStats": "kernel", "adaptive_k": "kernel",
+         "adaptive_stats": "kernel", "Engine": "engine", "GenerationResult": "engine", "Stream": "engine",
          "ContextOverflow": "engine", "Chat": "chat", "SamplerChain": "chain",
          "use_sampler": "chain", "LLAMA_CPP_VERSION": "chain"}
 
 
 def __getattr__(name):
-    """The llama.cpp-backed parts load on first use, so the kernel imports fast."""
+    """The kernel (numba) and the llama.cpp-backed parts load on first use, so that the
+    specs and the command line import fast (and a bad ADAPTIVE_LLAMA_BACKEND is reported by
+    whoever uses the kernel)."""
     if name in _LAZY:
         import importlib
 

@@ -66,6 +66,7 @@ def configured(fn):
     def wrapper(**kwargs):
         ctx = click.get_current_context()
         settings = config.settings_for(kwargs.get("model"))  # ConfigError: one line, exit 2
+        _warn_misspelt_tables()
         sources = {}
         for key, name in CONFIG_PARAMS.items():
             if name not in kwargs:
@@ -81,6 +82,11 @@ def configured(fn):
         return fn(**kwargs)
 
     return wrapper
+
+
+def _warn_misspelt_tables() -> None:
+    for warning in config.misspelt_tables():
+        click.echo(f"Warning: {warning}", err=True)
 
 
 def model_options(fn):
@@ -112,6 +118,13 @@ def load_engine(model, n_gpu_layers, n_ctx, threads, seed, verbose, backend_samp
 
     if show_progress:
         click.echo(f"loading {model or 'smollm2 (bundled)'} ...", err=True)
+    if n_gpu_layers:
+        import llama_cpp
+
+        if not llama_cpp.llama_supports_gpu_offload():
+            click.echo(f"Note: this build of llama-cpp-python runs on the CPU only, so "
+                       f"--n-gpu-layers {n_gpu_layers} changes nothing (README, 'CPU or "
+                       "CUDA', says how to build it for a GPU).", err=True)
     engine = Engine(model, n_gpu_layers=n_gpu_layers, n_ctx=n_ctx, n_threads=threads,
                     parallel=parallel, seed=seed, verbose=verbose,
                     backend_sampling=backend_sampling)
@@ -128,6 +141,11 @@ def load_engine(model, n_gpu_layers, n_ctx, threads, seed, verbose, backend_samp
 @click.version_option(package_name="adaptive-llama")
 def main():
     """Adaptive decoding for GGUF models on llama.cpp: chat, generate, compare samplers."""
+    if os.environ.get("ADAPTIVE_LLAMA_BACKEND"):
+        try:  # a forced backend that cannot run: one line now, not a traceback later
+            from . import kernel  # noqa: F401
+        except ImportError as exc:
+            fail(str(exc))
 
 
 @main.command()
@@ -137,6 +155,7 @@ def models(as_json):
     """List the bundled models: path, vocabulary, chat template, installed, and the settings
     config.toml gives each (with the table they come from)."""
     rows = describe_models()
+    _warn_misspelt_tables()
     for r in rows:
         settings = config.settings_for(r["name"])
         r["settings"] = {key: {"value": str(value), "source": settings.source[key]}
@@ -147,7 +166,8 @@ def models(as_json):
         return
     width = max(len(r["name"]) for r in rows)
     for r in rows:
-        state = r.get("path") or f"not installed: {r.get('install', r.get('problem'))}"
+        state = (f"{r['path']}{'' if r['ready'] else '  (joined from its parts on first use)'}"
+                 if "path" in r else f"not installed: {r['install']}")
         click.echo(f"{r['name']:<{width}} vocab {r['vocab_size']:>7,}  chat template: "
                    f"{'yes' if r['chat_template'] else 'no ':<3}  start eps {r['start_eps']:g}"
                    f"  {r['description']}\n{'':<{width}} {state}")

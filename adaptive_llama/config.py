@@ -22,6 +22,7 @@ is one error naming the file, the line and the key.
 
 from __future__ import annotations
 
+import difflib
 import os
 import re
 import sys
@@ -175,6 +176,24 @@ def load(path: Path | None = None) -> dict[str, dict[str, Any]]:
             except ValueError as exc:
                 raise error(table, key, f"`{key}` in [{table}] {exc}") from None
     return checked
+
+
+def misspelt_tables(path: Path | None = None) -> list[str]:
+    """Warnings for ``[models.NAME]`` tables whose NAME is close to a bundled model's name
+    but not it (``smolm2``): such a table would apply to nothing, silently. A NAME far from
+    every bundled name may be a GGUF file's name or stem, which only a run can tell."""
+    from .models import BUNDLED
+
+    shown = path or config_path()
+    out = []
+    for table in load(path):
+        name = table.removeprefix(f"{MODELS_TABLE}.")
+        if table.startswith(f"{MODELS_TABLE}.") and name not in BUNDLED:
+            close = difflib.get_close_matches(name, list(BUNDLED), n=1, cutoff=0.75)
+            if close:
+                out.append(f"{shown}: [{table}] names no bundled model; did you mean "
+                           f"[{MODELS_TABLE}.{close[0]}]?")
+    return out
 
 
 def _names(model: str | None) -> list[str]:

