@@ -68,7 +68,8 @@ def test_a_context_that_is_not_a_multiple_of_256_is_rounded_up(smollm2_path):
 @pytest.mark.parametrize("kwargs,message", [
     (dict(n_ctx=1), "`n_ctx` has to be 0 (the model's own) or at least 256, but is 1"),
     (dict(n_ctx=-5), "`n_ctx` has to be an integer >= 0"),
-    (dict(n_threads=0), "`n_threads` has to be an integer >= 1"),
+    (dict(n_threads=0), "`n_threads` has to be an integer in [1, 512], but is 0"),
+    (dict(n_threads=513), "`n_threads` has to be an integer in [1, 512], but is 513"),
     (dict(seed=2**70), "`seed` has to be an integer in [0, 4294967295]"),
     (dict(n_ctx=10_000_000), "could not create a context of 10000000 tokens"),
 ])
