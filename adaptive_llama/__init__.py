@@ -18,9 +18,9 @@ __all__ = [
 ]
 
 _LAZY = {"BACKEND": "kernel", "AdaptiveStats": "kernel", "adaptive_k": "kernel",
-         "adaptive_stats": "kernel", "Engine": "engine", "GenerationResult": "engine", "Stream": "engine",
-         "ContextOverflow": "engine", "Chat": "chat", "SamplerChain": "chain",
-         "use_sampler": "chain", "LLAMA_CPP_VERSION": "chain"}
+         "adaptive_stats": "kernel", "Engine": "engine", "GenerationResult": "engine",
+         "Stream": "engine", "ContextOverflow": "engine", "Chat": "chat",
+         "SamplerChain": "chain", "use_sampler": "chain", "LLAMA_CPP_VERSION": "chain"}
 
 
 def __getattr__(name):

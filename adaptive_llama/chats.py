@@ -63,9 +63,14 @@ def write_atomically(path: Path, text: str) -> None:
         raise
 
 
-def chats_folder() -> Path:
+def state_folder() -> Path:
+    """``$XDG_STATE_HOME/adaptive-llama`` (``~/.local/state/...``): saved chats, REPL history."""
     base = os.environ.get("XDG_STATE_HOME") or Path.home() / ".local" / "state"
-    return Path(base) / "adaptive-llama" / "chats"
+    return Path(base) / "adaptive-llama"
+
+
+def chats_folder() -> Path:
+    return state_folder() / "chats"
 
 
 class ChatStore:

@@ -17,7 +17,7 @@ from pathlib import Path
 
 from . import kernel
 from .chat import Chat
-from .chats import ChatStore, read_text_file, write_user_file
+from .chats import ChatStore, read_text_file, state_folder, write_user_file
 from .engine import ContextOverflow, Engine, GenerationResult
 from .samplers import INT32_MAX, SEED, Param, SpecError, parse_spec, table
 
@@ -40,11 +40,6 @@ COMMANDS = {
 }
 SET_KEYS = ("eps", "temp", "seed", "max-tokens", "sampler", "system")
 MULTILINE = '"""'
-
-
-def history_file() -> Path:
-    base = os.environ.get("XDG_STATE_HOME") or Path.home() / ".local" / "state"
-    return Path(base) / "adaptive-llama" / "history"
 
 
 def k_colour(k: int) -> str:
@@ -118,7 +113,7 @@ class Repl:
         from prompt_toolkit.keys import Keys
 
         words = list(COMMANDS) + list(SET_KEYS) + ["on", "off", "samplers", "random"]
-        path = history_file()
+        path = state_folder() / "history"
         try:  # a history that cannot be written would fail on every Enter
             path.parent.mkdir(parents=True, exist_ok=True)
             path.touch()

@@ -43,7 +43,7 @@ from starlette.requests import ClientDisconnect
 from ..engine import MAX_LOGPROBS, Engine, GenerationResult, TokenLogprob
 from ..samplers import SEED, SamplerSpec, SpecError, parse_spec, spec_of
 from .errors import APIError, too_large
-from .guard import LOOPBACK_NAMES, LOOPBACK_ORIGIN, Access, Guard
+from .guard import LOOPBACK_ORIGIN, Access, Guard
 from .scheduler import Job, QueueFull, Scheduler
 
 log = logging.getLogger(__name__)
@@ -435,8 +435,7 @@ def create_app(engine: Engine, sampler: SamplerSpec | str = "adaptive", *,
     ``allow_hosts``: host names besides loopback ones it answers (None: any, for a server
     on a public address). See :mod:`.guard`. ValueError for an empty or non-ASCII key.
     """
-    access = Access(api_key, allow_origins,
-                    None if allow_hosts is None else (*LOOPBACK_NAMES, *allow_hosts))
+    access = Access(api_key, allow_origins, allow_hosts)
     server = Server(engine, spec_of(sampler), max_queue, model_id)
 
     @contextlib.asynccontextmanager

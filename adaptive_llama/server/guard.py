@@ -22,6 +22,7 @@ The answer is 401, 403, 413 or 415 in the protocol's error shape.
 from __future__ import annotations
 
 import hmac
+import re
 from urllib.parse import urlsplit
 
 from starlette.datastructures import Headers
@@ -29,6 +30,7 @@ from starlette.datastructures import Headers
 from .errors import APIError, too_large
 
 LOOPBACK_NAMES = ("localhost", "127.0.0.1", "::1")
+# The pages of LOOPBACK_NAMES: one pattern for this check and for the CORS answers.
 LOOPBACK_ORIGIN = r"https?://(localhost|127\.0\.0\.1|\[::1\])(:\d+)?"
 JSON_TYPES = ("application/json", "")
 CURL_DEFAULT_TYPE = "application/x-www-form-urlencoded"
@@ -60,11 +62,14 @@ class Access:
     """The server's access rules (see the module docstring)."""
 
     def __init__(self, api_key: str | None = None, allow_origins: tuple[str, ...] = (),
-                 allow_hosts: tuple[str, ...] | None = LOOPBACK_NAMES):
+                 allow_hosts: tuple[str, ...] | None = ()):
+        """``allow_origins`` and ``allow_hosts``: the pages and host names allowed besides
+        the loopback ones; ``allow_hosts`` None: any Host (a server bound to a public
+        address cannot know the names it is reached by)."""
         self.api_key = check_api_key(api_key)
         self.allow_origins = {o.rstrip("/").lower() for o in allow_origins}
-        # None: any Host (a server bound to a public address cannot know its names).
-        self.allow_hosts = None if allow_hosts is None else {h.lower() for h in allow_hosts}
+        self.allow_hosts = None if allow_hosts is None else \
+            {h.lower() for h in (*LOOPBACK_NAMES, *allow_hosts)}
 
     def error(self, method: str, headers: Headers) -> APIError | None:
         """Why this request may not pass (None when it may)."""
@@ -88,10 +93,8 @@ class Access:
 
     def origin_allowed(self, origin: str) -> bool:
         origin = origin.rstrip("/").lower()
-        if "*" in self.allow_origins or origin in self.allow_origins:
-            return True
-        parts = urlsplit(origin)
-        return parts.scheme in ("http", "https") and _host_name(parts.netloc) in LOOPBACK_NAMES
+        return ("*" in self.allow_origins or origin in self.allow_origins
+                or re.fullmatch(LOOPBACK_ORIGIN, origin) is not None)
 
     def _key_error(self, headers: Headers) -> APIError | None:
         if self.api_key is None:
