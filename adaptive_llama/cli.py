@@ -427,6 +427,10 @@ def _free_port(host: str, port: int) -> int:
               help="Requests that may wait for the model; one more gets 503.")
 @click.option("--max-body", type=click.IntRange(min=1024), default=2 * 2**20,
               show_default=True, help="Largest request body in bytes; a larger one gets 413.")
+@click.option("--read-timeout", type=click.FloatRange(min=0.1, max=3600), default=30,
+              show_default=True, metavar="SECONDS",
+              help="Time a client has to send each whole request (headers and body); a "
+                   "slower connection is closed.")
 @click.option("--parallel", type=click.IntRange(1, 64), default=4, show_default=True,
               help="Requests decoded together (slots); the KV cache holds parallel x --ctx "
                    "tokens.")
@@ -434,7 +438,7 @@ def _free_port(host: str, port: int) -> int:
 @user_errors
 @configured
 def serve(model, host, port, allow_remote, api_key, allow_origins, allow_hosts, sampler,
-          max_queue, max_body, parallel, n_gpu_layers, n_ctx, threads, seed, backend_sampling,
+          max_queue, max_body, read_timeout, parallel, n_gpu_layers, n_ctx, threads, seed, backend_sampling,
           verbose):
     """Serve MODEL over the OpenAI API (/v1/chat/completions, /v1/completions, /v1/models)."""
     try:
@@ -442,6 +446,7 @@ def serve(model, host, port, allow_remote, api_key, allow_origins, allow_hosts, 
 
         from .server import create_app
         from .server.guard import check_api_key
+        from .server.protocol import with_read_timeout
     except ImportError as exc:
         fail(f"`serve` needs the server extra ({exc.name} is missing): "
              "pip install 'adaptive-llama[server]'")
@@ -467,7 +472,8 @@ def serve(model, host, port, allow_remote, api_key, allow_origins, allow_hosts, 
     click.echo(f"Serving {engine.name} at http://{host}:{port}/v1 (default sampler {sampler}, "
                f"{parallel} slots of {engine.n_ctx} tokens, {engine.threads} threads); "
                "Ctrl-C stops.", err=True)
-    uvicorn.run(app, host=host, port=port, log_level="info" if verbose else "warning")
+    uvicorn.run(app, host=host, port=port, http=with_read_timeout(read_timeout),
+                log_level="info" if verbose else "warning")
 
 
 if __name__ == "__main__":

@@ -25,6 +25,7 @@ API_KEY = "test-key"
 MAX_QUEUE = 2
 PARALLEL = 2
 MAX_BODY = 100_000
+READ_TIMEOUT_S = 2
 COUNTING = {"prompt": "1, 2, 3, 4, 5,", "sampler": "greedy"}  # greedy counts on, no EOS
 
 
@@ -65,7 +66,8 @@ def serving(model_path, log_file, *options):
 @pytest.fixture(scope="module")
 def server(smollm2_path, server_log):
     yield from serving(smollm2_path, server_log, "--max-queue", str(MAX_QUEUE),
-                       "--max-body", str(MAX_BODY), "--parallel", str(PARALLEL))
+                       "--max-body", str(MAX_BODY), "--parallel", str(PARALLEL),
+                       "--read-timeout", str(READ_TIMEOUT_S))
 
 
 def raw(method, port, path, body=None, key=API_KEY, timeout=60, parse=True, headers=None):
@@ -370,6 +372,32 @@ def test_a_half_sent_body_is_one_log_line_not_a_traceback(server, server_log):
     assert "/v1/completions: the client left while sending its body" in log
     assert "Traceback" not in log
     assert health(server)["status"] == "ok"
+
+
+def test_slow_loris_connections_are_closed_and_long_replies_are_not(server):
+    # Twenty clients trickle their headers a byte every 0.1 s: each is closed after the
+    # read timeout, while a reply that takes longer than it (about 3 s on 2 cores) is whole.
+    def trickle(closed_s):
+        started = time.monotonic()
+        with socket.create_connection(("127.0.0.1", server)) as sock:
+            try:
+                for byte in b"POST /v1/completions HTTP/1.1\r\nX-Pad: " + b"a" * 300:
+                    sock.sendall(bytes([byte]))
+                    time.sleep(0.1)
+            except OSError:  # the server closed it
+                closed_s.append(time.monotonic() - started)
+
+    closed_s = []
+    threads = [threading.Thread(target=trickle, args=(closed_s,)) for _ in range(20)]
+    for thread in threads:
+        thread.start()
+    status, _, reply = raw("POST", server, "/v1/completions", {**COUNTING, "max_tokens": 300})
+    for thread in threads:
+        thread.join(timeout=60)
+    assert status == 200 and reply["usage"]["completion_tokens"] == 300
+    assert reply["choices"][0]["finish_reason"] == "length"
+    assert len(closed_s) == 20 and max(closed_s) < READ_TIMEOUT_S + 5, closed_s
+    assert min(closed_s) > READ_TIMEOUT_S * 0.9, closed_s
 
 
 def test_room_check_at_exactly_the_context_window(client, server):
