@@ -72,7 +72,7 @@ class Repl:
         self.out = out or sys.stdout
         self.read_line = read_line or (self._terminal_reader() if interactive else _plain_reader)
         self.trace = "off"  # "on": each token's k; "top": and its likeliest alternatives
-        self.interrupt_pending = False  # a Ctrl-C that came with the Enter of a message
+        self.interrupt_pending = False  # a Ctrl-C came with the Enter of the line just read
         self.last: GenerationResult | None = None  # the last reply, while it is the last message
         self.warned_dropped = 0
         if chat_name is None:
@@ -153,6 +153,9 @@ class Repl:
             return line, False
         lines = [line.strip()[len(MULTILINE):]]
         while not lines[-1].rstrip().endswith(MULTILINE):
+            if self.interrupt_pending:  # came with the Enter of a line inside the block:
+                self.interrupt_pending = False  # drop the block, as Ctrl-C does at a prompt
+                raise KeyboardInterrupt
             more = self.read_line("... " if self.interactive else "")
             if more is None:
                 break
@@ -179,11 +182,16 @@ class Repl:
             text, block = message
             if not text.strip():
                 continue
-            if text.strip().startswith("/") and not block:
-                if self.command(text.strip()) == "quit":
-                    return
-            else:
-                self.reply(lambda: self.chat.send(text, **self._reply_options()))
+            try:
+                if text.strip().startswith("/") and not block:
+                    if self.command(text.strip()) == "quit":
+                        return
+                else:
+                    self.reply(lambda: self.chat.send(text, **self._reply_options()))
+            except KeyboardInterrupt:  # in a command (a reply catches its own)
+                self.note("[interrupted]")
+            finally:  # a Ctrl-C that came with this line stops its reply or nothing later
+                self.interrupt_pending = False
             self.autosave()
 
     def reply(self, start) -> None:
@@ -206,10 +214,9 @@ class Repl:
     def show_stream(self, stream, keep=None) -> GenerationResult:
         """Print the reply as it comes (``keep`` gets each piece just before it shows)."""
         try:
+            if self.interrupt_pending:  # it came with the Enter: stop before the first token
+                raise KeyboardInterrupt
             for piece in stream:
-                if self.interrupt_pending:
-                    self.interrupt_pending = False
-                    raise KeyboardInterrupt
                 if keep is not None:  # kept before it shows: nothing shown can be lost
                     keep(piece)
                 self.say(piece if self.trace == "off" else self._traced(stream, piece), end="")

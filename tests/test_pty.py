@@ -75,3 +75,22 @@ def test_ctrl_c_right_after_enter_stops_the_reply(tmp_path):
         expect_interrupted_and_history_kept(child)
 
     drive(spawn(tmp_path), script)
+
+
+def test_ctrl_c_right_after_enter_inside_a_block_drops_the_block(tmp_path):
+    # It used to be held: the block went on, and the Ctrl-C stopped the next reply.
+    def script(child):
+        child.expect(">>>")
+        child.send('"""\r')
+        child.expect(r"\.\.\.")
+        child.send("Write a very long story\r\x03")
+        child.expect(">>>")  # a fresh prompt: the block is gone
+        child.send("/show\r")
+        child.expect(r"\((\d+) messages\)")
+        assert child.match.group(1) == "0"
+        child.expect(">>>")
+        child.send("/bye\r")
+        child.expect(pexpect.EOF)
+        assert "[interrupted]" not in child.logfile_read.getvalue()
+
+    drive(spawn(tmp_path), script)

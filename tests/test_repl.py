@@ -1,5 +1,6 @@
 """The chat REPL driven through its input (piped mode), on the bundled model."""
 
+import io
 import json
 import re
 
@@ -8,6 +9,7 @@ from click.testing import CliRunner
 
 from adaptive_llama.kernel import BACKEND
 from adaptive_llama.cli import main
+from adaptive_llama.repl import Repl
 
 
 def chat(*lines, args=()):
@@ -86,6 +88,56 @@ def test_regen_draws_a_new_seed_unless_one_is_fixed():
 def test_multiline_block_is_one_message():
     out = chat('"""', "first line", "second line", '"""', "/show")
     assert "(2 messages)" in out
+
+
+CTRL_C = object()  # in a script: the line before came with a Ctrl-C in the same read
+
+
+def scripted_repl(engine, *script):
+    """A Repl reading ``script``; a line followed by CTRL_C had its Enter and a Ctrl-C arrive
+    together, which the terminal reader reports in ``interrupt_pending``."""
+    repl = Repl(engine, max_tokens=8, seed=1, out=io.StringIO())
+    pending = list(script)
+
+    def read_line(_prompt):
+        if not pending:
+            return None
+        line = pending.pop(0)
+        if pending and pending[0] is CTRL_C:
+            pending.pop(0)
+            repl.interrupt_pending = True
+        return line
+
+    repl.read_line = read_line
+    repl.loop()
+    return repl, repl.out.getvalue()
+
+
+def test_ctrl_c_with_a_line_inside_a_block_drops_the_block_and_nothing_else(engine):
+    repl, out = scripted_repl(engine, '"""', "Write a long story", CTRL_C, "about a whale",
+                              '"""', "Name a colour.")
+    # the rest of the dropped block is read as lines of its own: the whale line a message
+    assert [m["content"] for m in repl.chat.messages[::2]] == ["about a whale",
+                                                               "Name a colour."]
+    assert "[interrupted]" not in out and repl.last.finish_reason != "interrupted"
+
+
+def test_ctrl_c_with_a_blocks_closing_line_stops_its_reply_only(engine):
+    repl, out = scripted_repl(engine, '"""', "Write a long story", '"""', CTRL_C,
+                              "Name a colour.")
+    assert out.count("[interrupted]") == 1
+    assert [m["content"] for m in repl.chat.messages[::2]] == ["Write a long story",
+                                                               "Name a colour."]
+    assert repl.chat.messages[1]["content"] == ""  # stopped before its first token
+    assert repl.last.finish_reason != "interrupted" and repl.last.completion_tokens > 1
+
+
+@pytest.mark.parametrize("command", ["/set seed 3", "/show", "/compare greedy"])
+def test_ctrl_c_with_a_command_is_spent_on_it(engine, command):
+    repl, out = scripted_repl(engine, "Name a colour.", command, CTRL_C, "And another?")
+    # /compare's reply is the one stopped; the next message's reply is whole
+    assert out.count("[interrupted]") == (command == "/compare greedy")
+    assert len(repl.chat.messages) == 4 and repl.last.finish_reason != "interrupted"
 
 
 def test_compare_answers_the_last_message_again():
