@@ -34,7 +34,7 @@ chat: $(VENV)/.installed-default-model
 # kernel and in-chain samplers forced, as on a machine without a C compiler.
 test: $(VENV)/.installed-test
 	$(PY) -m pytest -q
-	ADAPTIVE_LLAMA_BACKEND=numba $(PY) -m pytest -q -p no:cacheprovider
+	ADAPTIVE_LLAMA_IMPL=numba $(PY) -m pytest -q -p no:cacheprovider
 
 bench: $(VENV)/.installed-bench
 	$(PY) benchmarks/bench_kernel.py

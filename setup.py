@@ -1,4 +1,4 @@
-"""Builds native/ into adaptive_llama/_adaptive_native*.so: the llama.cpp samplers (reached
+"""Builds native/ into adaptive_llama/kernel/_adaptive_native*.so: the llama.cpp samplers (reached
 through ctypes) and the array API as a CPython function (native/module.c).
 
 The library is optional: without a C compiler the package still installs and the numba
@@ -35,7 +35,7 @@ class BuildNative(build_ext):
 setup(
     ext_modules=[
         Extension(
-            "adaptive_llama._adaptive_native",
+            "adaptive_llama.kernel._adaptive_native",
             sources=["native/adaptive.c", "native/module.c"],
             depends=["native/adaptive.h"],
             libraries=["mvec", "m"],

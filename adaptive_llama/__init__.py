@@ -6,26 +6,28 @@ the parts that run llama.cpp (:class:`Engine`, :class:`Chat`, :class:`SamplerCha
 then.
 """
 
-from .models import ModelError
+from .runtime.models import ModelError
 from .samplers import SAMPLERS, SamplerSpec, SpecError, parse_spec
 
 __version__ = "0.1.0"
 __all__ = [
-    "BACKEND", "AdaptiveStats", "adaptive_k", "adaptive_stats",
+    "IMPL", "BACKEND", "AdaptiveStats", "adaptive_k", "adaptive_stats",
     "SAMPLERS", "SamplerSpec", "SpecError", "parse_spec", "ModelError",
     "Engine", "GenerationResult", "Stream", "ContextOverflow", "Chat", "SamplerChain",
     "use_sampler", "LLAMA_CPP_VERSION",
 ]
 
-_LAZY = {"BACKEND": "kernel", "AdaptiveStats": "kernel", "adaptive_k": "kernel",
-         "adaptive_stats": "kernel", "Engine": "engine", "GenerationResult": "engine",
-         "Stream": "engine", "ContextOverflow": "engine", "Chat": "chat",
-         "SamplerChain": "chain", "use_sampler": "chain", "LLAMA_CPP_VERSION": "chain"}
+_LAZY = {"BACKEND": "kernel", "IMPL": "kernel", "AdaptiveStats": "kernel",
+         "adaptive_k": "kernel", "adaptive_stats": "kernel", "Engine": "runtime.engine",
+         "GenerationResult": "runtime.engine", "Stream": "runtime.engine",
+         "ContextOverflow": "runtime.engine", "Chat": "chat.conversation",
+         "SamplerChain": "llama.chain", "use_sampler": "llama.chain",
+         "LLAMA_CPP_VERSION": "llama.chain"}
 
 
 def __getattr__(name):
     """The kernel (numba) and the llama.cpp-backed parts load on first use, so that the
-    specs and the command line import fast (and a bad ADAPTIVE_LLAMA_BACKEND is reported by
+    specs and the command line import fast (and a bad ADAPTIVE_LLAMA_IMPL is reported by
     whoever uses the kernel)."""
     if name in _LAZY:
         import importlib

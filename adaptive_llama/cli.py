@@ -17,9 +17,9 @@ from pathlib import Path
 import click
 from click.core import ParameterSource
 
-from . import config
-from .limits import MAX_THREADS
-from .models import ModelError, describe_models
+from .runtime import config
+from .runtime.limits import MAX_THREADS
+from .runtime.models import ModelError, describe_models
 from .samplers import SEED, SpecError, parse_spec, table, valid_specs
 
 USER_ERRORS = (ModelError, SpecError, ValueError)
@@ -114,7 +114,7 @@ def model_options(fn):
 def load_engine(model, n_gpu_layers, n_ctx, threads, seed, verbose, backend_sampling,
                 show_progress=False, parallel=1, sampler=None):
     """The Engine; with ``sampler``, also one that engine can run (or a one-line exit)."""
-    from .engine import Engine  # llama.cpp loads only for commands that need it
+    from .runtime.engine import Engine  # llama.cpp loads only for commands that need it
 
     if show_progress:
         click.echo(f"loading {model or 'smollm2 (bundled)'} ...", err=True)
@@ -141,8 +141,8 @@ def load_engine(model, n_gpu_layers, n_ctx, threads, seed, verbose, backend_samp
 @click.version_option(package_name="adaptive-llama")
 def main():
     """Adaptive decoding for GGUF models on llama.cpp: chat, generate, compare samplers."""
-    if os.environ.get("ADAPTIVE_LLAMA_BACKEND"):
-        try:  # a forced backend that cannot run: one line now, not a traceback later
+    if os.environ.get("ADAPTIVE_LLAMA_IMPL") or os.environ.get("ADAPTIVE_LLAMA_BACKEND"):
+        try:  # a forced implementation that cannot run: one line now, not a traceback later
             from . import kernel  # noqa: F401
         except ImportError as exc:
             fail(str(exc))
@@ -235,8 +235,8 @@ def run(model, sampler, system, max_tokens, resume, no_save, n_gpu_layers, n_ctx
 
     Each chat is saved as it goes, in $XDG_STATE_HOME/adaptive-llama/chats (a reply cut off
     by a crash or Ctrl-C keeps what was shown); --resume continues one."""
-    from .chats import ChatStore
-    from .repl import Repl, check_saved_chat
+    from .chat.repl import Repl, check_saved_chat
+    from .chat.saved import ChatStore
 
     store = None if no_save else ChatStore()
     if resume is not None:

@@ -21,7 +21,7 @@ import click
 import llm
 from pydantic import Field, field_validator
 
-from .models import BUNDLED, ModelError, check_gguf
+from .runtime.models import BUNDLED, ModelError, check_gguf
 from .samplers import EPSILON, SEED, TEMP, SpecError, parse_spec
 
 REGISTRY = "adaptive-llama-models.json"
@@ -88,7 +88,7 @@ _engines_lock = threading.Lock()
 
 def _engine(model: str, n_gpu_layers: int):
     """One loaded engine per (model, GPU layers), kept for the process (``llm chat``)."""
-    from .engine import Engine
+    from .runtime.engine import Engine
 
     with _engines_lock:
         key = (model, n_gpu_layers)
@@ -183,8 +183,8 @@ class AdaptiveModel(llm.Model):
         return spec
 
     def execute(self, prompt, stream, response, conversation):
-        from .chat import Chat
-        from .engine import ContextOverflow
+        from .chat.conversation import Chat
+        from .runtime.engine import ContextOverflow
 
         options = prompt.options
         engine = _engine(self.model, options.n_gpu_layers or 0)

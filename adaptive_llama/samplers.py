@@ -5,8 +5,10 @@ A spec is ``NAME`` or ``NAME:key=value,key=value``; every sampler but greedy als
 ``temp=`` (applied first). :data:`SAMPLERS` holds, per sampler, its parameters (name, type,
 default, valid range, help), how it joins a llama.cpp chain, and whether it picks the token
 itself (otherwise a ``dist`` sampler follows it). The error messages, ``adaptive-llama
-samplers``, the REPL's ``/help`` and :class:`adaptive_llama.chain.SamplerChain` all read it;
-adding a sampler is adding an entry. Run ``adaptive-llama samplers`` for the table.
+samplers``, the REPL's ``/help`` and :class:`adaptive_llama.llama.chain.SamplerChain` all read
+it: adding a sampler that llama.cpp has is adding an entry (a new kind also needs its
+``apply`` in ``native/adaptive.c`` and :mod:`adaptive_llama.llama.numba_samplers`). Run
+``adaptive-llama samplers`` for the table.
 
 This module imports neither llama_cpp nor numpy: a chain builder is handed to each entry's
 ``add`` (see :class:`ChainBuilder`).
@@ -106,7 +108,7 @@ class Sampler:
 
     ``add(builder, params)`` appends the sampler's llama.cpp samplers; when
     ``chooses_token`` is False a ``dist`` sampler (seeded) follows them. ``in_graph``: it can
-    run inside llama.cpp's graph (backend sampling, :mod:`adaptive_llama.graph`).
+    run inside llama.cpp's graph (backend sampling, :mod:`adaptive_llama.llama.graph`).
     """
 
     name: str

@@ -17,17 +17,18 @@ import platform
 import statistics
 import sys
 
-from adaptive_llama import Engine, chain, kernel
-from adaptive_llama.chain import SamplerChain
-from adaptive_llama.models import BUNDLED
-from adaptive_llama.timing import PROMPT, sampler_latency_us
+from adaptive_llama import Engine, kernel
+from adaptive_llama.eval.timing import PROMPT, sampler_latency_us
+from adaptive_llama.llama import chain
+from adaptive_llama.llama.chain import SamplerChain
+from adaptive_llama.runtime.models import BUNDLED
 
 SPECS = ["adaptive:eps=0.0005", "eta:eps=0.0009"]
 BACKENDS = ("c", "numba")
 
 
 def use_backend(name: str) -> None:
-    """Let the next chains hold this backend's samplers (as ADAPTIVE_LLAMA_BACKEND would)."""
+    """Let the next chains hold this backend's samplers (as ADAPTIVE_LLAMA_IMPL would)."""
     kernel.BACKEND = name
     chain.in_chain_samplers.cache_clear()
 

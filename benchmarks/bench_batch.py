@@ -40,10 +40,10 @@ import numpy as np
 from llama_cpp import _internals
 
 from adaptive_llama import Engine
-from adaptive_llama.decoder import PARALLEL_FROM_S, SHARE_FROM
 from adaptive_llama.eval.tasks import GSM8K_PROMPT, gsm8k_specs
-from adaptive_llama.models import BUNDLED
-from adaptive_llama.threads import default_threads
+from adaptive_llama.runtime.batching import PARALLEL_FROM_S, SHARE_FROM
+from adaptive_llama.runtime.models import BUNDLED
+from adaptive_llama.runtime.threads import default_threads
 
 PROMPTS = ["The history of the printing press begins in", "Once upon a time a small dog",
            "Rivers of Europe include the", "In 1905 the physicist published",

@@ -2,7 +2,7 @@
 ways llama.cpp would otherwise run.
 
 Same seed, same reply (README, "Reproducibility") needs two things of the engine: prompts
-evaluated in chunks aligned to 64 positions, each decoded alone (adaptive_llama.decoder),
+evaluated in chunks aligned to 64 positions, each decoded alone (adaptive_llama.runtime.batching),
 and, on the CPU, no flash attention. Three engines on the same model, rounds interleaved:
 
 - canonical: the engine as it ships (64-token chunks, no flash attention);
@@ -22,8 +22,9 @@ import statistics
 import sys
 import time
 
-from adaptive_llama import Engine, decoder
-from adaptive_llama.timing import PROMPT
+from adaptive_llama import Engine
+from adaptive_llama.eval.timing import PROMPT
+from adaptive_llama.runtime import batching as decoder
 
 
 class FlashAttentionEngine(Engine):

@@ -32,10 +32,10 @@ import numpy as np
 from llama_cpp import _internals
 
 from adaptive_llama import Engine
-from adaptive_llama.chain import SamplerChain
+from adaptive_llama.eval.timing import PROMPT, sampler_latency_us
 from adaptive_llama.kernel import adaptive_k_reference
-from adaptive_llama.threads import default_threads
-from adaptive_llama.timing import PROMPT, sampler_latency_us
+from adaptive_llama.llama.chain import SamplerChain
+from adaptive_llama.runtime.threads import default_threads
 
 SAMPLERS = ["greedy", "adaptive:eps=0.0005", "min-p:p=0.05", "top-p:p=0.95", "eta:eps=0.0009"]
 NAIVE = "naive_python_adaptive:eps=0.0005"

@@ -25,8 +25,8 @@ import time
 from pathlib import Path
 
 from adaptive_llama import Engine
-from adaptive_llama.models import BUNDLED
-from adaptive_llama.timing import PROMPT
+from adaptive_llama.eval.timing import PROMPT
+from adaptive_llama.runtime.models import BUNDLED
 
 SPECS = {"greedy": "greedy", "adaptive": "adaptive:eps=0.0005"}
 

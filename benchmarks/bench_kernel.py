@@ -36,8 +36,9 @@ os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
 
 import numpy as np  # noqa: E402
 
-from adaptive_llama import kernel, native  # noqa: E402
-from adaptive_llama.models import BUNDLED  # noqa: E402
+from adaptive_llama import kernel
+from adaptive_llama.kernel import native  # noqa: E402
+from adaptive_llama.runtime.models import BUNDLED  # noqa: E402
 
 VOCAB_SIZES = (32_000, 49_152, 151_936, 262_144)
 TARGETS = {"c": 0.5, "numba": 1.0}
@@ -85,7 +86,7 @@ def real_rows(n_steps=48):
     """{V: {"real-open": row, "real-confident": row}} from each installed bundled model."""
     import llama_cpp
 
-    from adaptive_llama.engine import Engine
+    from adaptive_llama.runtime.engine import Engine
 
     rows = {}
     for name in ("smollm2", "gemma3-270m"):

@@ -15,8 +15,8 @@ import subprocess
 import sys
 
 from adaptive_llama import Engine
-from adaptive_llama.threads import default_threads
-from adaptive_llama.timing import PROMPT
+from adaptive_llama.eval.timing import PROMPT
+from adaptive_llama.runtime.threads import default_threads
 
 
 def main():

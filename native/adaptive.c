@@ -11,7 +11,7 @@
  * Terms: where R_k = 0 (k = V, or every later token masked) dConf_k takes its continuous
  * limit p_k ln(V-k+1) / ln V; a token with p = 0 never counts; V = 1 gives k* = 1.
  *
- * Why O(V) is exact: dConf_k <= p_k (see adaptive_llama/kernel.py), so the last index above
+ * Why O(V) is exact: dConf_k <= p_k (see adaptive_llama/kernel/__init__.py), so the last index above
  * epsilon has p > epsilon.  Passes: (1) max logit, (2) w_i = exp(x_i - max) and their sum,
  * (3) collect the tokens with p > epsilon (fewer than 1/epsilon) and sum the rest directly,
  * then sort only the candidates and scan them.  Tail masses are float64 suffix sums, never
@@ -57,7 +57,8 @@ typedef struct {
     void (*reset)(struct llama_sampler *smpl);
     struct llama_sampler *(*clone)(const struct llama_sampler *smpl);
     void (*free)(struct llama_sampler *smpl);
-    void *backend_hooks[6]; /* llama.cpp's experimental backend sampling: not used, NULL */
+    void *backend_hooks[6]; /* backend sampling: NULL here; adaptive_llama/llama/graph.py fills
+                             a copy's init and apply for a chain run in the graph */
 } al_sampler_iface;
 
 struct llama_sampler { const al_sampler_iface *iface; void *ctx; };
@@ -404,7 +405,7 @@ static void gains(const double *w, const double *tail, int len, double k_first, 
 
 /*
  * Whether no k in k0+1..end can have dConf_k > eps: dConf_k ln V <= p_k ln(p_k (V-k+1) /
- * R_{k-1}) (the KL bound in kernel.py's docstring), and over the block p_k <= p_{k0+1},
+ * R_{k-1}) (the KL bound in adaptive_llama/kernel's docstring), and over the block p_k <= p_{k0+1},
  * V-k+1 <= V-k0 and R_{k-1} >= R_{end-1}, so one logarithm bounds the whole block. The
  * margin keeps rounding in the bound from ever skipping a block the exact formula would not.
  */

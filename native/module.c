@@ -6,8 +6,8 @@
  * 4 us, which is 0.05x of a softmax at V 32k; this entry reads the array through the buffer
  * protocol and keeps each thread's workspace in C, for well under 1 us. It reads only a
  * non-empty 1-D contiguous float32 or float64 buffer in this machine's byte order and raises
- * TypeError for anything else (kernel.py then converts the input); the values are the
- * kernel's business, and kernel.py turns its codes into exceptions.
+ * TypeError for anything else (kernel/choice.py then converts the input); the values are the
+ * kernel's business, and kernel/choice.py turns its codes into exceptions.
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>

@@ -8,8 +8,7 @@ import os
 
 import pytest
 
-from adaptive_llama.models import BUNDLED
-
+from adaptive_llama.runtime.models import BUNDLED
 
 GPU_LAYERS = int(os.environ.get("ADAPTIVE_LLAMA_TEST_GPU_LAYERS", "0"))
 

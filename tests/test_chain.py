@@ -6,9 +6,10 @@ import llama_cpp
 import numpy as np
 import pytest
 
-from adaptive_llama import adaptive_k, chain as chain_module, kernel
+from adaptive_llama import adaptive_k, kernel
 from adaptive_llama.kernel import adaptive_k_reference
-from adaptive_llama.chain import SamplerChain, use_sampler
+from adaptive_llama.llama import chain as chain_module
+from adaptive_llama.llama.chain import SamplerChain, use_sampler
 
 
 @pytest.fixture(autouse=True)
@@ -269,7 +270,7 @@ def without_extra_buffer_types(monkeypatch):
 
 
 def test_use_sampler_with_a_users_own_llama(smollm2_path, monkeypatch):
-    from adaptive_llama.engine import set_llama_log
+    from adaptive_llama.runtime.engine import set_llama_log
 
     set_llama_log(False)
     without_extra_buffer_types(monkeypatch)
@@ -295,7 +296,7 @@ def test_use_sampler_with_a_users_own_llama(smollm2_path, monkeypatch):
 
 
 def test_out_of_memory_keeps_the_arg_max_and_counts_it(monkeypatch):
-    from adaptive_llama.chain import native_samplers
+    from adaptive_llama.llama.chain import native_samplers
 
     monkeypatch.setattr(kernel, "BACKEND", "c")
     chain_module.in_chain_samplers.cache_clear()

@@ -5,8 +5,8 @@ import random
 
 import pytest
 
-from adaptive_llama.chat import Chat
-from adaptive_llama.engine import ContextOverflow
+from adaptive_llama.chat.conversation import Chat
+from adaptive_llama.runtime.engine import ContextOverflow
 
 
 class CountingEngine:

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pexpect
 
-from adaptive_llama.chats import ChatStore
+from adaptive_llama.chat.saved import ChatStore
 
 
 def store() -> ChatStore:

@@ -40,7 +40,7 @@ def test_models_lists_the_bundled_models_as_their_files_say(smollm2_path, engine
     gemma = rows["gemma3-270m"]
     if gemma["installed"]:
         from adaptive_llama import Engine
-        from adaptive_llama.models import BUNDLED
+        from adaptive_llama.runtime.models import BUNDLED
 
         assert gemma["path"] == str(BUNDLED["gemma3-270m"].planned_path())
         other = Engine(str(BUNDLED["gemma3-270m"].path()), n_ctx=256)
@@ -72,7 +72,7 @@ def test_samplers_prints_the_table():
 
 
 def test_run_refuses_a_model_without_a_chat_template(monkeypatch, smollm2_path):
-    from adaptive_llama.engine import Engine
+    from adaptive_llama.runtime.engine import Engine
 
     monkeypatch.setattr(Engine, "has_chat_template", property(lambda self: False))
     result = CliRunner().invoke(main, ["run", str(smollm2_path)], input="Hi\n")
@@ -139,7 +139,7 @@ def test_without_the_c_library_generation_runs_on_numba_and_says_so_once():
     args = [sys.executable, "-m", "adaptive_llama.cli", "generate", "smollm2", "--prompt",
             "The sea is", "--sampler", "adaptive:eps=0.0005", "--max-tokens", "12", "--seed",
             "4", "--json"]
-    chosen = {k: v for k, v in os.environ.items() if k != "ADAPTIVE_LLAMA_BACKEND"}
+    chosen = {k: v for k, v in os.environ.items() if k != "ADAPTIVE_LLAMA_IMPL"}
     with_c = json.loads(subprocess.run(args, capture_output=True, text=True, timeout=300,
                                        env=chosen, check=True).stdout)
     assert with_c["backend"] == "c"  # this build has its C library
@@ -147,7 +147,7 @@ def test_without_the_c_library_generation_runs_on_numba_and_says_so_once():
     result = subprocess.run(args, capture_output=True, text=True, timeout=300, env=env)
     assert result.returncode == 0, result.stderr
     warning, = result.stderr.strip().splitlines()
-    assert warning.startswith("adaptive backend: numba, because the C library")
+    assert warning.startswith("kernel implementation: numba, because the C library")
     out = json.loads(result.stdout)
     assert out["backend"] == "numba" and out["text"] == with_c["text"]
 
@@ -263,7 +263,7 @@ def test_input_that_is_not_utf8_is_replaced_not_a_codec_error():
 def test_a_model_in_parts_is_joined_once_and_checked(tmp_path):
     import hashlib
 
-    from adaptive_llama.models import ModelError, assemble
+    from adaptive_llama.runtime.models import ModelError, assemble
 
     parts = [tmp_path / f"part{i}.bin" for i in range(3)]
     for i, part in enumerate(parts):
@@ -293,9 +293,12 @@ def test_gpu_layers_on_a_cpu_build_say_that_they_change_nothing():
     assert noted != llama_cpp.llama_supports_gpu_offload()
 
 
-def test_a_bad_backend_variable_is_one_line_on_every_command():
+@pytest.mark.parametrize("variable", ["ADAPTIVE_LLAMA_IMPL", "ADAPTIVE_LLAMA_BACKEND"])
+def test_a_bad_implementation_variable_is_one_line_on_every_command(variable):
+    env = {k: v for k, v in os.environ.items() if k != "ADAPTIVE_LLAMA_IMPL"}
     for args in (["samplers"], ["generate", "smollm2", "--prompt", "Hi"]):
         result = subprocess.run([sys.executable, "-m", "adaptive_llama.cli", *args],
-                                env={**os.environ, "ADAPTIVE_LLAMA_BACKEND": "bogus"},
+                                env={**env, variable: "bogus"},
                                 capture_output=True, text=True, timeout=120, check=False)
-        assert_one_line_error(result, "ADAPTIVE_LLAMA_BACKEND has to be 'c' or 'numba'")
+        assert f"{variable} has to be 'c' or 'numba'" in result.stderr.splitlines()[-1]
+        assert result.returncode == 2 and "Traceback" not in result.stderr

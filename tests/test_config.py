@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from adaptive_llama import config
+from adaptive_llama.runtime import config
 
 GOOD = """\
 [defaults]

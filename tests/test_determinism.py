@@ -10,12 +10,12 @@ attention over the threads at 512 cached cells, which short prompts never reach.
 
 import re
 
-import numpy as np
 import llama_cpp
-
-from adaptive_llama import Engine
+import numpy as np
 from conftest import GPU_LAYERS
 from test_repl import chat as repl_chat
+
+from adaptive_llama import Chat, Engine
 
 LONG = ("The history of the river Danube is long and full of events. " * 20
         + "Tell me about the sea:")  # 266 tokens
@@ -66,7 +66,7 @@ def test_the_thread_count_changes_no_reply(smollm2_path):
 
 
 def test_regenerating_a_later_turn_repeats_it_even_from_an_empty_cache(engine):
-    chat = engine.chat(system=LONG, sampler="adaptive", seed=7, max_tokens=24)
+    chat = Chat(engine, system=LONG, sampler="adaptive", seed=7, max_tokens=24)
     chat.send("Hello! Which rivers do you know?").text()
     second = chat.send("And which seas?").text()
     assert chat.regenerate().text() == second  # the cache holds the whole conversation

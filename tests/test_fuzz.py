@@ -10,8 +10,8 @@ from click.testing import CliRunner
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from adaptive_llama.chat.repl import Repl
 from adaptive_llama.cli import main
-from adaptive_llama.repl import Repl
 from adaptive_llama.samplers import SAMPLERS, SamplerSpec, SpecError, parse_spec
 
 NASTY_NUMBERS = ["0", "-0", "-1", "1", "nan", "NaN", "inf", "-inf", "1e-300", "5e-324",

@@ -12,12 +12,23 @@ import pytest
 from click.testing import CliRunner
 from conftest import GPU_LAYERS
 from test_cli import run_cli
-from test_kernel import FOUR, FOUR_CASES, MASKED, MASKED_CASES, ROWS, TWO, TWO_CASES, logits_of
+from test_kernel import (
+    FOUR,
+    FOUR_CASES,
+    MASKED,
+    MASKED_CASES,
+    ROWS,
+    TWO,
+    TWO_CASES,
+    logits_of,
+)
 from test_server import raw, serving
 
-from adaptive_llama import Engine, config, graph
+from adaptive_llama import Engine
 from adaptive_llama.cli import main
 from adaptive_llama.kernel import adaptive_k_reference, dconf_reference
+from adaptive_llama.llama import graph
+from adaptive_llama.runtime import config
 from adaptive_llama.samplers import SpecError
 
 # float32 logarithms put dConf within ~1e-7 (absolute, times ln V) of its float64 value: an

@@ -11,10 +11,15 @@ from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 from hypothesis.extra.numpy import arrays
 
-import adaptive_llama
-from adaptive_llama import kernel, native
-from adaptive_llama.kernel_numba import adaptive_numba
-from adaptive_llama.kernel import adaptive_k, adaptive_k_reference, adaptive_stats, dconf_reference
+from adaptive_llama import kernel
+from adaptive_llama.kernel import (
+    adaptive_k,
+    adaptive_k_reference,
+    adaptive_stats,
+    dconf_reference,
+    native,
+)
+from adaptive_llama.kernel.numba_impl import adaptive_numba
 
 LIB, WHY = native.load()
 
@@ -328,15 +333,22 @@ print("BACKEND", adaptive_llama.BACKEND)
 """
 
 
-@pytest.mark.parametrize("forced,backend,says", [
-    ("", "c", "adaptive backend: c (native/adaptive.c)"),  # this build has a C compiler
-    ("numba", "numba", "adaptive backend: numba (forced by ADAPTIVE_LLAMA_BACKEND)"),
+@pytest.mark.parametrize("variable,forced,impl,says", [
+    ("ADAPTIVE_LLAMA_IMPL", "", "c", "kernel implementation: c (native/adaptive.c)"),
+    ("ADAPTIVE_LLAMA_IMPL", "numba", "numba",
+     "kernel implementation: numba (forced by ADAPTIVE_LLAMA_IMPL)"),
+    ("ADAPTIVE_LLAMA_BACKEND", "numba", "numba",  # the old name still works, with a warning
+     "kernel implementation: numba (forced by ADAPTIVE_LLAMA_BACKEND)"),
 ])
-def test_backend_is_chosen_and_logged_once(forced, backend, says):
-    env = {**os.environ, "ADAPTIVE_LLAMA_BACKEND": forced}
-    out = subprocess.run([sys.executable, "-c", LOG_BACKEND], env=env, capture_output=True,
-                         text=True, timeout=300, check=True).stdout.splitlines()
-    assert [line for line in out if "backend" in line.lower()] == [says, f"BACKEND {backend}"]
+def test_the_implementation_is_chosen_and_logged_once(variable, forced, impl, says):
+    env = {k: v for k, v in os.environ.items() if k != "ADAPTIVE_LLAMA_IMPL"}
+    done = subprocess.run([sys.executable, "-c", LOG_BACKEND], env={**env, variable: forced},
+                          capture_output=True, text=True, timeout=300, check=True)
+    out = done.stdout.splitlines()
+    assert [line for line in out if "implementation" in line or "BACKEND" in line] == [
+        says, f"BACKEND {impl}"]
+    renamed = "ADAPTIVE_LLAMA_BACKEND is now called ADAPTIVE_LLAMA_IMPL" in done.stderr
+    assert renamed == (variable == "ADAPTIVE_LLAMA_BACKEND")
 
 
 # ---- hypothesis properties ----

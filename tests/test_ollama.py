@@ -4,9 +4,7 @@ import json
 
 import ollama
 import pytest
-
-from test_server import (API_KEY, raw, server, server_log,  # noqa: F401 (fixtures)
-                         wait_idle)
+from test_server import API_KEY, raw, server, server_log, wait_idle  # noqa: F401 (fixtures)
 
 MODEL = "SmolLM2-135M-Instruct.Q4_1.gguf"
 HELLO = [{"role": "user", "content": "Name one colour."}]

@@ -7,9 +7,9 @@ import re
 import pytest
 from click.testing import CliRunner
 
-from adaptive_llama.kernel import BACKEND
+from adaptive_llama.chat.repl import Repl
 from adaptive_llama.cli import main
-from adaptive_llama.repl import Repl
+from adaptive_llama.kernel import BACKEND
 
 
 def chat(*lines, args=()):

@@ -5,8 +5,18 @@ import math
 
 import pytest
 
-from adaptive_llama.samplers import (EPSILON, SAMPLERS, SEED, Param, SamplerSpec, SpecError,
-                                     parse_spec, spec_of, table, valid_specs)
+from adaptive_llama.samplers import (
+    EPSILON,
+    SAMPLERS,
+    SEED,
+    Param,
+    SamplerSpec,
+    SpecError,
+    parse_spec,
+    spec_of,
+    table,
+    valid_specs,
+)
 
 
 @pytest.mark.parametrize("text,name,params,temp", [

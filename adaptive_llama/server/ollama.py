@@ -9,7 +9,8 @@ in Ollama's shape, ``{"error": "message"}``, with the HTTP status.
 absent: until the context is full), ``stop``, and the sampler: our ``sampler`` spec
 (``"adaptive:eps=0.001"``), or, without it, one of Ollama's truncation options: ``min_p``
 above 0, else ``top_p`` below 1, else ``top_k`` above 0 (in that order; llama.cpp's chain here
-runs one truncation sampler). Without any of them the server's default sampler runs. Other
+runs one truncation sampler), at the default sampler's temperature. Without any of them the
+server's default sampler runs (:func:`.common.sampler_for`, shared with the OpenAI routes). Other
 Ollama options (``num_ctx``, ``repeat_penalty``, ...) are accepted and ignored.
 
 The model: one model is served under every name; ``/api/tags`` lists it under the server's
@@ -22,33 +23,37 @@ import asyncio
 import datetime
 import hashlib
 import json
+from importlib import metadata
 from pathlib import Path
 from typing import ClassVar
 
-from fastapi import Request
+from fastapi import APIRouter, Request
 from fastapi.responses import StreamingResponse
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, Field
 
-from .. import __version__
-from ..engine import GenerationResult
-from ..samplers import SEED, SamplerSpec, SpecError, parse_spec
-from .app import (
+from ..runtime.engine import GenerationResult
+from ..samplers import SEED
+from .common import (
     FINISH_REASONS,
     MAX_MESSAGES,
     MAX_STOPS,
+    STRICT,
+    APIError,
+    Job,
     Message,
     Server,
-    _parse,
+    parse_body,
+    sampler_for,
+    server_of,
     template_messages,
 )
-from .errors import APIError
-from .scheduler import Job
 
+router = APIRouter()
 NDJSON = "application/x-ndjson"
 
 
 class Options(BaseModel):
-    model_config = ConfigDict(extra="ignore", strict=True)
+    model_config = STRICT
 
     temperature: float | None = Field(None, ge=0, le=2)
     top_p: float | None = Field(None, gt=0, le=1)
@@ -61,9 +66,9 @@ class Options(BaseModel):
 
 
 class _Body(BaseModel):
-    # As the OpenAI bodies (app._Body): strict types, unknown fields ignored, fields that
-    # would change the reply and are not done here refused.
-    model_config = ConfigDict(extra="ignore", strict=True)
+    # As the OpenAI bodies: strict types, unknown fields ignored, fields that would change
+    # the reply and are not done here refused.
+    model_config = STRICT
     UNSUPPORTED: ClassVar[dict[str, tuple]] = {"format": (None, ""), "tools": (None, [])}
 
     model: str = Field(min_length=1)
@@ -85,30 +90,8 @@ class GenerateBody(_Body):
 
 
 class ShowBody(BaseModel):
-    model_config = ConfigDict(extra="ignore", strict=True)
+    model_config = STRICT
     model: str = Field(min_length=1)
-
-
-def sampler_for(default: SamplerSpec, options: Options) -> SamplerSpec:
-    """The spec for Ollama's options (see the module docstring)."""
-    try:
-        if options.sampler is not None:
-            spec = parse_spec(options.sampler)
-        elif options.min_p:
-            spec = parse_spec("min-p").with_param("p", options.min_p)
-        elif options.top_p is not None and options.top_p < 1:
-            spec = parse_spec("top-p").with_param("p", options.top_p)
-        elif options.top_k:
-            spec = parse_spec("top-k").with_param("k", options.top_k)
-        else:
-            spec = default
-        if options.temperature == 0:
-            return parse_spec("greedy")
-        if options.temperature is not None and spec.sampler.takes_temp:
-            spec = spec.with_param("temp", options.temperature)
-        return spec
-    except SpecError as exc:
-        raise APIError(400, f"options.sampler: {exc}", param="options.sampler") from None
 
 
 def _now() -> str:
@@ -145,106 +128,114 @@ def _details(server: Server) -> dict:
             "quantization_level": meta.get("general.file_type", "")}
 
 
-def add_routes(app, server: Server, max_body: int) -> None:
-    """Add the Ollama routes to ``app`` (the OpenAI server's application)."""
-    engine = server.engine
-    path = Path(engine.path)
-    digest = hashlib.sha256(f"{path.resolve()}:{path.stat().st_size}".encode()).hexdigest()
+def _job(server: Server, tokens: list[int], body: _Body, prompt_field: str) -> Job:
+    options = body.options
+    sampler = sampler_for(server.sampler, sampler=options.sampler,
+                          temperature=options.temperature, top_p=options.top_p,
+                          top_k=options.top_k, min_p=options.min_p, param="options.sampler")
+    wanted = options.num_predict if options.num_predict and options.num_predict > 0 else None
+    return server.job(tokens, sampler=sampler, max_tokens=wanted, seed=options.seed,
+                      stop=[s for s in options.stop or [] if s], stream=body.stream,
+                      prompt_field=prompt_field)
 
-    def job(tokens: list[int], body: _Body, field: str) -> Job:
-        room = engine.n_ctx - len(tokens)
-        if room < 1:
-            raise APIError(400, f"the prompt has {len(tokens)} tokens, but the context window "
-                           f"holds {engine.n_ctx}: shorten it", param=field)
-        options = body.options
-        wanted = options.num_predict if options.num_predict and options.num_predict > 0 else room
-        sampler, _ = server.checked(sampler_for(server.sampler, options), None)
-        return Job(prompt_tokens=tokens, sampler=sampler,
-                   max_tokens=min(wanted, room),
-                   seed=options.seed,
-                   stop=[s for s in options.stop or [] if s], stream=body.stream,
-                   loop=asyncio.get_running_loop())
 
-    async def respond(request: Request, job: Job, body: _Body, kind: str):
-        server.submit(job)
-        head = {"model": body.model}
+async def _respond(server: Server, request: Request, job: Job, body: _Body, kind: str):
+    server.submit(job)
+    head = {"model": body.model}
 
-        def piece(text: str) -> dict:
-            if kind == "chat":
-                return {**head, "created_at": _now(),
-                        "message": {"role": "assistant", "content": text}, "done": False}
-            return {**head, "created_at": _now(), "response": text, "done": False}
+    def piece(text: str) -> dict:
+        if kind == "chat":
+            return {**head, "created_at": _now(),
+                    "message": {"role": "assistant", "content": text}, "done": False}
+        return {**head, "created_at": _now(), "response": text, "done": False}
 
-        def last(result: GenerationResult, text: str) -> dict:
-            out = piece(text)
-            out.update(done=True, **_final_fields(result))
-            return out
+    def last(result: GenerationResult, text: str) -> dict:
+        out = piece(text)
+        out.update(done=True, **_final_fields(result))
+        return out
 
-        if not body.stream:
-            result = await server.wait(request, job)
-            return last(result, result.text)
+    if not body.stream:
+        result = await server.wait(request, job)
+        return last(result, result.text)
 
-        async def lines():
-            try:
-                while True:
-                    what, value = await job.events.get()
-                    if what == "piece":
-                        yield _line(piece(value[0]))
-                    elif what == "error":
-                        yield _line({"error": f"generation failed: {value}"})
-                        return
-                    else:
-                        yield _line(last(value, ""))
-                        return
-            finally:
-                job.cancelled.set()  # a client that left stops the generation
-
-        return StreamingResponse(lines(), media_type=NDJSON)
-
-    @app.get("/api/version")
-    async def version():
-        return {"version": __version__}
-
-    @app.get("/api/tags")
-    async def tags():
-        modified = datetime.datetime.fromtimestamp(path.stat().st_mtime, datetime.timezone.utc)
-        return {"models": [{
-            "name": server.model_id, "model": server.model_id,
-            "modified_at": modified.isoformat().replace("+00:00", "Z"),
-            "size": path.stat().st_size, "digest": digest, "details": _details(server)}]}
-
-    @app.post("/api/show")
-    async def show(request: Request):
-        await _parse(request, ShowBody, max_body)
-        return {"modelfile": "", "parameters": f"sampler {server.sampler}",
-                "template": engine.metadata.get("tokenizer.chat_template", ""),
-                "details": _details(server),
-                "model_info": {"general.architecture": _details(server)["family"],
-                               "n_ctx": engine.n_ctx, "n_vocab": engine.n_vocab},
-                "capabilities": ["completion"], "modified_at": _now()}
-
-    @app.post("/api/chat")
-    async def chat(request: Request):
-        body = await _parse(request, ChatBody, max_body)
-        messages = template_messages(body.messages)
+    async def lines():
         try:
-            tokens = await asyncio.to_thread(engine.chat_prompt_tokens, messages)
-        except Exception as exc:  # no template, or the template rejects the roles given
-            raise APIError(400, f"messages: {exc}", param="messages") from None
-        return await respond(request, job(tokens, body, "messages"), body, "chat")
+            while True:
+                what, value = await job.events.get()
+                if what == "piece":
+                    yield _line(piece(value[0]))
+                elif what == "error":
+                    yield _line({"error": f"generation failed: {value}"})
+                    return
+                else:
+                    yield _line(last(value, ""))
+                    return
+        finally:
+            job.cancelled.set()  # a client that left stops the generation
 
-    @app.post("/api/generate")
-    async def generate(request: Request):
-        body = await _parse(request, GenerateBody, max_body)
-        if not body.prompt:  # Ollama's way to load a model: nothing to generate
-            return {"model": body.model, "created_at": _now(), "response": "", "done": True,
-                    "done_reason": "load"}
-        if body.raw or not engine.has_chat_template:
-            text = body.prompt if body.system is None else f"{body.system}\n\n{body.prompt}"
-            # raw: the caller wrote the template's markup itself, on purpose
-            tokens = await asyncio.to_thread(engine.tokenize, text, True, body.raw)
-        else:
-            messages = ([{"role": "system", "content": body.system}] if body.system else [])
-            messages.append({"role": "user", "content": body.prompt})
-            tokens = await asyncio.to_thread(engine.chat_prompt_tokens, messages)
-        return await respond(request, job(tokens, body, "prompt"), body, "generate")
+    return StreamingResponse(lines(), media_type=NDJSON)
+
+
+# ---- the routes ----
+
+@router.get("/api/version")
+async def version():
+    return {"version": metadata.version("adaptive-llama")}
+
+
+@router.get("/api/tags")
+async def tags(request: Request):
+    server = server_of(request)
+    path = Path(server.engine.path)
+    stat = path.stat()
+    modified = datetime.datetime.fromtimestamp(stat.st_mtime, datetime.timezone.utc)
+    digest = hashlib.sha256(f"{path.resolve()}:{stat.st_size}".encode()).hexdigest()
+    return {"models": [{
+        "name": server.model_id, "model": server.model_id,
+        "modified_at": modified.isoformat().replace("+00:00", "Z"),
+        "size": stat.st_size, "digest": digest, "details": _details(server)}]}
+
+
+@router.post("/api/show")
+async def show(request: Request):
+    server = server_of(request)
+    engine = server.engine
+    await parse_body(request, ShowBody)
+    return {"modelfile": "", "parameters": f"sampler {server.sampler}",
+            "template": engine.metadata.get("tokenizer.chat_template", ""),
+            "details": _details(server),
+            "model_info": {"general.architecture": _details(server)["family"],
+                           "n_ctx": engine.n_ctx, "n_vocab": engine.n_vocab},
+            "capabilities": ["completion"], "modified_at": _now()}
+
+
+@router.post("/api/chat")
+async def chat(request: Request):
+    server = server_of(request)
+    body = await parse_body(request, ChatBody)
+    messages = template_messages(body.messages)
+    try:
+        tokens = await asyncio.to_thread(server.engine.chat_prompt_tokens, messages)
+    except Exception as exc:  # no template, or the template rejects the roles given
+        raise APIError(400, f"messages: {exc}", param="messages") from None
+    return await _respond(server, request, _job(server, tokens, body, "messages"), body, "chat")
+
+
+@router.post("/api/generate")
+async def generate(request: Request):
+    server = server_of(request)
+    engine = server.engine
+    body = await parse_body(request, GenerateBody)
+    if not body.prompt:  # Ollama's way to load a model: nothing to generate
+        return {"model": body.model, "created_at": _now(), "response": "", "done": True,
+                "done_reason": "load"}
+    if body.raw or not engine.has_chat_template:
+        text = body.prompt if body.system is None else f"{body.system}\n\n{body.prompt}"
+        # raw: the caller wrote the template's markup itself, on purpose
+        tokens = await asyncio.to_thread(engine.tokenize, text, True, body.raw)
+    else:
+        messages = ([{"role": "system", "content": body.system}] if body.system else [])
+        messages.append({"role": "user", "content": body.prompt})
+        tokens = await asyncio.to_thread(engine.chat_prompt_tokens, messages)
+    return await _respond(server, request, _job(server, tokens, body, "prompt"), body,
+                          "generate")

@@ -15,8 +15,8 @@ import queue
 import threading
 from dataclasses import dataclass, field
 
-from ..decoder import Generation
-from ..engine import Engine
+from ..runtime.batching import Generation
+from ..runtime.engine import Engine
 from ..samplers import SamplerSpec
 
 log = logging.getLogger(__name__)

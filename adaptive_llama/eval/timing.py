@@ -7,7 +7,7 @@ import time
 
 import llama_cpp
 
-from .engine import Engine
+from ..runtime.engine import Engine
 
 PROMPT = "The history of the printing press begins in"
 
@@ -15,7 +15,7 @@ PROMPT = "The history of the printing press begins in"
 def sampler_latency_us(engine: Engine, sampler, rounds: int = 200, prompt: str = PROMPT) -> float:
     """Median microseconds of one ``llama_sampler_sample`` call, no decode.
 
-    ``sampler`` is a ``llama_sampler *``: a :class:`~adaptive_llama.chain.SamplerChain`'s
+    ``sampler`` is a ``llama_sampler *``: a :class:`~adaptive_llama.llama.chain.SamplerChain`'s
     ``pointer`` or llama-cpp-python's own ``LlamaSampler().sampler``. The same logits are
     sampled ``rounds`` times (llama.cpp builds the candidate array anew each call).
     """

@@ -75,7 +75,7 @@ def _declare(lib: ctypes.CDLL) -> None:
 
 def _import_module(path: Path):
     """The same file as a CPython extension module (its PyInit__adaptive_native)."""
-    loader = importlib.machinery.ExtensionFileLoader(f"adaptive_llama.{LIBRARY_STEM}", str(path))
+    loader = importlib.machinery.ExtensionFileLoader(f"{__package__}.{LIBRARY_STEM}", str(path))
     spec = importlib.util.spec_from_file_location(loader.name, str(path), loader=loader)
     module = importlib.util.module_from_spec(spec)
     loader.exec_module(module)

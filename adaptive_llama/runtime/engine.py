@@ -4,16 +4,17 @@
 >>> engine = Engine("smollm2", seed=1)                 # a bundled name or a .gguf path
 >>> print(engine.generate("Once upon a time", sampler="adaptive:eps=0.0005").text)
 
-What runs where: the token loop (:mod:`adaptive_llama.decoder`) is Python: per step one
+What runs where: the token loop (:mod:`adaptive_llama.runtime.batching`) is Python: per step one
 ``llama_decode`` of a batch holding a token of every running sequence, then one
 ``llama_sampler_sample`` per sequence. Inside it llama.cpp fills the candidate array and runs
-the chain (:mod:`adaptive_llama.chain`), whose adaptive and eta samplers are C
-(``native/adaptive.c``). Prompts are evaluated in aligned 64-token chunks, and a sequence's
+the chain (:mod:`adaptive_llama.llama.chain`), whose adaptive and eta samplers are machine
+code (``native/adaptive.c``, or their numba stand-ins); with ``backend_sampling`` the chain's
+head runs inside llama.cpp's graph instead (:mod:`adaptive_llama.llama.graph`). Prompts are evaluated in aligned 64-token chunks, and a sequence's
 KV cache is reused for the whole chunks its prompt shares with what it holds (never for a
 reply's generated tokens), so that the same seed gives the same reply whatever the cache
 held. A ``KeyboardInterrupt`` (or
 :meth:`Stream.cancel`) stops a reply between tokens and leaves the engine ready for the next
-request. Conversations live in :mod:`adaptive_llama.chat`; :meth:`Engine.generate_batch`
+request. Conversations live in :mod:`adaptive_llama.chat.conversation`; :meth:`Engine.generate_batch`
 generates for many prompts at once.
 """
 
@@ -28,16 +29,16 @@ from collections import deque
 from pathlib import Path
 from typing import Callable, Iterator
 
-from .chain import SamplerChain, check_in_graph
-from .decoder import MAX_LOGPROBS, Decoder, Generation, GenerationResult, TokenLogprob  # noqa: F401
-from .limits import MAX_THREADS
-from .models import ModelError, resolve_model
-from .samplers import SEED, SamplerSpec, SpecError, seed_or_fresh, spec_of
-from .threads import ThreadTuner, default_threads
-
 import llama_cpp  # noqa: E402  (after .chain, which checks its version)
 from llama_cpp import _internals  # noqa: E402
 from llama_cpp.llama_chat_format import Jinja2ChatFormatter  # noqa: E402
+
+from ..llama.chain import SamplerChain, check_in_graph
+from ..samplers import SEED, SamplerSpec, SpecError, seed_or_fresh, spec_of
+from .batching import MAX_LOGPROBS, Decoder, Generation, GenerationResult, TokenLogprob  # noqa: F401
+from .limits import MAX_THREADS
+from .models import ModelError, resolve_model
+from .threads import ThreadTuner, default_threads
 
 log = logging.getLogger(__name__)
 
@@ -138,14 +139,14 @@ class Engine:
         n_ctx: context window of each sequence in tokens, rounded up to a multiple of 256 as
             llama.cpp does (0: the model's training context).
         n_threads: CPU threads; None: the physical cores this process may use, fewer while
-            other processes keep some of them busy (:mod:`adaptive_llama.threads`).
+            other processes keep some of them busy (:mod:`adaptive_llama.runtime.threads`).
         parallel: sequences decoded together (slots); the KV cache holds
             ``parallel x n_ctx`` tokens.
         seed: the seed of every generation that names none, 0 to 2**32 - 1; None (the
             default): a fresh random seed for each, reported in its result.
         verbose: show llama.cpp's own log.
         backend_sampling: run the sampler chain inside llama.cpp's graph, on the device that
-            holds the output layer (:mod:`adaptive_llama.graph`): only the chosen token and
+            holds the output layer (:mod:`adaptive_llama.llama.graph`): only the chosen token and
             the kept candidates come back, not all V logits. Samplers without a graph path
             (typical, mirostat, eta), grammars and logprobs are refused per request with a
             one-line error. Where the device cannot run an operation the chain needs, the
@@ -518,13 +519,6 @@ class Engine:
         finally:
             for generation in generations:
                 decoder.cancel(generation)  # nothing for those that finished
-
-    def chat(self, system: str | None = None, sampler: SamplerSpec | str = "adaptive",
-             **defaults):
-        """A conversation with this model (see :class:`adaptive_llama.chat.Chat`)."""
-        from .chat import Chat
-
-        return Chat(self, system=system, sampler=sampler, **defaults)
 
     def clear_cache(self) -> None:
         """Forget every sequence's KV cache (the next prompts are evaluated in full)."""

@@ -33,7 +33,7 @@ uniform draw and falls back to the last position when rounding leaves the total 
 draw, so the last position must be a kept token (the most likely one), never a cut one.
 Mode ``uniform`` leaves 0 for every kept token instead of its log-probability. The host reads
 k (the finite entries), the kept mass and the chosen token's probability back from these K
-values (:func:`stats_from_context`); entropy and Conf are not computed in the graph.
+values (:func:`read_back`); entropy and Conf are not computed in the graph.
 """
 
 from __future__ import annotations
@@ -45,6 +45,8 @@ import math
 from pathlib import Path
 
 import numpy as np
+
+from .abi import SamplerIface
 
 log = logging.getLogger(__name__)
 
@@ -245,9 +247,7 @@ def unsupported_op(device, epsilon: float, uniform: bool) -> str | None:
 # The adaptive sampler (C or numba) gets a copy of its llama_sampler_i with backend_init and
 # backend_apply filled in; both run once per graph llama.cpp builds, not per token.
 
-_IFACE_SLOTS = 12  # llama_sampler_i: 6 hooks, then 6 backend-sampling hooks
-_BACKEND_INIT, _BACKEND_APPLY = 6, 8
-_graph_samplers: dict[int, tuple[float, bool, ctypes.Array]] = {}  # sampler address -> config
+_graph_samplers: dict[int, tuple[float, bool, SamplerIface]] = {}  # sampler address -> config
 refusals: list[str] = []  # why a device could not take the sampler (newest last)
 
 
@@ -297,13 +297,13 @@ def enable(sampler: int, epsilon: float, uniform: bool) -> None:
     import llama_cpp
 
     smpl = llama_cpp.llama_sampler.from_address(sampler)
-    iface = (ctypes.c_void_p * _IFACE_SLOTS)()
-    ctypes.memmove(iface, _address(smpl.iface), ctypes.sizeof(iface))
+    iface = SamplerIface.from_buffer_copy(
+        ctypes.string_at(_address(smpl.iface), ctypes.sizeof(SamplerIface)))
     init, apply = _hooks()
-    iface[_BACKEND_INIT] = _address(init)
-    iface[_BACKEND_APPLY] = _address(apply)
+    iface.backend_init = _address(init)
+    iface.backend_apply = _address(apply)
     _graph_samplers[sampler] = (epsilon, uniform, iface)  # keeps the copy alive
-    smpl.iface = ctypes.cast(iface, ctypes.POINTER(llama_cpp.llama_sampler_i))
+    smpl.iface = ctypes.cast(ctypes.pointer(iface), ctypes.POINTER(llama_cpp.llama_sampler_i))
 
 
 def forget(sampler: int) -> None:

@@ -1,7 +1,7 @@
 """A conversation with an engine: messages, settings, and replies that fit the context window.
 
->>> from adaptive_llama import Engine
->>> chat = Engine("smollm2").chat(system="You are terse.", sampler="adaptive:eps=0.0005")
+>>> from adaptive_llama import Chat, Engine
+>>> chat = Chat(Engine("smollm2"), system="You are terse.", sampler="adaptive:eps=0.0005")
 >>> for piece in (reply := chat.send("Name three rivers.")):
 ...     print(piece, end="", flush=True)
 >>> reply.result.summary()["mean_k"]
@@ -9,8 +9,8 @@
 
 from __future__ import annotations
 
-from .engine import ContextOverflow, Engine, GenerationResult, Stream
-from .samplers import SEED, SamplerSpec, spec_of
+from ..runtime.engine import ContextOverflow, Engine, GenerationResult, Stream
+from ..samplers import SEED, SamplerSpec, spec_of
 
 
 class Chat:

@@ -2,8 +2,8 @@
 
 The adaptive and eta samplers are real ``llama_sampler`` objects whose ``apply`` is machine
 code: the C code in ``native/adaptive.c``, or, where that library is missing or
-``ADAPTIVE_LLAMA_BACKEND=numba`` asks, the numba cfuncs of :mod:`adaptive_llama.chain_numba`
-(the backend :data:`adaptive_llama.kernel.BACKEND` names, chosen once). No Python runs per
+``ADAPTIVE_LLAMA_IMPL=numba`` asks, the numba cfuncs of :mod:`adaptive_llama.llama.numba_samplers`
+(the implementation :data:`adaptive_llama.kernel.IMPL` names, chosen once). No Python runs per
 token. A chain is ``[grammar] -> [temp] ->
 truncation -> final choice``, built from the spec's entry in the sampler table
 (:mod:`adaptive_llama.samplers`); it holds exactly the samplers its spec names (llama-cpp-python's
@@ -26,18 +26,18 @@ import functools
 import math
 from dataclasses import dataclass
 
-from .compat import check_llama_cpp_version
+from .abi import check_llama_cpp_version
 
 LLAMA_CPP_VERSION = check_llama_cpp_version()  # before anything touches llama.cpp's structs
 
 import llama_cpp  # noqa: E402
+import numpy as np  # noqa: E402
 from llama_cpp import _internals  # noqa: E402
 
-import numpy as np  # noqa: E402
-
-from . import graph, kernel, native  # noqa: E402
-from .samplers import SEED, SamplerSpec, SpecError, in_graph_names, spec_of  # noqa: E402
-
+from .. import kernel  # noqa: E402
+from ..kernel import native  # noqa: E402
+from ..samplers import SEED, SamplerSpec, SpecError, in_graph_names, spec_of  # noqa: E402
+from . import graph  # noqa: E402
 
 # llama.cpp's llama_token_data, one candidate token of a chain
 TOKEN_DATA = np.dtype([("id", np.int32), ("logit", np.float32), ("p", np.float32)])
@@ -109,16 +109,16 @@ class _CSamplers:
 
 
 class _NumbaSamplers:
-    """The samplers of chain_numba (compiled, or read from numba's cache, on first use)."""
+    """The samplers of numba_samplers (compiled, or read from numba's cache, on first use)."""
 
     name = "numba"
 
     def __init__(self):
-        from . import chain_numba
+        from . import numba_samplers
 
-        self.adaptive = chain_numba.adaptive_sampler_new
-        self.stats = chain_numba.adaptive_sampler_stats
-        self.eta = chain_numba.eta_sampler_new
+        self.adaptive = numba_samplers.adaptive_sampler_new
+        self.stats = numba_samplers.adaptive_sampler_stats
+        self.eta = numba_samplers.eta_sampler_new
 
 
 @functools.cache
@@ -158,7 +158,7 @@ class SamplerChain:
             token's probability are always recorded.
         in_graph: build the chain for llama.cpp's backend sampling (attach it to a sequence
             with ``llama_set_sampler``): the adaptive sampler then runs as ggml operations
-            (:mod:`adaptive_llama.graph`) with llama.cpp's ``dist`` after it. Only samplers
+            (:mod:`adaptive_llama.llama.graph`) with llama.cpp's ``dist`` after it. Only samplers
             with a graph path (``in_graph`` in the table) and no grammar are allowed.
     """
 

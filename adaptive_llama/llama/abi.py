@@ -1,12 +1,17 @@
-"""The llama-cpp-python releases this package is tested against, checked at import.
+"""The parts of llama.h this package mirrors, and the llama-cpp-python releases they are
+checked against (at import).
 
 ``native/adaptive.c`` mirrors llama.cpp's ``llama_sampler_i`` (12 function pointers in
-0.3.36), ``llama_token_data`` and ``llama_token_data_array``; these changed between releases,
-so another version could crash instead of failing. Keep in step with pyproject.toml.
+0.3.36), ``llama_token_data`` and ``llama_token_data_array`` in C; on the Python side
+:class:`SamplerIface` is the one copy of ``llama_sampler_i``, used by the numba samplers and
+the graph hooks. These changed between releases, so another version could crash instead of
+failing: :func:`check_llama_cpp_version` refuses an untested one, and the chain compares the
+sizes with llama-cpp-python's own before it runs. Keep in step with pyproject.toml.
 """
 
 from __future__ import annotations
 
+import ctypes
 from importlib import metadata
 
 TESTED_LLAMA_CPP = ((0, 3, 36), (0, 3, 37))  # [low, high)
@@ -38,3 +43,12 @@ def check_llama_cpp_version() -> str:
             f"pip install 'llama-cpp-python{wanted}'"
         )
     return installed
+
+
+class SamplerIface(ctypes.Structure):
+    """llama.h's ``llama_sampler_i`` with plain addresses: six hooks every sampler may have,
+    then six for backend sampling (inside llama.cpp's graph)."""
+
+    _fields_ = [(name, ctypes.c_void_p) for name in (
+        "name", "accept", "apply", "reset", "clone", "free", "backend_init", "backend_accept",
+        "backend_apply", "backend_set_input", "backend_reset", "copy_state")]

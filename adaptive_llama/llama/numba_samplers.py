@@ -1,8 +1,8 @@
 """The adaptive and eta samplers for llama.cpp's chain, in numba: the fallback of the C ones.
 
 When the C library is missing (a prebuilt llama-cpp-python wheel on a machine without a C
-compiler) or ``ADAPTIVE_LLAMA_BACKEND=numba`` asks for it, these are the samplers
-:class:`adaptive_llama.chain.SamplerChain` adds. They keep the C samplers' contract
+compiler) or ``ADAPTIVE_LLAMA_IMPL=numba`` asks for it, these are the samplers
+:class:`adaptive_llama.llama.chain.SamplerChain` adds. They keep the C samplers' contract
 (``native/adaptive.c``): the same kept set in the same order, the same splitmix64 random
 stream, the same statistics record (``al_stats``, read through :class:`native.Stats`), the
 same out-of-memory rule (a vocabulary larger than the buffers: the arg-max, counted in
@@ -25,8 +25,9 @@ from llvmlite import ir
 from numba import carray, cfunc, njit, types
 from numba.extending import intrinsic
 
-from . import native
-from .kernel_numba import decide, weights
+from ..kernel import native
+from ..kernel.numba_impl import decide, weights
+from .abi import SamplerIface
 
 # al_stats first, at the offsets native.Stats gives, then the sampler's own fields.
 STATE = np.dtype([
@@ -232,14 +233,6 @@ def _eta_apply(smpl, cur_p):
 
 # ---- creation, clone, free: rare, in Python ----
 
-class _Iface(ctypes.Structure):
-    """llama_sampler_i with plain addresses (its layout is checked against llama_cpp's)."""
-
-    _fields_ = [(name, ctypes.c_void_p) for name in (
-        "name", "accept", "apply", "reset", "clone", "free", "backend_init", "backend_accept",
-        "backend_apply", "backend_set_input", "backend_reset", "copy_state")]
-
-
 _NAME_HOOK = ctypes.CFUNCTYPE(ctypes.c_void_p, ctypes.c_void_p)
 _CLONE_HOOK = ctypes.CFUNCTYPE(ctypes.c_void_p, ctypes.c_void_p)
 _FREE_HOOK = ctypes.CFUNCTYPE(None, ctypes.c_void_p)
@@ -278,7 +271,7 @@ class _Kind:
         self.label = ctypes.create_string_buffer(name)
         self.hooks = (_NAME_HOOK(lambda smpl: ctypes.addressof(self.label)),
                       _CLONE_HOOK(self._clone), _FREE_HOOK(_free))
-        self.iface = _Iface(
+        self.iface = SamplerIface(
             name=ctypes.cast(self.hooks[0], ctypes.c_void_p).value, apply=apply.address,
             reset=reset.address if reset else None,
             clone=ctypes.cast(self.hooks[1], ctypes.c_void_p).value,
@@ -320,7 +313,7 @@ def _kind(name: str) -> _Kind:
         if not _kinds:
             import llama_cpp
 
-            if ctypes.sizeof(_Iface) != ctypes.sizeof(llama_cpp.llama_sampler_i):
+            if ctypes.sizeof(SamplerIface) != ctypes.sizeof(llama_cpp.llama_sampler_i):
                 raise RuntimeError("llama_sampler_i's layout differs from the numba samplers'")
             _kinds["adaptive"] = _Kind(b"adaptive", _adaptive_apply, _adaptive_reset)
             _kinds["eta"] = _Kind(b"eta", _eta_apply)

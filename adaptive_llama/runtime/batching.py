@@ -37,9 +37,8 @@ from dataclasses import dataclass, field
 import llama_cpp
 import numpy as np
 
-from .chain import SamplerChain
+from ..llama.chain import SamplerChain
 from .threads import ThreadTuner
-
 
 MAX_LOGPROBS = 20  # alternatives per token, as OpenAI's top_logprobs allows
 # A step's chains run in threads once one chain takes this long: below it, handing them to

@@ -8,7 +8,7 @@ tokens that decide k* get exact float64 weights anyway, so its error only reache
 the tail, where it is harmless.
 
 :func:`decide` is shared by the array API (:func:`adaptive_numba`) and the in-chain sampler
-(:mod:`adaptive_llama.chain_numba`); it works in buffers the caller owns, so a token costs no
+(:mod:`adaptive_llama.llama.numba_samplers`); it works in buffers the caller owns, so a token costs no
 allocation of vocabulary size.
 """
 
@@ -58,14 +58,6 @@ def _exp_weight(d):
     p = p * r * r + r + np.float32(1.0)
     v = p * _float_from_bits((np.int32(n) + np.int32(127)) << np.int32(23))
     return v if d >= _EXP_ARG_MIN else np.float32(0.0)
-
-
-@njit(cache=True, fastmath=True, error_model="numpy")
-def max_of(x):
-    m = x[0]
-    for i in range(1, x.shape[0]):
-        m = x[i] if x[i] > m else m  # not max(): its NaN rule keeps LLVM from vectorising
-    return m
 
 
 @njit(cache=True, fastmath=True, error_model="numpy")

@@ -15,11 +15,11 @@ import signal
 import sys
 from pathlib import Path
 
-from . import kernel
-from .chat import Chat
-from .chats import ChatStore, read_text_file, state_folder, write_user_file
-from .engine import ContextOverflow, Engine, GenerationResult
-from .samplers import INT32_MAX, SEED, Param, SpecError, parse_spec, table
+from .. import kernel
+from ..runtime.engine import ContextOverflow, Engine, GenerationResult
+from ..samplers import INT32_MAX, SEED, Param, SpecError, parse_spec, table
+from .conversation import Chat
+from .saved import ChatStore, read_text_file, state_folder, write_user_file
 
 COMMANDS = {
     "/help": "this list; /help samplers: every sampler and its parameters",

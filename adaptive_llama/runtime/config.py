@@ -35,8 +35,8 @@ if sys.version_info >= (3, 11):
 else:  # pragma: no cover - Python 3.10
     import tomli as tomllib
 
+from ..samplers import SpecError, parse_spec
 from .limits import MAX_THREADS
-from .samplers import SpecError, parse_spec
 
 DEFAULTS_TABLE = "defaults"
 MODELS_TABLE = "models"

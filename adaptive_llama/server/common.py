@@ -1,0 +1,254 @@
+"""What the OpenAI and Ollama routes share: the server's state (:class:`Server`: the engine,
+its scheduler, the default sampler), the rules of a request (its body read and checked off
+the event loop, its messages, the sampler its options ask for, the room its prompt leaves),
+and the bounds on what one request may hold.
+
+Scheduling: up to ``--parallel`` generations decode together on one worker thread, one
+token of each per step (continuous batching: a new request joins between two steps). At
+most ``max_queue`` more wait, in arrival order; one more gets 503 with ``Retry-After``. A
+client that disconnects stops its generation at the next token, and its slot goes to the
+next request.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+from typing import Annotated, Literal
+
+from fastapi import Request
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from starlette.requests import ClientDisconnect
+
+from ..runtime.engine import Engine, GenerationResult
+from ..samplers import SamplerSpec, SpecError, parse_spec
+from .errors import APIError, too_large
+from .scheduler import Job, QueueFull, Scheduler
+
+log = logging.getLogger("adaptive_llama.server")
+
+RETRY_AFTER_S = 5
+DISCONNECT_POLL_S = 0.25
+MAX_BODY = 2 * 2**20  # bytes: about 500k tokens of text, more than any context holds
+# finish reasons of the engine -> OpenAI's ("interrupted" only reaches a client that left).
+FINISH_REASONS = {"stop": "stop", "stop_string": "stop", "length": "length",
+                  "interrupted": "stop"}
+
+# Bounds on what one request may hold: far beyond what a context window takes, small enough
+# that checking a body costs milliseconds (a 2 MiB body held 600k messages).
+MAX_MESSAGES = 4096
+MAX_PARTS = 256  # content parts of one message
+MAX_STOPS = 16  # OpenAI allows 4
+MAX_PROMPTS = 16  # a list of prompts: more than one is refused in words (one per request)
+
+# Strict types, as OpenAI's: "5" is not a number and "yes" not a boolean. Unknown fields
+# (user, ...) are ignored, as most local servers do, so that clients sending their full
+# default set keep working; fields that would change the reply and that the server does not
+# do are refused (a body's UNSUPPORTED: field -> the values that change nothing).
+STRICT = ConfigDict(extra="ignore", strict=True)
+
+
+class ContentPart(BaseModel):
+    model_config = STRICT
+    type: str
+    text: str | None = None
+
+
+class Message(BaseModel):
+    model_config = STRICT
+    role: Literal["system", "developer", "user", "assistant"]
+    content: str | Annotated[list[ContentPart], Field(max_length=MAX_PARTS)] | None = None
+    images: list | None = None  # Ollama's
+
+    def as_template_message(self, index: int) -> dict:
+        """The message for the chat template; 400 for a part the model cannot read."""
+        where = f"messages.{index}"
+        if self.images:
+            raise APIError(400, f"`{where}.images`: this server reads text only",
+                           param=f"{where}.images", code="unsupported_field")
+        content = self.content or ""
+        if not isinstance(content, str):
+            for i, part in enumerate(content):
+                if part.type != "text" or part.text is None:
+                    raise APIError(400, f"`{where}.content.{i}`: this server reads text "
+                                   f"parts only, not {part.type!r}",
+                                   param=f"{where}.content", code="unsupported_field")
+            content = "".join(part.text for part in content)
+        # Chat templates know "system"; OpenAI's newer "developer" role means the same.
+        role = "system" if self.role == "developer" else self.role
+        return {"role": role, "content": content}
+
+
+def template_messages(messages: list[Message]) -> list[dict]:
+    return [m.as_template_message(i) for i, m in enumerate(messages)]
+
+
+GREEDY = parse_spec("greedy")
+TRUNCATIONS = (("min_p", "min-p", "p"), ("top_p", "top-p", "p"), ("top_k", "top-k", "k"))
+
+
+def sampler_for(default: SamplerSpec, *, sampler: str | None = None,
+                temperature: float | None = None, param: str = "sampler",
+                **truncation) -> SamplerSpec:
+    """The spec a request's options ask for, in both protocols: its ``sampler`` text
+    (parsed once), else the first truncation option that truncates (``min_p`` above 0,
+    ``top_p`` below 1, ``top_k`` above 0: llama.cpp's chain here runs one), at the default
+    spec's temperature, else the default; then ``temperature`` on top (0: greedy)."""
+    try:
+        spec = parse_spec(sampler) if sampler is not None else default
+        if sampler is None:
+            for option, name, key in TRUNCATIONS:
+                value = truncation.get(option)
+                if value and (option != "top_p" or value < 1):
+                    spec = parse_spec(name).with_param(key, value)
+                    if default.sampler.takes_temp:
+                        spec = spec.with_param("temp", default.temp)
+                    break
+        if temperature == 0:
+            return GREEDY
+        if temperature is not None and spec.sampler.takes_temp:
+            spec = spec.with_param("temp", temperature)
+        return spec
+    except SpecError as exc:
+        raise APIError(400, f"{param}: {exc}", param=param, code="invalid_sampler") from None
+
+
+class Server:
+    """The routes' shared state: the engine, its scheduler, the default sampler."""
+
+    def __init__(self, engine: Engine, sampler: SamplerSpec, max_queue: int,
+                 model_id: str | None = None):
+        self.engine = engine
+        self.sampler = sampler
+        self.model_id = model_id or engine.name
+        self.scheduler = Scheduler(engine, max_queue)
+
+    def job(self, prompt_tokens: list[int], *, sampler: SamplerSpec, max_tokens: int | None,
+            seed: int | None, stop: list[str], stream: bool, logprobs: int | None = None,
+            prompt_field: str) -> Job:
+        """The request as the scheduler takes it, or the 400 that says why not: a prompt
+        that leaves no room in the context window (named as ``prompt_field``), a sampler the
+        engine cannot run here. ``max_tokens`` None or beyond the room: the room."""
+        room = self.engine.n_ctx - len(prompt_tokens)
+        if room < 1:
+            raise APIError(400, f"the prompt has {len(prompt_tokens)} tokens, but the "
+                           f"context window holds {self.engine.n_ctx}: shorten it",
+                           param=prompt_field, code="context_length_exceeded")
+        sampler, logprobs = self.checked(sampler, logprobs)
+        return Job(prompt_tokens=prompt_tokens, sampler=sampler,
+                   max_tokens=min(max_tokens or room, room), seed=seed, stop=stop,
+                   stream=stream, loop=asyncio.get_running_loop(), logprobs=logprobs)
+
+    def checked(self, sampler: SamplerSpec, logprobs: int | None):
+        """(sampler, logprobs), or the 400 the engine's rules give (backend sampling)."""
+        try:
+            return self.engine.check_request(sampler, logprobs), logprobs
+        except SpecError as exc:
+            raise APIError(400, f"sampler: {exc}", param="sampler",
+                           code="invalid_sampler") from None
+        except ValueError as exc:
+            raise APIError(400, str(exc), param="logprobs") from None
+
+    def submit(self, job: Job) -> None:
+        """Queue the job, or 503 with Retry-After when the queue is full."""
+        try:
+            self.scheduler.submit(job)
+        except QueueFull as exc:
+            raise APIError(503, f"the server is busy: {exc.waiting} requests are waiting; "
+                           f"retry in {RETRY_AFTER_S} s", type="server_busy",
+                           code="queue_full",
+                           headers={"Retry-After": str(RETRY_AFTER_S)}) from None
+
+    async def wait(self, request: Request, job: Job) -> GenerationResult:
+        """The job's result, for an answer in one piece; a client that leaves stops the job
+        (and gets 499, which nobody reads)."""
+        loop = asyncio.get_running_loop()
+        checked = loop.time()
+        try:
+            while True:
+                try:
+                    what, value = await asyncio.wait_for(job.events.get(), DISCONNECT_POLL_S)
+                except asyncio.TimeoutError:
+                    what = value = None
+                if what == "error":
+                    raise APIError(500, f"generation failed: {value}", type="server_error")
+                if what == "done":  # the result holds the whole text; pieces are for streams
+                    return value
+                # Pieces arrive every few ms, so look for a client that left on a clock.
+                if loop.time() - checked >= DISCONNECT_POLL_S:
+                    checked = loop.time()
+                    if await request.is_disconnected():
+                        raise APIError(499, "the client disconnected")  # finally: stops the job
+        finally:
+            job.cancelled.set()  # no-op once done; stops the generation if we were cancelled
+
+
+def server_of(request: Request) -> Server:
+    return request.app.state.server
+
+
+async def parse_body(request: Request, model: type[BaseModel]) -> BaseModel:
+    """The JSON body, whatever the Content-Type says (curl users often send none; see
+    :mod:`.guard` for the types refused).
+
+    Read at most the app's ``max_body`` bytes (413 beyond), then decoded and validated off the event
+    loop (:func:`_decode`).
+    """
+    max_body = request.app.state.max_body
+    raw = bytearray()
+    try:
+        async for chunk in request.stream():
+            raw += chunk
+            if len(raw) > max_body:
+                raise too_large(max_body)
+    except ClientDisconnect:
+        log.warning("%s %s: the client left while sending its body", request.method,
+                    request.url.path)
+        raise APIError(400, "the body ended early: the client disconnected") from None
+    return await asyncio.to_thread(_decode, bytes(raw), model)
+
+
+def _decode(raw: bytes, model: type[BaseModel]) -> BaseModel:
+    """The body as ``model``, or the 400 that says what is wrong with it."""
+    try:
+        data = json.loads(raw or b"null")
+        if not isinstance(data, dict):
+            raise APIError(400, "the body has to be a JSON object")
+        _refuse_unsupported(data, getattr(model, "UNSUPPORTED", {}))
+        return model.model_validate(data)
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise APIError(400, f"the body is not valid JSON: {exc}") from None
+    except RecursionError:
+        raise APIError(400, "the body is nested too deeply") from None
+    except ValidationError as exc:
+        errors = exc.errors()
+        # A field that takes a string or a list fails once per kind; the error of the kind
+        # that was sent (a list too long) says more than "not a string".
+        first = next((e for e in errors if not e["type"].endswith("_type")), errors[0])
+        where = ".".join(str(part) for part in first["loc"] if not _is_type_tag(part))
+        given = f" (got {_short(first['input'])})" if "input" in first and where else ""
+        raise APIError(400, f"`{where}`: {first['msg']}{given}", param=where) from None
+
+
+def _is_type_tag(part) -> bool:
+    """pydantic's name for one kind of a union (``str``, ``list[str]``, ``ContentPart``) in
+    an error's location, where field names and indexes are what a client can act on."""
+    return isinstance(part, str) and (part in ("str", "int", "float", "bool", "dict")
+                                      or "[" in part or part[:1].isupper())
+
+
+def _refuse_unsupported(data: dict, fields: dict[str, tuple]) -> None:
+    """400 naming the first field that asks for something this server does not do (JSON
+    mode, tools, ...): answering it with plain text would look like success."""
+    for name, harmless in fields.items():
+        if name in data and not any(data[name] == h and type(data[name]) is type(h)
+                                    for h in harmless):
+            raise APIError(400, f"`{name}` is not supported by this server; remove it "
+                           f"(accepted: {' or '.join(json.dumps(h) for h in harmless)})",
+                           param=name, code="unsupported_field")
+
+
+def _short(value, limit: int = 80) -> str:
+    text = repr(value)
+    return text if len(text) <= limit else text[:limit] + "..."

@@ -1,0 +1,267 @@
+"""The OpenAI-compatible routes: ``GET /v1/models``, ``POST /v1/chat/completions`` and
+``POST /v1/completions``, streaming as server-sent events ending with ``data: [DONE]``, or one
+JSON object.
+
+Sampling: the body field ``sampler`` takes a spec (``adaptive:eps=0.001``, ``min-p:p=0.05``,
+...); without it the server's default (adaptive) runs. OpenAI fields map onto the spec
+(:func:`.common.sampler_for`): ``temperature`` sets its ``temp=`` (0 means greedy), and
+``top_p`` below 1 without a ``sampler`` field asks for nucleus sampling, ``top-p:p=TOP_P``.
+Every response carries ``sampler_stats`` (the spec, and for adaptive the mean and spread of k).
+
+Errors follow OpenAI's shape, ``{"error": {"message", "type", "param", "code"}}``: malformed
+JSON, an unknown spec, a bad field, a prompt longer than the context are 400s, and the server
+keeps serving.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import codecs
+import itertools
+import json
+import time
+from typing import Annotated, ClassVar
+
+from fastapi import APIRouter, Request
+from pydantic import BaseModel, Field
+from sse_starlette.sse import EventSourceResponse
+
+from ..runtime.engine import MAX_LOGPROBS, GenerationResult, TokenLogprob
+from ..samplers import SEED
+from .common import (
+    FINISH_REASONS,
+    MAX_MESSAGES,
+    MAX_PROMPTS,
+    MAX_STOPS,
+    STRICT,
+    APIError,
+    Job,
+    Message,
+    Server,
+    parse_body,
+    sampler_for,
+    server_of,
+    template_messages,
+)
+
+router = APIRouter()
+_ids = itertools.count(1)  # of the responses, "chatcmpl-1", "cmpl-2", ...
+
+
+class _Body(BaseModel):
+    model_config = STRICT
+    UNSUPPORTED: ClassVar[dict[str, tuple]] = {"logit_bias": (None, {})}
+
+    model: str | None = None
+    max_tokens: int | None = Field(None, ge=1)
+    temperature: float | None = Field(None, ge=0, le=2)
+    top_p: float | None = Field(None, gt=0, le=1)
+    stop: str | Annotated[list[str], Field(max_length=MAX_STOPS)] | None = None
+    seed: int | None = Field(None, ge=0, le=SEED.high)
+    n: int = Field(1, ge=1, le=1)  # one context, one choice
+    stream: bool = False
+    stream_options: dict | None = None
+    sampler: str | None = None
+
+
+class ChatBody(_Body):
+    UNSUPPORTED: ClassVar[dict[str, tuple]] = {
+        **_Body.UNSUPPORTED, "response_format": (None, {"type": "text"}),
+        "tools": (None, []), "tool_choice": (None, "none", "auto"), "functions": (None, []),
+        "function_call": (None, "none", "auto")}
+
+    messages: list[Message] = Field(min_length=1, max_length=MAX_MESSAGES)
+    max_completion_tokens: int | None = Field(None, ge=1)
+    logprobs: bool = False
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+
+    def logprobs_wanted(self) -> int | None:
+        if self.top_logprobs is not None and not self.logprobs:
+            raise APIError(400, "`top_logprobs` needs `logprobs: true`", param="top_logprobs")
+        return (self.top_logprobs or 0) if self.logprobs else None
+
+
+class CompletionBody(_Body):
+    UNSUPPORTED: ClassVar[dict[str, tuple]] = {
+        **_Body.UNSUPPORTED, "echo": (None, False), "suffix": (None, ""),
+        "best_of": (None, 1)}
+
+    prompt: str | Annotated[list[str], Field(max_length=MAX_PROMPTS)]
+    logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+
+    def logprobs_wanted(self) -> int | None:
+        return self.logprobs
+
+
+def _job(server: Server, tokens: list[int], body: _Body, max_tokens: int | None,
+         prompt_field: str) -> Job:
+    sampler = sampler_for(server.sampler, sampler=body.sampler, temperature=body.temperature,
+                          top_p=body.top_p)
+    return server.job(tokens, sampler=sampler, max_tokens=max_tokens, seed=body.seed,
+                      stop=[body.stop] if isinstance(body.stop, str) else list(body.stop or []),
+                      stream=body.stream, logprobs=body.logprobs_wanted(),
+                      prompt_field=prompt_field)
+
+
+async def _respond(server: Server, request: Request, job: Job, body: _Body, kind: str):
+    """Queue the job; answer with an SSE stream or one JSON object."""
+    server.submit(job)
+    head = {"id": f"{'chatcmpl' if kind == 'chat' else 'cmpl'}-{next(_ids)}",
+            "created": int(time.time()), "model": server.model_id}
+    if body.stream:
+        usage = bool((body.stream_options or {}).get("include_usage"))
+        return EventSourceResponse(_events(job, head, kind, usage),
+                                   ping=15, sep="\n")
+    return _final(await server.wait(request, job), head, kind, job.logprobs is not None)
+
+
+def _final(result: GenerationResult, head: dict, kind: str, logprobs: bool) -> dict:
+    reason = FINISH_REASONS[result.finish_reason]
+    if kind == "chat":
+        choice = {"index": 0, "message": {"role": "assistant", "content": result.text},
+                  "logprobs": _chat_logprobs(result.logprobs) if logprobs else None,
+                  "finish_reason": reason}
+        obj = "chat.completion"
+    else:
+        choice = {"index": 0, "text": result.text,
+                  "logprobs": (_CompletionLogprobs()(result.logprobs)
+                               if logprobs else None),
+                  "finish_reason": reason}
+        obj = "text_completion"
+    return {**head, "object": obj, "choices": [choice], "usage": _usage(result),
+            "sampler_stats": result.summary()}
+
+async def _events(job: Job, head: dict, kind: str, include_usage: bool):
+    obj = "chat.completion.chunk" if kind == "chat" else "text_completion"
+    completion_logprobs = _CompletionLogprobs()
+
+    def chunk(delta_text: str | None, reason: str | None = None, entries=(),
+              **extra) -> str:
+        logprobs = None
+        if job.logprobs is not None and delta_text is not None:
+            logprobs = (_chat_logprobs(entries) if kind == "chat"
+                        else completion_logprobs(entries))
+        if kind == "chat":
+            delta = {} if delta_text is None else {"content": delta_text}
+            choice = {"index": 0, "delta": delta, "logprobs": logprobs,
+                      "finish_reason": reason}
+        else:
+            choice = {"index": 0, "text": delta_text or "", "logprobs": logprobs,
+                      "finish_reason": reason}
+        return _json({**head, "object": obj, "choices": [choice], **extra})
+
+    try:
+        if kind == "chat":
+            yield _json({**head, "object": obj, "choices": [{
+                "index": 0, "delta": {"role": "assistant", "content": ""},
+                "logprobs": None, "finish_reason": None}]})
+        while True:
+            what, value = await job.events.get()
+            if what == "piece":
+                text, entries = value
+                yield chunk(text, entries=entries)
+            elif what == "error":
+                yield _json({"error": {"message": f"generation failed: {value}",
+                                       "type": "server_error", "param": None,
+                                       "code": None}})
+                break
+            else:
+                yield chunk(None, FINISH_REASONS[value.finish_reason],
+                            sampler_stats=value.summary())
+                if include_usage:
+                    yield _json({**head, "object": obj, "choices": [],
+                                 "usage": _usage(value)})
+                break
+        yield "[DONE]"
+    finally:
+        job.cancelled.set()  # a client that left stops the generation at the next token
+
+
+def _token(text: bytes, logprob: float) -> dict:
+    return {"token": text.decode("utf-8", "replace"), "logprob": logprob, "bytes": list(text)}
+
+
+def _chat_logprobs(entries: list[TokenLogprob]) -> dict:
+    """OpenAI's chat ``logprobs``: per token, its log-probability and the top alternatives."""
+    return {"content": [{**_token(e.text, e.logprob),
+                         "top_logprobs": [_token(text, lp) for _, text, lp in e.top]}
+                        for e in entries]}
+
+
+class _CompletionLogprobs:
+    """The completions endpoint's (legacy) ``logprobs`` of one reply, chunk by chunk.
+
+    A token's text is the characters it completes, so that the tokens join into the reply's
+    text and ``text_offset`` indexes it: a character split over tokens belongs to the token
+    that ends it (the ones before it read "", as in llama-server).
+    """
+
+    def __init__(self):
+        self._decoder = codecs.getincrementaldecoder("utf-8")("replace")
+        self._offset = 0  # characters of the reply before the next token
+
+    def __call__(self, entries: list[TokenLogprob]) -> dict:
+        tokens = [self._decoder.decode(e.text) for e in entries]
+        offsets = []
+        for token in tokens:
+            offsets.append(self._offset)
+            self._offset += len(token)
+        return {"tokens": tokens, "token_logprobs": [e.logprob for e in entries],
+                "top_logprobs": [{t.decode("utf-8", "replace"): lp for _, t, lp in e.top}
+                                 for e in entries],
+                "text_offset": offsets}
+
+
+def _usage(result: GenerationResult) -> dict:
+    return {"prompt_tokens": result.prompt_tokens,
+            "completion_tokens": result.completion_tokens,
+            "total_tokens": result.prompt_tokens + result.completion_tokens}
+
+
+def _json(value: dict) -> str:
+    return json.dumps(value, ensure_ascii=False)
+
+
+# ---- the routes ----
+
+@router.get("/v1/models")
+async def models(request: Request):
+    server = server_of(request)
+    engine = server.engine
+    return {"object": "list", "data": [{
+        "id": server.model_id, "object": "model", "created": 0, "owned_by": "local",
+        "n_ctx": engine.n_ctx, "n_vocab": engine.n_vocab}]}
+
+
+@router.post("/v1/chat/completions")
+async def chat_completions(request: Request):
+    server = server_of(request)
+    engine = server.engine
+    body = await parse_body(request, ChatBody)
+    messages = template_messages(body.messages)
+    try:  # off the event loop: a long conversation must not stall other requests
+        tokens = await asyncio.to_thread(engine.chat_prompt_tokens, messages)
+    except Exception as exc:  # no template, or the template rejects the roles given
+        raise APIError(400, f"messages: {exc}", param="messages") from None
+    job = _job(server, tokens, body, body.max_completion_tokens or body.max_tokens,
+               "messages")
+    return await _respond(server, request, job, body, "chat")
+
+@router.post("/v1/completions")
+async def completions(request: Request):
+    server = server_of(request)
+    engine = server.engine
+    body = await parse_body(request, CompletionBody)
+    prompt = body.prompt
+    if isinstance(prompt, list):
+        if len(prompt) != 1:
+            raise APIError(400, "`prompt`: send one prompt per request (a string)",
+                           param="prompt")
+        prompt = prompt[0]
+    if not prompt:
+        raise APIError(400, "`prompt`: the prompt is empty", param="prompt")
+    # OpenAI's completions endpoint defaults to 16 tokens.
+    # A raw prompt: its caller wrote any chat markup (<|im_start|>...) on purpose.
+    tokens = await asyncio.to_thread(engine.tokenize, prompt, True, True)
+    job = _job(server, tokens, body, body.max_tokens or 16, "prompt")
+    return await _respond(server, request, job, body, "completion")
