@@ -85,26 +85,34 @@ def template_messages(messages: list[Message]) -> list[dict]:
 
 
 GREEDY = parse_spec("greedy")
-TRUNCATIONS = (("min_p", "min-p", "p"), ("top_p", "top-p", "p"), ("top_k", "top-k", "k"))
+
+
+def _truncation(top_p: float | None, top_k: int | None, min_p: float | None):
+    """The first truncation option that truncates (llama.cpp's chain here runs one)."""
+    if min_p:
+        return parse_spec("min-p").with_param("p", min_p)
+    if top_p is not None and top_p < 1:
+        return parse_spec("top-p").with_param("p", top_p)
+    if top_k:
+        return parse_spec("top-k").with_param("k", top_k)
+    return None
 
 
 def sampler_for(default: SamplerSpec, *, sampler: str | None = None,
-                temperature: float | None = None, param: str = "sampler",
-                **truncation) -> SamplerSpec:
+                temperature: float | None = None, top_p: float | None = None,
+                top_k: int | None = None, min_p: float | None = None,
+                param: str = "sampler") -> SamplerSpec:
     """The spec a request's options ask for, in both protocols: its ``sampler`` text
     (parsed once), else the first truncation option that truncates (``min_p`` above 0,
-    ``top_p`` below 1, ``top_k`` above 0: llama.cpp's chain here runs one), at the default
-    spec's temperature, else the default; then ``temperature`` on top (0: greedy)."""
+    ``top_p`` below 1, ``top_k`` above 0) at the default spec's temperature, else the
+    default; then ``temperature`` on top (0: greedy)."""
     try:
         spec = parse_spec(sampler) if sampler is not None else default
-        if sampler is None:
-            for option, name, key in TRUNCATIONS:
-                value = truncation.get(option)
-                if value and (option != "top_p" or value < 1):
-                    spec = parse_spec(name).with_param(key, value)
-                    if default.sampler.takes_temp:
-                        spec = spec.with_param("temp", default.temp)
-                    break
+        truncation = _truncation(top_p, top_k, min_p) if sampler is None else None
+        if truncation is not None:
+            spec = truncation
+            if default.sampler.takes_temp:
+                spec = spec.with_param("temp", default.temp)
         if temperature == 0:
             return GREEDY
         if temperature is not None and spec.sampler.takes_temp:
@@ -135,20 +143,16 @@ class Server:
             raise APIError(400, f"the prompt has {len(prompt_tokens)} tokens, but the "
                            f"context window holds {self.engine.n_ctx}: shorten it",
                            param=prompt_field, code="context_length_exceeded")
-        sampler, logprobs = self.checked(sampler, logprobs)
-        return Job(prompt_tokens=prompt_tokens, sampler=sampler,
-                   max_tokens=min(max_tokens or room, room), seed=seed, stop=stop,
-                   stream=stream, loop=asyncio.get_running_loop(), logprobs=logprobs)
-
-    def checked(self, sampler: SamplerSpec, logprobs: int | None):
-        """(sampler, logprobs), or the 400 the engine's rules give (backend sampling)."""
-        try:
-            return self.engine.check_request(sampler, logprobs), logprobs
+        try:  # the engine's rules (backend sampling runs fewer samplers, no logprobs)
+            sampler = self.engine.check_request(sampler, logprobs)
         except SpecError as exc:
             raise APIError(400, f"sampler: {exc}", param="sampler",
                            code="invalid_sampler") from None
         except ValueError as exc:
             raise APIError(400, str(exc), param="logprobs") from None
+        return Job(prompt_tokens=prompt_tokens, sampler=sampler,
+                   max_tokens=min(max_tokens or room, room), seed=seed, stop=stop,
+                   stream=stream, loop=asyncio.get_running_loop(), logprobs=logprobs)
 
     def submit(self, job: Job) -> None:
         """Queue the job, or 503 with Retry-After when the queue is full."""
