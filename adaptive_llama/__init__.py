@@ -14,7 +14,8 @@ __all__ = [
     "IMPL", "BACKEND", "AdaptiveStats", "adaptive_k", "adaptive_stats",
     "SAMPLERS", "SamplerSpec", "SpecError", "parse_spec", "ModelError",
     "Engine", "GenerationResult", "Stream", "ContextOverflow", "Chat", "SamplerChain",
-    "use_sampler", "LLAMA_CPP_VERSION",
+    "use_sampler", "LLAMA_CPP_VERSION", "Request", "InvalidArgument", "json_grammar",
+    "UnsupportedSchema",
 ]
 
 _LAZY = {"BACKEND": "kernel", "IMPL": "kernel", "AdaptiveStats": "kernel",
@@ -22,7 +23,9 @@ _LAZY = {"BACKEND": "kernel", "IMPL": "kernel", "AdaptiveStats": "kernel",
          "GenerationResult": "runtime.engine", "Stream": "runtime.engine",
          "ContextOverflow": "runtime.engine", "Chat": "chat.conversation",
          "SamplerChain": "llama.chain", "use_sampler": "llama.chain",
-         "LLAMA_CPP_VERSION": "llama.chain"}
+         "LLAMA_CPP_VERSION": "llama.chain", "Request": "runtime.engine",
+         "InvalidArgument": "runtime.engine", "json_grammar": "llama.grammar",
+         "UnsupportedSchema": "llama.grammar"}
 
 
 def __getattr__(name):

@@ -130,7 +130,7 @@ def load_engine(model, n_gpu_layers, n_ctx, threads, seed, verbose, backend_samp
                     backend_sampling=backend_sampling)
     if sampler is not None:
         try:
-            engine.check_request(sampler)
+            engine.check_sampler(sampler)
         except SpecError as exc:
             engine.close()
             fail(f"--sampler: {exc}")

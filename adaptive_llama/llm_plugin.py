@@ -22,7 +22,9 @@ import llm
 from pydantic import Field, field_validator
 
 from .runtime.models import BUNDLED, ModelError, check_gguf
-from .samplers import EPSILON, SEED, TEMP, SpecError, parse_spec
+from .samplers import EPSILON, SEED, TEMP, SpecError, parse_spec, spec_from_options
+
+DEFAULT_SPEC = parse_spec("adaptive")  # what -m adaptive-... runs without -o sampler
 
 REGISTRY = "adaptive-llama-models.json"
 PREFIX = "adaptive/"
@@ -171,20 +173,15 @@ class AdaptiveModel(llm.Model):
         return f"adaptive-llama: {self.model_id}"
 
     def spec(self, options):
-        spec = parse_spec(options.sampler or "adaptive")
-        if options.epsilon is not None:
-            if "eps" not in spec.params:
-                raise llm.ModelError(f"-o epsilon applies to adaptive and eta, not to {spec}")
-            spec = spec.with_param("eps", options.epsilon)
-        if options.temperature is not None:
-            if not spec.sampler.takes_temp:
-                raise llm.ModelError(f"-o temperature does not apply to {spec}")
-            spec = spec.with_param("temp", options.temperature)
-        return spec
+        try:
+            return spec_from_options(DEFAULT_SPEC, sampler=options.sampler,
+                                     temperature=options.temperature, epsilon=options.epsilon)
+        except SpecError as exc:
+            raise llm.ModelError(str(exc)) from None
 
     def execute(self, prompt, stream, response, conversation):
         from .chat.conversation import Chat
-        from .runtime.engine import ContextOverflow
+        from .runtime.request import InvalidArgument
 
         options = prompt.options
         engine = _engine(self.model, options.n_gpu_layers or 0)
@@ -199,7 +196,7 @@ class AdaptiveModel(llm.Model):
             else:  # a base model continues the text
                 text = prompt.prompt if not prompt.system else f"{prompt.system}\n\n{prompt.prompt}"
                 reply = engine.stream(engine.tokenize(text), **settings)
-        except (ContextOverflow, SpecError) as exc:
+        except (InvalidArgument, SpecError) as exc:  # the prompt too long, among others
             raise llm.ModelError(str(exc)) from None
         yield from reply
         response.response_json = {"prompt_tokens": reply.result.prompt_tokens,

@@ -275,3 +275,40 @@ def parse_spec(text: str) -> SamplerSpec:
 def spec_of(sampler: str | SamplerSpec) -> SamplerSpec:
     """The public API's entry: a spec as given, or text parsed once."""
     return sampler if isinstance(sampler, SamplerSpec) else parse_spec(sampler)
+
+
+def spec_from_options(default: SamplerSpec, *, sampler: str | None = None,
+                      temperature: float | None = None, top_p: float | None = None,
+                      top_k: int | None = None, min_p: float | None = None,
+                      epsilon: float | None = None) -> SamplerSpec:
+    """The spec a client's options ask for (the OpenAI and Ollama routes, the llm plugin):
+    ``sampler`` text (parsed once), else the first truncation option that truncates
+    (``min_p`` above 0, ``top_p`` below 1, ``top_k`` above 0: llama.cpp's chain here runs
+    one) at the default spec's temperature, else ``default``; then ``epsilon`` on top (a spec
+    without one: SpecError) and ``temperature`` (0: greedy; a sampler that takes none, such as
+    greedy, ignores it, as clients send one with every request)."""
+    spec = parse_spec(sampler) if sampler is not None else default
+    truncation = _truncation(top_p, top_k, min_p) if sampler is None else None
+    if truncation is not None:
+        spec = truncation.with_param("temp", default.temp) if default.sampler.takes_temp \
+            else truncation
+    if epsilon is not None:
+        if "eps" not in spec.params:
+            raise SpecError(f"`epsilon` applies to adaptive and eta, not to {spec}")
+        spec = spec.with_param("eps", epsilon)
+    if temperature == 0:
+        return parse_spec("greedy")
+    if temperature is not None and spec.sampler.takes_temp:
+        spec = spec.with_param("temp", temperature)
+    return spec
+
+
+def _truncation(top_p: float | None, top_k: int | None,
+                min_p: float | None) -> SamplerSpec | None:
+    if min_p:
+        return parse_spec("min-p").with_param("p", min_p)
+    if top_p is not None and top_p < 1:
+        return parse_spec("top-p").with_param("p", top_p)
+    if top_k:
+        return parse_spec("top-k").with_param("k", top_k)
+    return None

@@ -113,3 +113,25 @@ def test_repl_survives_any_command_and_keeps_the_conversation(engine, tmp_path, 
             assert repl.chat.messages == before, line
     repl.reply(lambda: repl.chat.send("Still there?"))
     assert repl.chat.messages[-1]["role"] == "assistant"
+
+
+# JSON schemas, valid or not, for structured output (tests/test_structured.py, the server).
+scalars = st.one_of(st.none(), st.booleans(), st.integers(-99, 99), st.text(max_size=4))
+schemas = st.recursive(
+    st.fixed_dictionaries({}, optional={
+        "type": st.sampled_from(["string", "integer", "number", "boolean", "null", "object",
+                                 "array", "strng"]),
+        "enum": st.lists(scalars, min_size=1, max_size=3), "const": scalars,
+        "pattern": st.text(alphabet="ab.*+?()[]{}|^$\\0123", max_size=6),
+        "format": st.sampled_from(["date", "uuid", "email"]),
+        "maxLength": st.integers(0, 4), "minimum": st.integers()}),
+    lambda inner: st.fixed_dictionaries({}, optional={
+        "type": st.sampled_from(["object", "array"]),
+        "properties": st.dictionaries(st.text(max_size=4), inner, max_size=3),
+        "required": st.lists(st.text(max_size=4), max_size=2),
+        "additionalProperties": st.one_of(st.booleans(), inner),
+        "items": inner, "prefixItems": st.lists(inner, max_size=2),
+        "minItems": st.integers(0, 3), "maxItems": st.integers(0, 3),
+        "anyOf": st.lists(inner, min_size=1, max_size=3),
+        "allOf": st.lists(inner, min_size=1, max_size=2)}),
+    max_leaves=8)

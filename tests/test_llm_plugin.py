@@ -99,7 +99,7 @@ def test_bad_options_are_one_line_errors(option, value, needle):
 def test_epsilon_for_a_sampler_without_one_is_refused():
     result = llm("-m", "adaptive/smollm2", "Hi", "-o", "sampler", "greedy", "-o", "epsilon",
                  "0.001")
-    assert result.exit_code != 0 and "epsilon applies to adaptive and eta" in result.output
+    assert result.exit_code != 0 and "`epsilon` applies to adaptive and eta" in result.output
 
 
 def test_a_registered_gguf_becomes_a_model(smollm2_path, tmp_path):

@@ -13,6 +13,7 @@ from adaptive_llama.samplers import (
     SamplerSpec,
     SpecError,
     parse_spec,
+    spec_from_options,
     spec_of,
     table,
     valid_specs,
@@ -184,3 +185,38 @@ def test_the_listings_show_every_sampler_with_its_defaults():
     assert lines[0].startswith("greedy     argmax")
     eps_line = next(line for line in lines if line.lstrip().startswith("eps=0.0005"))
     assert eps_line == " " * 12 + f"{'eps=0.0005':<16} in (0, 1): threshold epsilon"
+
+
+ADAPTIVE_HOT = parse_spec("adaptive:eps=0.001,temp=0.8")
+
+
+@pytest.mark.parametrize("options,expected", [
+    ({}, "adaptive:eps=0.001,temp=0.8"),
+    # sampler text wins over the truncation options, which then do nothing
+    (dict(sampler="eta", top_p=0.5), "eta:eps=0.0009"),
+    # the first truncation option that truncates, at the default's temperature
+    (dict(min_p=0.1, top_p=0.5, top_k=5), "min-p:p=0.1,temp=0.8"),
+    (dict(min_p=0.0, top_p=0.5, top_k=5), "top-p:p=0.5,temp=0.8"),
+    (dict(top_p=1.0, top_k=5), "top-k:k=5,temp=0.8"),
+    (dict(top_p=1.0, top_k=0), "adaptive:eps=0.001,temp=0.8"),
+    # temperature on top; 0 is greedy; a sampler without one ignores it
+    (dict(temperature=1.5), "adaptive:eps=0.001,temp=1.5"),
+    (dict(temperature=0, sampler="top-k:k=3"), "greedy"),
+    (dict(sampler="greedy", temperature=0.7), "greedy"),
+    # epsilon on the spec that has one
+    (dict(epsilon=0.02), "adaptive:eps=0.02,temp=0.8"),
+    (dict(sampler="eta", epsilon=0.002), "eta:eps=0.002"),
+])
+def test_client_options_become_one_spec(options, expected):
+    assert spec_from_options(ADAPTIVE_HOT, **options) == parse_spec(expected)
+
+
+@pytest.mark.parametrize("options,message", [
+    (dict(sampler="top-k", epsilon=0.01), "`epsilon` applies to adaptive and eta, not to top-k"),
+    (dict(epsilon=2.0), "`eps` has to be in \\(0, 1\\), but is 2"),
+    (dict(top_p=0.0), "`p` has to be in \\(0, 1\\], but is 0"),
+    (dict(sampler="nope"), "unknown sampler 'nope'"),
+])
+def test_client_options_out_of_range_are_spec_errors(options, message):
+    with pytest.raises(SpecError, match=message):
+        spec_from_options(ADAPTIVE_HOT, **options)

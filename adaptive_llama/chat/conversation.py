@@ -10,6 +10,7 @@
 from __future__ import annotations
 
 from ..runtime.engine import ContextOverflow, Engine, GenerationResult, Stream
+from ..runtime.request import check_int
 from ..samplers import SEED, SamplerSpec, spec_of
 
 
@@ -35,8 +36,7 @@ class Chat:
     def __init__(self, engine: Engine, system: str | None = None,
                  sampler: SamplerSpec | str = "adaptive", max_tokens: int = 256,
                  seed: int | None = None):
-        if max_tokens < 1:
-            raise ValueError(f"`max_tokens` has to be an integer >= 1, but is {max_tokens}")
+        check_int("max_tokens", max_tokens, low=1)
         self.engine = engine
         self.system = system
         self.sampler = spec_of(sampler)
@@ -92,12 +92,11 @@ class Chat:
     def send(self, text: str, **overrides) -> Stream:
         """Add a user message and stream the reply; the reply joins the history as it ends.
 
-        ContextOverflow (nothing added) when the message cannot fit in the window.
+        ContextOverflow (nothing added) when the message cannot fit in the window; the
+        errors of ``Engine.request`` for ``overrides`` (nothing added either).
         """
         messages = self.messages + [{"role": "user", "content": text}]
-        tokens, start = self._fit(messages, self.dropped)
-        self.messages, self.dropped = messages, start
-        return self._reply(tokens, overrides)
+        return self._reply(messages, overrides)
 
     def regenerate(self, **overrides) -> Stream:
         """Answer the last user message again (a new seed unless the chat fixes one); the
@@ -107,14 +106,16 @@ class Chat:
             messages.pop()
         if len(messages) <= self.dropped:
             raise ValueError("there is no message to answer yet")
-        tokens, start = self._fit(messages, self.dropped)
-        self.messages, self.dropped = messages, start
-        return self._reply(tokens, overrides)
+        return self._reply(messages, overrides)
 
-    def _reply(self, tokens: list[int], overrides: dict) -> Stream:
+    def _reply(self, messages: list[dict], overrides: dict) -> Stream:
+        """The reply's stream; the history becomes ``messages`` once its request is
+        checked, so that a request refused leaves the chat as it was."""
+        tokens, start = self._fit(messages, self.dropped)
         options = dict(sampler=self.sampler, max_tokens=self.max_tokens, seed=self.seed)
-        options.update(overrides)
-        stream = self.engine.stream(tokens, **options)
+        request = self.engine.request(tokens, **{**options, **overrides})
+        self.messages, self.dropped = messages, start
+        stream = self.engine.run(request)
         stream.on_finish(self._add_reply)
         return stream
 

@@ -280,7 +280,7 @@ class Repl:
         chat = self.chat
         try:
             if key == "sampler":
-                chat.sampler = self.engine.check_request(parse_spec(value))
+                chat.sampler = self.engine.check_sampler(parse_spec(value))
             elif key == "system":
                 chat.system = value
             elif key == "eps":
@@ -354,7 +354,7 @@ class Repl:
             self.note("say something first: /compare answers your last message again")
             return
         try:
-            other = self.engine.check_request(parse_spec(arg))
+            other = self.engine.check_sampler(parse_spec(arg))
         except SpecError as exc:
             self.note(str(exc))
             return

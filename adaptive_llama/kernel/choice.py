@@ -28,16 +28,23 @@ OLD_IMPL_VARIABLE = "ADAPTIVE_LLAMA_BACKEND"  # the old name, still read
 
 @dataclass(frozen=True)
 class AdaptiveStats:
-    """The per-step figures of the paper's ablation (section 6, threshold study).
+    """The figures of one adaptive decision (the paper's ablation, section 6), the one type
+    for them wherever they come from: :func:`adaptive_stats`, and the C, numba and graph
+    samplers of a chain (``SamplerChain.last_stats``).
 
     ``k``: candidate-set size k*; ``kept_mass``: c_{k*}, the probability of the kept set;
-    ``conf``: 1 - H / ln V of the whole distribution (NaN for V = 1); ``entropy``: H in nats.
+    ``conf``: 1 - H / ln V of the whole distribution (NaN for V = 1, and where a chain did
+    not compute it); ``entropy``: H in nats (likewise); ``token`` and ``p_chosen``: the
+    token a chain's sampler chose and its probability in the kept set (-1 and NaN from
+    :func:`adaptive_stats`, which chooses none).
     """
 
     k: int
     kept_mass: float
     conf: float
     entropy: float
+    token: int = -1
+    p_chosen: float = math.nan
 
 
 def _run_kernel(logits, epsilon: float, want_stats: bool, impl: str | None):

@@ -24,7 +24,6 @@ import contextlib
 import ctypes
 import functools
 import math
-from dataclasses import dataclass
 
 from .abi import check_llama_cpp_version
 
@@ -35,7 +34,7 @@ import numpy as np  # noqa: E402
 from llama_cpp import _internals  # noqa: E402
 
 from .. import kernel  # noqa: E402
-from ..kernel import native  # noqa: E402
+from ..kernel import AdaptiveStats, native  # noqa: E402
 from ..samplers import SEED, SamplerSpec, SpecError, in_graph_names, spec_of  # noqa: E402
 from . import graph  # noqa: E402
 
@@ -127,18 +126,6 @@ def in_chain_samplers():
     return _CSamplers() if kernel.BACKEND == "c" else _NumbaSamplers()
 
 
-@dataclass(frozen=True)
-class TokenStats:
-    """What the adaptive sampler decided for one token."""
-
-    k: int
-    token: int
-    kept_mass: float
-    entropy: float  # NaN unless the chain was built with record_stats=True
-    conf: float     # 1 - entropy / ln V; NaN likewise
-    p_chosen: float
-
-
 class SamplerChain:
     """A llama.cpp sampler chain for one spec and seed; owns its samplers.
 
@@ -173,17 +160,28 @@ class SamplerChain:
         self._record_stats = record_stats
         self._chain = _internals.LlamaSampler()
         self._adaptive = None
-        self._closed_stats: TokenStats | None = None  # last_stats once the chain is freed
-        self._graph_stats: TokenStats | None = None
+        self._closed_stats: AdaptiveStats | None = None  # last_stats once the chain is freed
+        self._graph_stats: AdaptiveStats | None = None
         self._candidates: np.ndarray | None = None  # sample_from's llama_token_data rows
         if grammar is not None:
-            self._chain.add_grammar(vocab_model, grammar)
+            self._add_grammar(vocab_model, grammar)
         sampler = self.spec.sampler
         if sampler.takes_temp and self.spec.temp != 1.0:
             self._chain.add_temp(self.spec.temp)
         sampler.add(self, self.spec.params)
         if not sampler.chooses_token:
             self._chain.add_dist(self.seed)
+
+    def _add_grammar(self, vocab_model, grammar) -> None:
+        # llama-cpp-python's add_grammar would put a NULL sampler in the chain for a grammar
+        # that llama.cpp cannot parse (a crash at the first token).
+        sampler = llama_cpp.llama_sampler_init_grammar(
+            vocab_model.vocab, grammar._grammar.encode("utf-8"), grammar._root.encode("utf-8"))
+        if not sampler:
+            self._chain.close()
+            raise SpecError("llama.cpp cannot parse the grammar (its log, with --verbose, "
+                            "says where)")
+        llama_cpp.llama_sampler_chain_add(self._chain.sampler, sampler)
 
     # ---- ChainBuilder: what the sampler table's entries add ----
 
@@ -271,7 +269,7 @@ class SamplerChain:
         token = llama_cpp.llama_sampler_sample(self.pointer, ctx, idx)
         if self.in_graph and self._adaptive is not None:
             k, kept_mass, p_chosen = graph.read_back(ctx, idx, token, self._uniform)
-            self._graph_stats = TokenStats(k=k, token=token, kept_mass=kept_mass,
+            self._graph_stats = AdaptiveStats(k=k, token=token, kept_mass=kept_mass,
                                            entropy=math.nan, conf=math.nan, p_chosen=p_chosen)
         return token
 
@@ -298,7 +296,7 @@ class SamplerChain:
         llama_cpp.llama_sampler_accept(self.pointer, token)
         return token
 
-    def last_stats(self) -> TokenStats | None:
+    def last_stats(self) -> AdaptiveStats | None:
         """The adaptive sampler's record of its last token (None for other samplers); in the
         graph entropy and Conf are NaN, and so are the masses in uniform mode. Still readable
         after :meth:`close`."""
@@ -307,7 +305,7 @@ class SamplerChain:
         if self.in_graph:
             return self._graph_stats
         s = self._stats
-        return TokenStats(k=s.k, token=s.token, kept_mass=s.kept_mass, entropy=s.entropy,
+        return AdaptiveStats(k=s.k, token=s.token, kept_mass=s.kept_mass, entropy=s.entropy,
                           conf=s.conf, p_chosen=s.p_chosen)
 
     @property

@@ -38,7 +38,9 @@ import llama_cpp
 import numpy as np
 
 from ..llama.chain import SamplerChain
+from .request import Request
 from .threads import ThreadTuner
+from .vocab import Vocab
 
 MAX_LOGPROBS = 20  # alternatives per token, as OpenAI's top_logprobs allows
 # A step's chains run in threads once one chain takes this long: below it, handing them to
@@ -83,7 +85,7 @@ class GenerationResult:
     seed: int
     backend: str = ""             # what runs the adaptive and eta samplers: "c" or "numba"
     tokens: list[int] = field(default_factory=list)
-    token_stats: list = field(default_factory=list)   # TokenStats, adaptive only
+    token_stats: list = field(default_factory=list)   # AdaptiveStats, adaptive only
     logprobs: list = field(default_factory=list)      # TokenLogprob, when asked for
     prompt_eval_s: float = 0.0
     time_to_first_token_s: float = 0.0
@@ -121,21 +123,18 @@ class GenerationResult:
 
 
 class Generation:
-    """One sequence being generated: prompt, chain, limits, and the result it fills.
+    """One sequence being generated: its request, its chain, and the result it fills.
 
     Text appears in ``pieces`` as it is made (take it with :meth:`take`); ``done`` once it
     has finished, whatever the reason. The generation owns its chain and closes it.
     """
 
-    def __init__(self, prompt_tokens: list[int], chain: SamplerChain, max_tokens: int,
-                 stop: list[str], logprobs: int | None = None):
-        self.prompt_tokens = list(prompt_tokens)
+    def __init__(self, request: Request, chain: SamplerChain):
+        self.request = request
+        self.prompt_tokens = list(request.prompt_tokens)
         self.chain = chain
-        self.max_tokens = max_tokens
-        self.stop = stop
-        self.logprobs = logprobs  # None: none; n: each token's, and n alternatives
         self.result = GenerationResult(
-            text="", finish_reason="interrupted", prompt_tokens=len(prompt_tokens),
+            text="", finish_reason="interrupted", prompt_tokens=len(self.prompt_tokens),
             completion_tokens=0, sampler=str(chain.spec), seed=chain.seed, backend=chain.backend)
         self.pieces: list[str] = []
         self.done = False
@@ -174,16 +173,15 @@ class Slot:
 
 
 class Decoder:
-    """Runs generations in the slots of one llama.cpp context (see the module docstring).
-
-    ``engine`` gives the context (``ctx``), the vocabulary and ``piece(token)``. Not
-    thread-safe: one thread adds, steps and cancels.
+    """Runs generations in the slots of one llama.cpp context ``ctx`` (a ``llama_context
+    *``; see the module docstring); ``vocab`` turns their tokens into text. Not thread-safe:
+    one thread adds, steps and cancels.
     """
 
-    def __init__(self, engine, n_slots: int, n_ctx_seq: int, n_batch: int,
+    def __init__(self, ctx, vocab: Vocab, n_slots: int, n_ctx_seq: int, n_batch: int,
                  tuner: ThreadTuner):
-        self._engine = engine
-        self._ctx = engine.ctx
+        self._vocab = vocab
+        self._ctx = ctx
         self._memory = llama_cpp.llama_get_memory(self._ctx)
         self.n_ctx_seq = n_ctx_seq
         self.n_batch = n_batch
@@ -452,39 +450,39 @@ class Decoder:
             result.prompt_eval_s = decoded - generation._submitted
         if result.completion_tokens == 0:
             result.time_to_first_token_s = time.perf_counter() - generation._submitted
-        engine = self._engine
-        if engine.is_end_of_generation(token):
+        request, vocab = generation.request, self._vocab
+        if vocab.is_end_of_generation(token):
             return self._finish(generation, "stop")
         result.tokens.append(token)
         result.completion_tokens += 1
-        if generation.logprobs is not None:
-            result.logprobs.append(self._logprob(index, token, generation.logprobs))
+        if request.logprobs is not None:
+            result.logprobs.append(self._logprob(index, token, request.logprobs))
         stats = generation.chain.last_stats()
         if stats is not None:
             result.token_stats.append(stats)
-        generation._held += generation._utf8.decode(engine.piece(token))
-        emit, generation._held, hit = split_stop(generation._held, generation.stop)
+        generation._held += generation._utf8.decode(vocab.piece(token))
+        emit, generation._held, hit = split_stop(generation._held, request.stop)
         if emit:
             result.text += emit
             generation.pieces.append(emit)
         if hit:
             return self._finish(generation, "stop_string")
-        if (result.completion_tokens >= generation.max_tokens
+        if (result.completion_tokens >= request.max_tokens
                 or len(generation.slot.tokens) + 1 >= self.n_ctx_seq):
             return self._finish(generation, "length")
         generation.next_token = token
 
     def _logprob(self, index: int, token: int, n_top: int) -> TokenLogprob:
         """From the logits the model gave at batch ``index`` (the chain works on a copy)."""
-        engine = self._engine
+        vocab = self._vocab
         x = np.ctypeslib.as_array(llama_cpp.llama_get_logits_ith(self._ctx, index),
-                                  shape=(engine.n_vocab,))
+                                  shape=(vocab.n_vocab,))
         top = float(x.max())
         log_norm = top + math.log(float(np.exp((x - top).astype(np.float64)).sum()))
         best = np.argpartition(x, -n_top)[-n_top:] if n_top else np.array([], dtype=int)
         best = best[np.argsort(-x[best], kind="stable")]
-        return TokenLogprob(token, engine.piece(token), float(x[token]) - log_norm,
-                            tuple((int(i), engine.piece(int(i)), float(x[i]) - log_norm)
+        return TokenLogprob(token, vocab.piece(token), float(x[token]) - log_norm,
+                            tuple((int(i), vocab.piece(int(i)), float(x[i]) - log_norm)
                                   for i in best))
 
     def _finish(self, generation: Generation, reason: str) -> None:

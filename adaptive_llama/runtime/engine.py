@@ -38,18 +38,17 @@ from ..samplers import SEED, SamplerSpec, SpecError, seed_or_fresh, spec_of
 from .batching import MAX_LOGPROBS, Decoder, Generation, GenerationResult, TokenLogprob  # noqa: F401
 from .limits import MAX_THREADS
 from .models import ModelError, resolve_model
+from .request import ContextOverflow, InvalidArgument, Request, check_int
 from .threads import ThreadTuner, default_threads
+from .vocab import Vocab
 
 log = logging.getLogger(__name__)
 
 CTX_STEP = 256  # llama.cpp rounds a context up to a multiple of this
 N_BATCH = 512   # tokens per llama_decode call at most (prompt chunks and generating rows)
 
-__all__ = ["ContextOverflow", "Engine", "GenerationResult", "Stream", "set_llama_log"]
-
-
-class ContextOverflow(ValueError):
-    """The prompt does not fit in the context window."""
+__all__ = ["ContextOverflow", "Engine", "GenerationResult", "InvalidArgument", "Request",
+           "Stream", "set_llama_log"]
 
 
 @llama_cpp.llama_log_callback
@@ -161,17 +160,17 @@ class Engine:
     def __init__(self, model=None, *, n_gpu_layers: int = 0, n_ctx: int = 2048,
                  n_threads: int | None = None, parallel: int = 1, seed: int | None = None,
                  verbose: bool = False, backend_sampling: bool = False):
-        _check_int("n_gpu_layers", n_gpu_layers, low=-1)
-        _check_int("n_ctx", n_ctx, low=0)
+        check_int("n_gpu_layers", n_gpu_layers, low=-1)
+        check_int("n_ctx", n_ctx, low=0)
         if 0 < n_ctx < CTX_STEP:
-            raise ValueError(f"`n_ctx` has to be 0 (the model's own) or at least {CTX_STEP}, "
-                             f"but is {n_ctx}")
+            raise InvalidArgument(f"`n_ctx` has to be 0 (the model's own) or at least "
+                                  f"{CTX_STEP}, but is {n_ctx}", "n_ctx")
         if n_threads is not None:
-            _check_int("n_threads", n_threads, low=1, high=MAX_THREADS)
-        _check_int("parallel", parallel, low=1)
+            check_int("n_threads", n_threads, low=1, high=MAX_THREADS)
+        check_int("parallel", parallel, low=1)
         if not isinstance(backend_sampling, bool):
-            raise ValueError(f"`backend_sampling` has to be True or False, but is "
-                             f"{backend_sampling!r}")
+            raise InvalidArgument(f"`backend_sampling` has to be True or False, but is "
+                                  f"{backend_sampling!r}", "backend_sampling")
         self.seed = None if seed is None else SEED.validate(seed)
         self.backend_sampling = backend_sampling
         # Whether a token's logits are a function of the tokens before it alone (whatever
@@ -181,8 +180,8 @@ class Engine:
         self.path: Path = resolve_model(model)
         set_llama_log(verbose)
         self._model = self._load_model(n_gpu_layers, verbose)
-        self.n_vocab = self._model.n_vocab()
-        self._vocab = self._model.vocab
+        self.vocab = Vocab(self._model)
+        self.n_vocab = self.vocab.n_vocab
         # llama.cpp rounds each sequence's context up to a multiple of 256.
         requested = n_ctx or self._model.n_ctx_train()
         self.n_ctx = -(-requested // CTX_STEP) * CTX_STEP
@@ -190,7 +189,8 @@ class Engine:
         threads = n_threads or default_threads()
         self._context = self._new_context(requested, threads, verbose)
         self.ctx = self._context.ctx  # the llama_context *, for llama.cpp calls
-        self.decoder = Decoder(self, parallel, self.n_ctx, min(N_BATCH, self.n_ctx * parallel),
+        self.decoder = Decoder(self.ctx, self.vocab, parallel, self.n_ctx,
+                               min(N_BATCH, self.n_ctx * parallel),
                                ThreadTuner(self.ctx, threads, adaptive=n_threads is None))
         if backend_sampling:
             self.backend_sampling = self._graph_can_sample()
@@ -294,15 +294,10 @@ class Engine:
 
     def piece(self, token: int, special: bool = False) -> bytes:
         """The bytes a token stands for (a control token's text only with ``special``)."""
-        buf = ctypes.create_string_buffer(64)
-        n = llama_cpp.llama_token_to_piece(self._vocab, token, buf, len(buf), 0, special)
-        if n < 0:  # buffer too small: -n is the size needed
-            buf = ctypes.create_string_buffer(-n)
-            n = llama_cpp.llama_token_to_piece(self._vocab, token, buf, len(buf), 0, special)
-        return buf.raw[:max(n, 0)]
+        return self.vocab.piece(token, special)
 
     def is_end_of_generation(self, token: int) -> bool:
-        return llama_cpp.llama_vocab_is_eog(self._vocab, token)
+        return self.vocab.is_end_of_generation(token)
 
     # ---- text to tokens and back ----
 
@@ -366,10 +361,9 @@ class Engine:
 
     def _control_tokens(self) -> dict[str, int]:
         """The text of every control or user-defined token -> its id (read once, lazily)."""
-        wanted = llama_cpp.LLAMA_TOKEN_ATTR_CONTROL | llama_cpp.LLAMA_TOKEN_ATTR_USER_DEFINED
         out = {}
         for token in range(self.n_vocab):
-            if llama_cpp.llama_vocab_get_attr(self._vocab, token) & wanted:
+            if self.vocab.is_control(token):
                 text = self.piece(token, special=True).decode("utf-8", "replace")
                 if text:
                     out.setdefault(text, token)
@@ -387,67 +381,118 @@ class Engine:
             raise RuntimeError("prefill needs an idle engine: generations are running")
         self.decoder.evaluate(tokens, generated)
 
-    def start(self, prompt_tokens: list[int], *, sampler: SamplerSpec | str = "adaptive",
-              max_tokens: int = 256, seed: int | None = None, stop: list[str] | tuple = (),
-              grammar=None, record_stats: bool = True,
-              logprobs: int | None = None) -> Generation:
-        """A :class:`Generation` ready for :attr:`decoder` (arguments as :meth:`stream`)."""
-        spec = self.check_request(sampler, logprobs, grammar)
-        _check_int("max_tokens", max_tokens, low=1)
+    def request(self, prompt_tokens: list[int], *, sampler: SamplerSpec | str = "adaptive",
+                max_tokens: int | None = 256, seed: int | None = None,
+                stop: list[str] | tuple = (), grammar=None, record_stats: bool = True,
+                logprobs: int | None = None) -> Request:
+        """The request, checked once (:mod:`adaptive_llama.runtime.request`); arguments as
+        :meth:`stream`. ``max_tokens`` None, or beyond the room the prompt leaves in the
+        context window: that room. Seed None: the engine's seed, else a fresh random one.
+
+        Raises ContextOverflow when the prompt leaves no room; SpecError for a sampler or
+        grammar that cannot run here (backend sampling runs fewer); InvalidArgument (a
+        ValueError naming its ``param``) for an argument out of range.
+        """
         if not prompt_tokens:
-            raise ValueError("the prompt is empty")
-        if len(prompt_tokens) >= self.n_ctx:
+            raise InvalidArgument("the prompt is empty", "prompt")
+        room = self.n_ctx - len(prompt_tokens)
+        if room < 1:
             raise ContextOverflow(
                 f"the prompt has {len(prompt_tokens)} tokens, but the context window holds "
                 f"{self.n_ctx}: shorten it or raise n_ctx")
-        chain = SamplerChain(spec, seed_or_fresh(self.seed if seed is None else seed), self.n_vocab,
-                             grammar=grammar, vocab_model=self._model,
-                             record_stats=record_stats, in_graph=self.backend_sampling)
+        spec = self.check_sampler(sampler, grammar)
+        if max_tokens is not None:
+            check_int("max_tokens", max_tokens, low=1)
+        if logprobs is not None:
+            check_int("logprobs", logprobs, low=0, high=MAX_LOGPROBS)
+            if self.backend_sampling:
+                raise InvalidArgument("`logprobs` needs the model's logits, which backend "
+                                      "sampling leaves on the device: start without backend "
+                                      "sampling", "logprobs")
+        if seed is not None:
+            SEED.validate(seed)
         # An empty stop string would end every reply at once: it is no stop string.
-        return Generation(prompt_tokens, chain, max_tokens, [s for s in stop if s], logprobs)
+        return Request(prompt_tokens=tuple(prompt_tokens), spec=spec,
+                       max_tokens=min(max_tokens or room, room),
+                       seed=seed_or_fresh(self.seed if seed is None else seed),
+                       stop=tuple(s for s in stop if s), logprobs=logprobs, grammar=grammar,
+                       record_stats=record_stats)
 
-    def check_request(self, sampler: SamplerSpec | str, logprobs: int | None = None,
-                      grammar=None) -> SamplerSpec:
-        """The parsed spec, or the error a request with these would get: SpecError for a
-        sampler or grammar that cannot run inside the graph under backend sampling,
-        ValueError for ``logprobs`` out of range or asked for under backend sampling."""
+    def check_sampler(self, sampler: SamplerSpec | str, grammar=None) -> SamplerSpec:
+        """The parsed spec, or the SpecError a request with it would get here: under backend
+        sampling, a sampler or grammar that cannot run inside the graph."""
         spec = spec_of(sampler)
         if self.backend_sampling:
             check_in_graph(spec, grammar)
-        if logprobs is not None:
-            _check_int("logprobs", logprobs, low=0, high=MAX_LOGPROBS)
-            if self.backend_sampling:
-                raise ValueError("`logprobs` needs the model's logits, which backend sampling "
-                                 "leaves on the device: start without backend sampling")
         return spec
 
+    def _generation(self, request: Request) -> Generation:
+        chain = SamplerChain(request.spec, request.seed, self.n_vocab, grammar=request.grammar,
+                             vocab_model=self._model, record_stats=request.record_stats,
+                             in_graph=self.backend_sampling)
+        return Generation(request, chain)
+
+    # ---- driving the slots: for a scheduler of its own (the server's) ----
+
+    @property
+    def free_slots(self) -> int:
+        """Sequences free for :meth:`begin` now."""
+        return self.decoder.free_slots
+
+    def begin(self, request: Request) -> Generation:
+        """The request's generation in a free slot (RuntimeError when none is); it advances
+        with each :meth:`step` (its text in ``pieces``, its ``result`` filled as it goes)
+        until ``done``."""
+        return self._join(self._generation(request))
+
+    def _join(self, generation: Generation) -> Generation:
+        if not self.decoder.free_slots:
+            generation.chain.close()
+            raise RuntimeError(f"all {self.parallel} of the engine's sequences are busy: "
+                               "finish or cancel() the other streams, or create the "
+                               "Engine with a larger `parallel`")
+        self.decoder.add(generation)
+        return generation
+
+    def step(self) -> None:
+        """One decode step of every running generation (prompt chunks, or one token)."""
+        self.decoder.step()
+
+    def cancel(self, generation: Generation) -> None:
+        """Stop a generation now and free its slot (nothing if it has finished)."""
+        self.decoder.cancel(generation)
+
+    # ---- generation ----
+
     def stream(self, prompt_tokens: list[int], *, sampler: SamplerSpec | str = "adaptive",
-               max_tokens: int = 256, seed: int | None = None, stop: list[str] | tuple = (),
-               grammar=None, record_stats: bool = True, logprobs: int | None = None) -> Stream:
+               max_tokens: int | None = 256, seed: int | None = None,
+               stop: list[str] | tuple = (), grammar=None, record_stats: bool = True,
+               logprobs: int | None = None) -> Stream:
         """Generate after ``prompt_tokens``; iterate the returned :class:`Stream` for text.
 
         ``logprobs``: None, or record each token's log-probability in the model's own
         distribution (before temperature and truncation) with that many of the most likely
         alternatives (0 to 20) in ``result.logprobs``.
 
-        Raises ContextOverflow (at once) when the prompt leaves no room in the context window;
-        generation itself stops at the window with finish_reason "length". Other streams of
-        this engine advance while this one is iterated (they share each decode step).
+        Raises at once what :meth:`request` raises; generation itself stops at the window
+        with finish_reason "length". Other streams of this engine advance while this one is
+        iterated (they share each decode step).
         """
-        generation = self.start(prompt_tokens, sampler=sampler, max_tokens=max_tokens,
-                                seed=seed, stop=stop, grammar=grammar,
-                                record_stats=record_stats, logprobs=logprobs)
+        return self.run(self.request(prompt_tokens, sampler=sampler, max_tokens=max_tokens,
+                                     seed=seed, stop=stop, grammar=grammar,
+                                     record_stats=record_stats, logprobs=logprobs))
+
+    def run(self, request: Request) -> Stream:
+        """:meth:`stream` of a request built with :meth:`request`: it takes a slot when
+        first iterated."""
+        generation = self._generation(request)
         return Stream(self._drive(generation), generation.result,
                       lambda: self.decoder.cancel(generation))
 
     def _drive(self, generation: Generation) -> Iterator[str]:
         decoder = self.decoder
         try:
-            if not decoder.free_slots:
-                raise RuntimeError(f"all {self.parallel} of the engine's sequences are busy: "
-                                   "finish or cancel() the other streams, or create the "
-                                   "Engine with a larger `parallel`")
-            decoder.add(generation)
+            self._join(generation)
             while not generation.done:
                 decoder.step()
                 yield from generation.take()
@@ -494,31 +539,28 @@ class Engine:
         seeds = seed if isinstance(seed, list) else [seed] * n
         if len(samplers) != n or len(seeds) != n:
             raise ValueError("`sampler` and `seed` lists need one entry per prompt")
-        generations = [self.start(self.prompt_tokens(p, chat=chat), sampler=s, seed=sd,
-                                  max_tokens=max_tokens, stop=stop, record_stats=record_stats)
-                       for p, s, sd in zip(prompts, samplers, seeds)]
-        return self._finish_each(generations)
+        requests = [self.request(self.prompt_tokens(p, chat=chat), sampler=s, seed=sd,
+                                 max_tokens=max_tokens, stop=stop, record_stats=record_stats)
+                    for p, s, sd in zip(prompts, samplers, seeds)]
+        return self._finish_each(requests)
 
-    def _finish_each(self, generations: list[Generation]
-                     ) -> Iterator[tuple[int, GenerationResult]]:
-        decoder = self.decoder
-        waiting = deque(enumerate(generations))
+    def _finish_each(self, requests: list[Request]) -> Iterator[tuple[int, GenerationResult]]:
+        waiting = deque(enumerate(requests))
         running: dict[int, Generation] = {}
         try:
             while waiting or running:
-                while waiting and decoder.free_slots:
-                    index, generation = waiting.popleft()
-                    decoder.add(generation)
-                    running[index] = generation
-                decoder.step()
+                while waiting and self.free_slots:
+                    index, request = waiting.popleft()
+                    running[index] = self.begin(request)
+                self.step()
                 for index, generation in list(running.items()):
                     generation.take()
                     if generation.done:
                         del running[index]
                         yield index, generation.result
         finally:
-            for generation in generations:
-                decoder.cancel(generation)  # nothing for those that finished
+            for generation in running.values():
+                self.cancel(generation)
 
     def clear_cache(self) -> None:
         """Forget every sequence's KV cache (the next prompts are evaluated in full)."""
@@ -530,13 +572,6 @@ class Engine:
         self.decoder.close()
         self._context.close()
         self._model.close()
-
-
-def _check_int(name: str, value, low: int, high: int | None = None) -> None:
-    if (isinstance(value, bool) or not isinstance(value, int) or value < low
-            or (high is not None and value > high)):
-        span = f">= {low}" if high is None else f"in [{low}, {high}]"
-        raise ValueError(f"`{name}` has to be an integer {span}, but is {value!r}")
 
 
 def _split_marks(rendered: str, messages: list[dict],

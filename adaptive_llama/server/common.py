@@ -21,8 +21,9 @@ from fastapi import Request
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from starlette.requests import ClientDisconnect
 
-from ..runtime.engine import Engine, GenerationResult
-from ..samplers import SamplerSpec, SpecError, parse_spec
+from ..llama.grammar import UnsupportedSchema, json_grammar
+from ..runtime.engine import ContextOverflow, Engine, GenerationResult, InvalidArgument
+from ..samplers import SamplerSpec, SpecError, spec_from_options
 from .errors import APIError, too_large
 from .scheduler import Job, QueueFull, Scheduler
 
@@ -84,40 +85,10 @@ def template_messages(messages: list[Message]) -> list[dict]:
     return [m.as_template_message(i) for i, m in enumerate(messages)]
 
 
-GREEDY = parse_spec("greedy")
-
-
-def _truncation(top_p: float | None, top_k: int | None, min_p: float | None):
-    """The first truncation option that truncates (llama.cpp's chain here runs one)."""
-    if min_p:
-        return parse_spec("min-p").with_param("p", min_p)
-    if top_p is not None and top_p < 1:
-        return parse_spec("top-p").with_param("p", top_p)
-    if top_k:
-        return parse_spec("top-k").with_param("k", top_k)
-    return None
-
-
-def sampler_for(default: SamplerSpec, *, sampler: str | None = None,
-                temperature: float | None = None, top_p: float | None = None,
-                top_k: int | None = None, min_p: float | None = None,
-                param: str = "sampler") -> SamplerSpec:
-    """The spec a request's options ask for, in both protocols: its ``sampler`` text
-    (parsed once), else the first truncation option that truncates (``min_p`` above 0,
-    ``top_p`` below 1, ``top_k`` above 0) at the default spec's temperature, else the
-    default; then ``temperature`` on top (0: greedy)."""
+def sampler_for(default: SamplerSpec, *, param: str = "sampler", **options) -> SamplerSpec:
+    """:func:`adaptive_llama.samplers.spec_from_options`, its error a 400 naming ``param``."""
     try:
-        spec = parse_spec(sampler) if sampler is not None else default
-        truncation = _truncation(top_p, top_k, min_p) if sampler is None else None
-        if truncation is not None:
-            spec = truncation
-            if default.sampler.takes_temp:
-                spec = spec.with_param("temp", default.temp)
-        if temperature == 0:
-            return GREEDY
-        if temperature is not None and spec.sampler.takes_temp:
-            spec = spec.with_param("temp", temperature)
-        return spec
+        return spec_from_options(default, **options)
     except SpecError as exc:
         raise APIError(400, f"{param}: {exc}", param=param, code="invalid_sampler") from None
 
@@ -134,25 +105,27 @@ class Server:
 
     def job(self, prompt_tokens: list[int], *, sampler: SamplerSpec, max_tokens: int | None,
             seed: int | None, stop: list[str], stream: bool, logprobs: int | None = None,
-            prompt_field: str) -> Job:
-        """The request as the scheduler takes it, or the 400 that says why not: a prompt
-        that leaves no room in the context window (named as ``prompt_field``), a sampler the
-        engine cannot run here. ``max_tokens`` None or beyond the room: the room."""
-        room = self.engine.n_ctx - len(prompt_tokens)
-        if room < 1:
-            raise APIError(400, f"the prompt has {len(prompt_tokens)} tokens, but the "
-                           f"context window holds {self.engine.n_ctx}: shorten it",
-                           param=prompt_field, code="context_length_exceeded")
-        try:  # the engine's rules (backend sampling runs fewer samplers, no logprobs)
-            sampler = self.engine.check_request(sampler, logprobs)
+            grammar=None, format_field: str = "", prompt_field: str) -> Job:
+        """The engine's checked request as the scheduler takes it, or the 400 that says why
+        not: a prompt that leaves no room in the context window (named as
+        ``prompt_field``), a sampler or a grammar (asked for by ``format_field``) the engine
+        cannot run here (backend sampling runs fewer, and no grammar), logprobs it cannot
+        give. ``max_tokens`` None or beyond the room: the room."""
+        try:
+            request = self.engine.request(prompt_tokens, sampler=sampler,
+                                          max_tokens=max_tokens, seed=seed, stop=stop,
+                                          logprobs=logprobs, grammar=grammar)
         except SpecError as exc:
-            raise APIError(400, f"sampler: {exc}", param="sampler",
+            param = format_field if grammar is not None and sampler.sampler.in_graph \
+                else "sampler"
+            raise APIError(400, f"{param}: {exc}", param=param,
                            code="invalid_sampler") from None
-        except ValueError as exc:
-            raise APIError(400, str(exc), param="logprobs") from None
-        return Job(prompt_tokens=prompt_tokens, sampler=sampler,
-                   max_tokens=min(max_tokens or room, room), seed=seed, stop=stop,
-                   stream=stream, loop=asyncio.get_running_loop(), logprobs=logprobs)
+        except ContextOverflow as exc:
+            raise APIError(400, str(exc), param=prompt_field,
+                           code="context_length_exceeded") from None
+        except InvalidArgument as exc:
+            raise APIError(400, str(exc), param=exc.param) from None
+        return Job(request=request, stream=stream, loop=asyncio.get_running_loop())
 
     def submit(self, job: Job) -> None:
         """Queue the job, or 503 with Retry-After when the queue is full."""
@@ -186,6 +159,18 @@ class Server:
                         raise APIError(499, "the client disconnected")  # finally: stops the job
         finally:
             job.cancelled.set()  # no-op once done; stops the generation if we were cancelled
+
+
+async def grammar_for(schema: dict | None, field: str):
+    """The grammar of JSON output that ``schema`` accepts (None: no grammar), built off the
+    event loop; a 400 naming ``field`` for a schema it cannot enforce."""
+    if schema is None:
+        return None
+    try:
+        return await asyncio.to_thread(json_grammar, schema)
+    except UnsupportedSchema as exc:
+        raise APIError(400, f"`{field}`: {exc}", param=field,
+                       code="unsupported_schema") from None
 
 
 def server_of(request: Request) -> Server:

@@ -13,6 +13,9 @@ runs one truncation sampler), at the default sampler's temperature. Without any 
 server's default sampler runs (:func:`.common.sampler_for`, shared with the OpenAI routes). Other
 Ollama options (``num_ctx``, ``repeat_penalty``, ...) are accepted and ignored.
 
+``format``: ``"json"`` (any JSON object) or a JSON schema constrains the reply with a grammar
+(:mod:`adaptive_llama.llama.grammar`); a schema keyword it cannot enforce is a 400 naming it.
+
 The model: one model is served under every name; ``/api/tags`` lists it under the server's
 model id.
 """
@@ -25,12 +28,13 @@ import hashlib
 import json
 from importlib import metadata
 from pathlib import Path
-from typing import ClassVar
+from typing import ClassVar, Literal
 
 from fastapi import APIRouter, Request
 from fastapi.responses import StreamingResponse
 from pydantic import BaseModel, Field
 
+from ..llama.grammar import ANY_OBJECT
 from ..runtime.engine import GenerationResult
 from ..samplers import SEED
 from .common import (
@@ -42,6 +46,7 @@ from .common import (
     Job,
     Message,
     Server,
+    grammar_for,
     parse_body,
     sampler_for,
     server_of,
@@ -69,11 +74,18 @@ class _Body(BaseModel):
     # As the OpenAI bodies: strict types, unknown fields ignored, fields that would change
     # the reply and are not done here refused.
     model_config = STRICT
-    UNSUPPORTED: ClassVar[dict[str, tuple]] = {"format": (None, ""), "tools": (None, [])}
+    UNSUPPORTED: ClassVar[dict[str, tuple]] = {"tools": (None, [])}
 
     model: str = Field(min_length=1)
     stream: bool = True
     options: Options = Field(default_factory=Options)
+    format: Literal["", "json"] | dict | None = None
+
+    def schema_wanted(self) -> dict | None:
+        """The JSON schema the reply has to follow; None: plain text."""
+        if not self.format:
+            return None
+        return ANY_OBJECT if self.format == "json" else self.format
 
 
 class ChatBody(_Body):
@@ -128,7 +140,7 @@ def _details(server: Server) -> dict:
             "quantization_level": meta.get("general.file_type", "")}
 
 
-def _job(server: Server, tokens: list[int], body: _Body, prompt_field: str) -> Job:
+async def _job(server: Server, tokens: list[int], body: _Body, prompt_field: str) -> Job:
     options = body.options
     sampler = sampler_for(server.sampler, sampler=options.sampler,
                           temperature=options.temperature, top_p=options.top_p,
@@ -136,7 +148,8 @@ def _job(server: Server, tokens: list[int], body: _Body, prompt_field: str) -> J
     wanted = options.num_predict if options.num_predict and options.num_predict > 0 else None
     return server.job(tokens, sampler=sampler, max_tokens=wanted, seed=options.seed,
                       stop=[s for s in options.stop or [] if s], stream=body.stream,
-                      prompt_field=prompt_field)
+                      grammar=await grammar_for(body.schema_wanted(), "format"),
+                      format_field="format", prompt_field=prompt_field)
 
 
 async def _respond(server: Server, request: Request, job: Job, body: _Body, kind: str):
@@ -218,7 +231,8 @@ async def chat(request: Request):
         tokens = await asyncio.to_thread(server.engine.chat_prompt_tokens, messages)
     except Exception as exc:  # no template, or the template rejects the roles given
         raise APIError(400, f"messages: {exc}", param="messages") from None
-    return await _respond(server, request, _job(server, tokens, body, "messages"), body, "chat")
+    job = await _job(server, tokens, body, "messages")
+    return await _respond(server, request, job, body, "chat")
 
 
 @router.post("/api/generate")
@@ -237,5 +251,5 @@ async def generate(request: Request):
         messages = ([{"role": "system", "content": body.system}] if body.system else [])
         messages.append({"role": "user", "content": body.prompt})
         tokens = await asyncio.to_thread(engine.chat_prompt_tokens, messages)
-    return await _respond(server, request, _job(server, tokens, body, "prompt"), body,
-                          "generate")
+    job = await _job(server, tokens, body, "prompt")
+    return await _respond(server, request, job, body, "generate")

@@ -8,6 +8,11 @@ Sampling: the body field ``sampler`` takes a spec (``adaptive:eps=0.001``, ``min
 ``top_p`` below 1 without a ``sampler`` field asks for nucleus sampling, ``top-p:p=TOP_P``.
 Every response carries ``sampler_stats`` (the spec, and for adaptive the mean and spread of k).
 
+Structured output: ``response_format`` ``{"type": "json_object"}`` (any JSON object) or
+``{"type": "json_schema", "json_schema": {"name": ..., "schema": {...}}}`` constrains the reply
+with a grammar (:mod:`adaptive_llama.llama.grammar`), on both routes; the sampler chooses
+among the tokens it allows. A schema keyword the grammar cannot enforce is a 400 naming it.
+
 Errors follow OpenAI's shape, ``{"error": {"message", "type", "param", "code"}}``: malformed
 JSON, an unknown spec, a bad field, a prompt longer than the context are 400s, and the server
 keeps serving.
@@ -20,12 +25,13 @@ import codecs
 import itertools
 import json
 import time
-from typing import Annotated, ClassVar
+from typing import Annotated, ClassVar, Literal
 
 from fastapi import APIRouter, Request
 from pydantic import BaseModel, Field
 from sse_starlette.sse import EventSourceResponse
 
+from ..llama.grammar import ANY_OBJECT
 from ..runtime.engine import MAX_LOGPROBS, GenerationResult, TokenLogprob
 from ..samplers import SEED
 from .common import (
@@ -38,6 +44,7 @@ from .common import (
     Job,
     Message,
     Server,
+    grammar_for,
     parse_body,
     sampler_for,
     server_of,
@@ -46,6 +53,31 @@ from .common import (
 
 router = APIRouter()
 _ids = itertools.count(1)  # of the responses, "chatcmpl-1", "cmpl-2", ...
+
+
+class JsonSchemaFormat(BaseModel):
+    model_config = STRICT
+    name: str = Field("response", max_length=64)
+    description: str | None = None
+    schema_: dict | None = Field(None, alias="schema")  # None: any JSON object
+    strict: bool | None = None  # the grammar enforces the schema either way
+
+
+class ResponseFormat(BaseModel):
+    model_config = STRICT
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+    def schema_wanted(self) -> dict | None:
+        """The JSON schema the reply has to follow; None: plain text."""
+        if self.type == "text":
+            return None
+        if self.type == "json_object":
+            return ANY_OBJECT
+        if self.json_schema is None:
+            raise APIError(400, "`response_format.json_schema` is required with type "
+                           "json_schema", param="response_format.json_schema")
+        return self.json_schema.schema_ or ANY_OBJECT
 
 
 class _Body(BaseModel):
@@ -62,12 +94,12 @@ class _Body(BaseModel):
     stream: bool = False
     stream_options: dict | None = None
     sampler: str | None = None
+    response_format: ResponseFormat | None = None
 
 
 class ChatBody(_Body):
     UNSUPPORTED: ClassVar[dict[str, tuple]] = {
-        **_Body.UNSUPPORTED, "response_format": (None, {"type": "text"}),
-        "tools": (None, []), "tool_choice": (None, "none", "auto"), "functions": (None, []),
+        **_Body.UNSUPPORTED, "tools": (None, []), "tool_choice": (None, "none", "auto"), "functions": (None, []),
         "function_call": (None, "none", "auto")}
 
     messages: list[Message] = Field(min_length=1, max_length=MAX_MESSAGES)
@@ -93,14 +125,16 @@ class CompletionBody(_Body):
         return self.logprobs
 
 
-def _job(server: Server, tokens: list[int], body: _Body, max_tokens: int | None,
-         prompt_field: str) -> Job:
+async def _job(server: Server, tokens: list[int], body: _Body, max_tokens: int | None,
+               prompt_field: str) -> Job:
     sampler = sampler_for(server.sampler, sampler=body.sampler, temperature=body.temperature,
                           top_p=body.top_p)
+    schema = body.response_format.schema_wanted() if body.response_format else None
     return server.job(tokens, sampler=sampler, max_tokens=max_tokens, seed=body.seed,
                       stop=[body.stop] if isinstance(body.stop, str) else list(body.stop or []),
                       stream=body.stream, logprobs=body.logprobs_wanted(),
-                      prompt_field=prompt_field)
+                      grammar=await grammar_for(schema, "response_format"),
+                      format_field="response_format", prompt_field=prompt_field)
 
 
 async def _respond(server: Server, request: Request, job: Job, body: _Body, kind: str):
@@ -112,7 +146,7 @@ async def _respond(server: Server, request: Request, job: Job, body: _Body, kind
         usage = bool((body.stream_options or {}).get("include_usage"))
         return EventSourceResponse(_events(job, head, kind, usage),
                                    ping=15, sep="\n")
-    return _final(await server.wait(request, job), head, kind, job.logprobs is not None)
+    return _final(await server.wait(request, job), head, kind, job.request.logprobs is not None)
 
 
 def _final(result: GenerationResult, head: dict, kind: str, logprobs: bool) -> dict:
@@ -138,7 +172,7 @@ async def _events(job: Job, head: dict, kind: str, include_usage: bool):
     def chunk(delta_text: str | None, reason: str | None = None, entries=(),
               **extra) -> str:
         logprobs = None
-        if job.logprobs is not None and delta_text is not None:
+        if job.request.logprobs is not None and delta_text is not None:
             logprobs = (_chat_logprobs(entries) if kind == "chat"
                         else completion_logprobs(entries))
         if kind == "chat":
@@ -243,8 +277,8 @@ async def chat_completions(request: Request):
         tokens = await asyncio.to_thread(engine.chat_prompt_tokens, messages)
     except Exception as exc:  # no template, or the template rejects the roles given
         raise APIError(400, f"messages: {exc}", param="messages") from None
-    job = _job(server, tokens, body, body.max_completion_tokens or body.max_tokens,
-               "messages")
+    job = await _job(server, tokens, body, body.max_completion_tokens or body.max_tokens,
+                     "messages")
     return await _respond(server, request, job, body, "chat")
 
 @router.post("/v1/completions")
@@ -263,5 +297,5 @@ async def completions(request: Request):
     # OpenAI's completions endpoint defaults to 16 tokens.
     # A raw prompt: its caller wrote any chat markup (<|im_start|>...) on purpose.
     tokens = await asyncio.to_thread(engine.tokenize, prompt, True, True)
-    job = _job(server, tokens, body, body.max_tokens or 16, "prompt")
+    job = await _job(server, tokens, body, body.max_tokens or 16, "prompt")
     return await _respond(server, request, job, body, "completion")

@@ -1,6 +1,6 @@
 """The server's scheduler: one engine, one worker thread, continuous batching over its slots.
 
-A :class:`Job` carries one generation's request; its events (text pieces, each with the
+A :class:`Job` carries one generation's checked request; its events (text pieces, each with the
 log-probabilities of the tokens that made it, then the result or an error) flow back to the
 asyncio loop that waits for them. The engine's ``parallel``
 slots decode together; at most ``max_queue`` jobs wait besides them; one more is refused
@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 
 from ..runtime.batching import Generation
 from ..runtime.engine import Engine
-from ..samplers import SamplerSpec
+from ..runtime.request import Request
 
 log = logging.getLogger(__name__)
 
@@ -34,14 +34,9 @@ class QueueFull(Exception):
 class Job:
     """A generation waiting for, or holding, the model; events flow back to the event loop."""
 
-    prompt_tokens: list[int]
-    sampler: SamplerSpec
-    max_tokens: int
-    seed: int | None  # None: the engine's rule (its seed, else a fresh one)
-    stop: list[str]
+    request: Request
     stream: bool  # the client wants the pieces as they come (otherwise only the result)
     loop: asyncio.AbstractEventLoop
-    logprobs: int | None = None  # each token's log-probability and this many alternatives
     events: asyncio.Queue = field(default_factory=asyncio.Queue)
     logprobs_sent: int = 0  # tokens whose log-probabilities went out with a piece
     cancelled: threading.Event = field(default_factory=threading.Event)
@@ -88,11 +83,11 @@ class Scheduler:
         self._thread.join(timeout=30)
 
     def _work(self) -> None:
-        decoder = self.engine.decoder
+        engine = self.engine
         active: dict[Generation, Job] = {}
         while True:
             # Take new jobs into free slots; sleep on the queue only when nothing runs.
-            while decoder.free_slots:
+            while engine.free_slots:
                 try:
                     job = self._jobs.get(block=not active)
                 except queue.Empty:
@@ -104,9 +99,9 @@ class Scheduler:
                     active[generation] = job
             for generation, job in active.items():
                 if job.cancelled.is_set():  # the client left: free the slot now
-                    decoder.cancel(generation)
+                    engine.cancel(generation)
             try:
-                decoder.step()
+                engine.step()
             except Exception as exc:  # every running job is told; the worker keeps serving
                 log.exception("decoding failed")
                 for generation, job in active.items():
@@ -131,10 +126,7 @@ class Scheduler:
         """The job's generation in a slot, or None when it ends before (left, or failed)."""
         if not job.cancelled.is_set():
             try:
-                generation = self.engine.start(job.prompt_tokens, sampler=job.sampler,
-                                               max_tokens=job.max_tokens, seed=job.seed,
-                                               stop=job.stop, logprobs=job.logprobs)
-                self.engine.decoder.add(generation)
+                generation = self.engine.begin(job.request)
             except Exception as exc:  # reported to the client
                 log.exception("could not start a generation")
                 job.emit("error", exc)

@@ -1,0 +1,59 @@
+"""One generation request, validated once: everything a reply is a function of.
+
+:meth:`adaptive_llama.runtime.engine.Engine.request` builds it from what a caller (the API,
+the REPL, the server's routes, the llm plugin) asked for, applying every rule once: the
+sampler spec parsed and checked against where sampling runs, ``logprobs`` in range and
+possible, ``max_tokens`` within the room the prompt leaves in the context window, and the
+seed rule (a seed given is used; none: the engine's, else a fresh random one, reported in
+the result). What carries a request never checks it again.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from ..samplers import SamplerSpec
+
+
+class InvalidArgument(ValueError):
+    """An argument out of range; ``param`` names it (the server's error says which field)."""
+
+    def __init__(self, message: str, param: str):
+        super().__init__(message)
+        self.param = param
+
+
+class ContextOverflow(InvalidArgument):
+    """The prompt does not fit in the context window."""
+
+    def __init__(self, message: str):
+        super().__init__(message, "prompt")
+
+
+@dataclass(frozen=True)
+class Request:
+    """A checked request (build it with ``Engine.request``).
+
+    ``max_tokens`` is at most the room the prompt leaves; ``seed`` is the one the reply uses;
+    ``stop`` holds no empty string; ``logprobs``: None, or how many alternatives to record
+    with each token's log-probability; ``grammar``: a ``llama_cpp.LlamaGrammar`` or None.
+    """
+
+    prompt_tokens: tuple[int, ...]
+    spec: SamplerSpec
+    max_tokens: int
+    seed: int
+    stop: tuple[str, ...] = ()
+    logprobs: int | None = None
+    grammar: Any = None
+    record_stats: bool = True
+
+
+def check_int(name: str, value, low: int, high: int | None = None) -> int:
+    """``value`` if it is an integer (not a bool) in [low, high], else InvalidArgument."""
+    if (isinstance(value, bool) or not isinstance(value, int) or value < low
+            or (high is not None and value > high)):
+        span = f">= {low}" if high is None else f"in [{low}, {high}]"
+        raise InvalidArgument(f"`{name}` has to be an integer {span}, but is {value!r}", name)
+    return value
