@@ -472,8 +472,22 @@ def serve(model, host, port, allow_remote, api_key, allow_origins, allow_hosts, 
     click.echo(f"Serving {engine.name} at http://{host}:{port}/v1 (default sampler {sampler}, "
                f"{parallel} slots of {engine.n_ctx} tokens, {engine.threads} threads); "
                "Ctrl-C stops.", err=True)
+    _log_requests()
     uvicorn.run(app, host=host, port=port, http=with_read_timeout(read_timeout),
                 log_level="info" if verbose else "warning")
+
+
+def _log_requests() -> None:
+    """The server's own log on stderr from INFO on: one line per request as it ends, and
+    the connections and bodies it gave up on (uvicorn's access log stays off)."""
+    import logging
+
+    handler = logging.StreamHandler()
+    handler.setFormatter(logging.Formatter("%(asctime)s %(message)s", "%H:%M:%S"))
+    server_log = logging.getLogger("adaptive_llama.server")
+    server_log.addHandler(handler)
+    server_log.setLevel(logging.INFO)
+    server_log.propagate = False
 
 
 if __name__ == "__main__":

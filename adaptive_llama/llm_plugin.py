@@ -4,7 +4,7 @@ Registered through the ``llm`` entry point in pyproject.toml. Models: ``adaptive
 each installed bundled model (``adaptive-llama models``) and for each GGUF registered with
 ``llm adaptive add PATH [--name NAME]`` (kept in ``adaptive-llama-models.json`` in llm's user
 directory). Options (``-o name value``): ``sampler`` (any spec, as ``adaptive-llama samplers``
-lists), ``epsilon`` (adaptive's or eta's), ``temperature``, ``max_tokens``, ``seed``,
+lists), ``epsilon`` (adaptive's or eta's), ``temperature`` (0: greedy), ``max_tokens``, ``seed``,
 ``n_gpu_layers``. Replies stream; conversations (``llm chat``, ``-c``) send their history
 through the model's chat template; llm's log gets each reply's figures (``response_json``:
 sampler, seed, backend, mean k...).
@@ -137,7 +137,8 @@ class AdaptiveModel(llm.Model):
             "(adaptive-llama samplers lists them); default adaptive")
         epsilon: Optional[float] = Field(
             None, description="adaptive's (or eta's) epsilon, in (0, 1)")
-        temperature: Optional[float] = Field(None, description="Temperature, before truncation")
+        temperature: Optional[float] = Field(
+            None, description="Temperature, before truncation; 0: greedy")
         max_tokens: Optional[int] = Field(None, ge=1, description="Longest reply in tokens")
         seed: Optional[int] = Field(None, description="Random seed, 0 to 2**32 - 1")
         n_gpu_layers: Optional[int] = Field(
@@ -158,7 +159,7 @@ class AdaptiveModel(llm.Model):
         @field_validator("temperature")
         @classmethod
         def _temperature(cls, value):
-            return None if value is None else TEMP.validate(value, name="temperature")
+            return value if value in (None, 0) else TEMP.validate(value, name="temperature")
 
         @field_validator("seed")
         @classmethod
@@ -199,5 +200,6 @@ class AdaptiveModel(llm.Model):
         except (InvalidArgument, SpecError) as exc:  # the prompt too long, among others
             raise llm.ModelError(str(exc)) from None
         yield from reply
-        response.response_json = {"prompt_tokens": reply.result.prompt_tokens,
-                                  **reply.result.summary()}
+        result = reply.result
+        response.response_json = {"prompt_tokens": result.prompt_tokens, **result.summary()}
+        response.set_usage(input=result.prompt_tokens, output=result.completion_tokens)

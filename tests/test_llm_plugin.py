@@ -56,6 +56,18 @@ def test_epsilon_and_temperature_options_shape_the_spec(llm_home):
     assert figures["sampler"].startswith("adaptive:eps=0.002") and "temp=0.7" in figures["sampler"]
 
 
+def test_temperature_0_is_greedy_and_usage_is_logged(llm_home, engine):
+    result = llm("-m", "adaptive/smollm2", "Hi", "-o", "temperature", "0", "-o",
+                 "max_tokens", "5", "-o", "seed", "4")
+    assert result.exit_code == 0, result.output
+    row = logged(llm_home)[0]
+    figures = json.loads(row["response_json"])
+    assert figures["sampler"] == "greedy"
+    assert (row["input_tokens"], row["output_tokens"]) == (figures["prompt_tokens"],
+                                                           figures["completion_tokens"])
+    assert row["output_tokens"] >= 1
+
+
 def test_a_continued_conversation_sends_its_history(llm_home, engine):
     first = llm("-m", "adaptive/smollm2", "My name is Zed.", "-o", "max_tokens", "8")
     second = llm("-c", "What is my name?", "-o", "max_tokens", "8")

@@ -24,6 +24,18 @@ def test_tags_show_and_version_describe_the_served_model(client, server):  # noq
     assert "im_start" in shown.template  # SmolLM2's chat template
     status, _, body = raw("GET", server, "/api/version")
     assert status == 200 and body["version"]
+    assert tuple(map(int, body["version"].split("."))) >= (0, 5, 0)  # what clients require
+
+
+def test_details_and_model_info_are_written_as_ollama_writes_them(client):
+    details = client.list().models[0].details
+    # SmolLM2's GGUF says general.file_type 3: llama.cpp's LLAMA_FTYPE_MOSTLY_Q4_1
+    assert (details.family, details.parameter_size, details.quantization_level) == \
+        ("llama", "135M", "Q4_1")
+    info = client.show(MODEL).modelinfo
+    assert info["llama.context_length"] == 8192 and info["general.architecture"] == "llama"
+    assert info["general.parameter_count"] == 134_515_008
+    assert not any(key.startswith("tokenizer.") for key in info)
 
 
 def test_chat_streams_the_same_text_as_one_object(client):

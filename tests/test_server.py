@@ -374,6 +374,20 @@ def test_a_half_sent_body_is_one_log_line_not_a_traceback(server, server_log):
     assert health(server)["status"] == "ok"
 
 
+def test_each_request_ends_with_one_log_line(client, server_log):
+    marker = "adaptive:eps=0.00123"  # a spec no other test sends: this request's line
+    r = client.chat.completions.create(model="any", messages=HELLO, max_tokens=5, seed=2,
+                                       extra_body={"sampler": marker})
+    deadline = time.monotonic() + 10
+    while marker not in server_log.read_text() and time.monotonic() < deadline:
+        time.sleep(0.1)
+    lines = [line for line in server_log.read_text().splitlines() if marker in line]
+    assert len(lines) == 1, lines
+    tokens = f"{r.usage.prompt_tokens} + {r.usage.completion_tokens} tokens"
+    assert "/v1/chat/completions SmolLM2-135M-Instruct.Q4_1.gguf: completed (" in lines[0]
+    assert tokens in lines[0] and " tok/s, " in lines[0] and ", mean k " in lines[0]
+
+
 def test_slow_loris_connections_are_closed_and_long_replies_are_not(server):
     # Twenty clients trickle their headers a byte every 0.1 s: each is closed after the
     # read timeout, while a reply that takes longer than it (about 3 s on 2 cores) is whole.
@@ -669,10 +683,11 @@ def test_the_same_fields_at_values_that_change_nothing_pass(server, path, extra)
     ("/v1/chat/completions", {**HI, "stop": ["x"] * 17}, "`stop`: List should have at most 16"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": [
         {"type": "image_url", "image_url": {"url": "data:,"}}]}]},
-     "`messages.0.content.0`: this server reads text parts only, not 'image_url'"),
+     "`messages.0.content.0`: the model has no vision or audio support; send text parts "
+     "only, not 'image_url'"),
     ("/api/chat", {"model": "m", "messages": [{"role": "user", "content": "Hi",
                                                "images": ["aGk="]}]},
-     "`messages.0.images`: this server reads text only"),
+     "`messages.0.images`: the model has no vision support; send text only"),
     ("/api/chat", {"model": "m", "messages": HELLO, "options": {"stop": ["x"] * 17}},
      "at most 16"),
     ("/api/chat", {"model": "m", "messages": HELLO, "options": {"num_predict": "5"}},

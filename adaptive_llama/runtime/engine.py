@@ -268,6 +268,18 @@ class Engine:
         return self.path.name
 
     @property
+    def n_params(self) -> int:
+        """The model's parameter count."""
+        return llama_cpp.llama_model_n_params(self._model.model)
+
+    @property
+    def quantization(self) -> str:
+        """The weights' type as llama.cpp names it (``Q4_1``, ``Q4_K_M``, ``F16``), from the
+        GGUF's ``general.file_type``; "unknown" when absent."""
+        file_type = self.metadata.get("general.file_type")
+        return _FILE_TYPES.get(int(file_type), f"type {file_type}") if file_type else "unknown"
+
+    @property
     def has_chat_template(self) -> bool:
         return self._formatter is not None
 
@@ -572,6 +584,12 @@ class Engine:
         self.decoder.close()
         self._context.close()
         self._model.close()
+
+
+# llama.cpp's llama_ftype values -> its names for them (LLAMA_FTYPE_MOSTLY_Q4_1 -> Q4_1).
+_FILE_TYPES = {getattr(llama_cpp, name): name.removeprefix("LLAMA_FTYPE_").removeprefix(
+    "MOSTLY_").removeprefix("ALL_") for name in dir(llama_cpp)
+    if name.startswith("LLAMA_FTYPE_") and name != "LLAMA_FTYPE_GUESSED"}
 
 
 def _split_marks(rendered: str, messages: list[dict],

@@ -66,14 +66,16 @@ class Message(BaseModel):
         """The message for the chat template; 400 for a part the model cannot read."""
         where = f"messages.{index}"
         if self.images:
-            raise APIError(400, f"`{where}.images`: this server reads text only",
+            raise APIError(400, f"`{where}.images`: the model has no vision support; send "
+                           "text only",
                            param=f"{where}.images", code="unsupported_field")
         content = self.content or ""
         if not isinstance(content, str):
             for i, part in enumerate(content):
                 if part.type != "text" or part.text is None:
-                    raise APIError(400, f"`{where}.content.{i}`: this server reads text "
-                                   f"parts only, not {part.type!r}",
+                    raise APIError(400, f"`{where}.content.{i}`: the model has no vision "
+                                   f"or audio support; send text parts only, not "
+                                   f"{part.type!r}",
                                    param=f"{where}.content", code="unsupported_field")
             content = "".join(part.text for part in content)
         # Chat templates know "system"; OpenAI's newer "developer" role means the same.
@@ -105,7 +107,7 @@ class Server:
 
     def job(self, prompt_tokens: list[int], *, sampler: SamplerSpec, max_tokens: int | None,
             seed: int | None, stop: list[str], stream: bool, logprobs: int | None = None,
-            grammar=None, format_field: str = "", prompt_field: str) -> Job:
+            grammar=None, format_field: str = "", prompt_field: str, route: str = "") -> Job:
         """The engine's checked request as the scheduler takes it, or the 400 that says why
         not: a prompt that leaves no room in the context window (named as
         ``prompt_field``), a sampler or a grammar (asked for by ``format_field``) the engine
@@ -125,7 +127,8 @@ class Server:
                            code="context_length_exceeded") from None
         except InvalidArgument as exc:
             raise APIError(400, str(exc), param=exc.param) from None
-        return Job(request=request, stream=stream, loop=asyncio.get_running_loop())
+        return Job(request=request, stream=stream, loop=asyncio.get_running_loop(),
+                   label=f"{route} {self.model_id}")
 
     def submit(self, job: Job) -> None:
         """Queue the job, or 503 with Retry-After when the queue is full."""

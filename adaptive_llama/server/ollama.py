@@ -55,6 +55,7 @@ from .common import (
 
 router = APIRouter()
 NDJSON = "application/x-ndjson"
+OLLAMA_API_VERSION = "0.9.0"  # /api/chat, /api/generate with format and options, as here
 
 
 class Options(BaseModel):
@@ -133,14 +134,46 @@ def _line(value: dict) -> bytes:
 
 
 def _details(server: Server) -> dict:
-    meta = server.engine.metadata
-    return {"format": "gguf", "family": meta.get("general.architecture", ""),
-            "families": [meta.get("general.architecture", "")],
-            "parameter_size": meta.get("general.size_label", ""),
-            "quantization_level": meta.get("general.file_type", "")}
+    """Ollama's ``details``, as ollama writes them: family ``llama``, parameter_size
+    ``135M``, quantization_level ``Q4_1``."""
+    engine = server.engine
+    family = engine.metadata.get("general.architecture", "")
+    return {"parent_model": "", "format": "gguf", "family": family,
+            "families": [family] if family else None,
+            "parameter_size": engine.metadata.get("general.size_label")
+            or _size_label(engine.n_params),
+            "quantization_level": engine.quantization}
 
 
-async def _job(server: Server, tokens: list[int], body: _Body, prompt_field: str) -> Job:
+def _size_label(n_params: int) -> str:
+    """ollama's way of writing a parameter count: 134.5M, 1.5B."""
+    for unit, scale in (("B", 1e9), ("M", 1e6), ("K", 1e3)):
+        if n_params >= scale:
+            return f"{n_params / scale:.1f}{unit}"
+    return str(n_params)
+
+
+def _model_info(engine) -> dict:
+    """Ollama's ``model_info``: the GGUF's own keys (``llama.context_length``, ...; numbers
+    as numbers, the tokenizer's lists left out, as they are large), and the parameter
+    count."""
+    info = {key: _number_or_text(value) for key, value in engine.metadata.items()
+            if not key.startswith("tokenizer.")}
+    info["general.parameter_count"] = engine.n_params
+    return info
+
+
+def _number_or_text(value: str):
+    for kind in (int, float):
+        try:
+            return kind(value)
+        except ValueError:
+            pass
+    return value
+
+
+async def _job(server: Server, tokens: list[int], body: _Body, prompt_field: str,
+               route: str) -> Job:
     options = body.options
     sampler = sampler_for(server.sampler, sampler=options.sampler,
                           temperature=options.temperature, top_p=options.top_p,
@@ -149,7 +182,7 @@ async def _job(server: Server, tokens: list[int], body: _Body, prompt_field: str
     return server.job(tokens, sampler=sampler, max_tokens=wanted, seed=options.seed,
                       stop=[s for s in options.stop or [] if s], stream=body.stream,
                       grammar=await grammar_for(body.schema_wanted(), "format"),
-                      format_field="format", prompt_field=prompt_field)
+                      format_field="format", prompt_field=prompt_field, route=route)
 
 
 async def _respond(server: Server, request: Request, job: Job, body: _Body, kind: str):
@@ -193,7 +226,10 @@ async def _respond(server: Server, request: Request, job: Job, body: _Body, kind
 
 @router.get("/api/version")
 async def version():
-    return {"version": metadata.version("adaptive-llama")}
+    # Clients compare "version" with the Ollama release that brought what they use (0.1.x
+    # from this package would read as too old), so it names the Ollama API level this server
+    # speaks; the package's own version is beside it.
+    return {"version": OLLAMA_API_VERSION, "adaptive_llama": metadata.version("adaptive-llama")}
 
 
 @router.get("/api/tags")
@@ -217,8 +253,7 @@ async def show(request: Request):
     return {"modelfile": "", "parameters": f"sampler {server.sampler}",
             "template": engine.metadata.get("tokenizer.chat_template", ""),
             "details": _details(server),
-            "model_info": {"general.architecture": _details(server)["family"],
-                           "n_ctx": engine.n_ctx, "n_vocab": engine.n_vocab},
+            "model_info": _model_info(engine),
             "capabilities": ["completion"], "modified_at": _now()}
 
 
@@ -231,7 +266,7 @@ async def chat(request: Request):
         tokens = await asyncio.to_thread(server.engine.chat_prompt_tokens, messages)
     except Exception as exc:  # no template, or the template rejects the roles given
         raise APIError(400, f"messages: {exc}", param="messages") from None
-    job = await _job(server, tokens, body, "messages")
+    job = await _job(server, tokens, body, "messages", request.url.path)
     return await _respond(server, request, job, body, "chat")
 
 
@@ -251,5 +286,5 @@ async def generate(request: Request):
         messages = ([{"role": "system", "content": body.system}] if body.system else [])
         messages.append({"role": "user", "content": body.prompt})
         tokens = await asyncio.to_thread(engine.chat_prompt_tokens, messages)
-    job = await _job(server, tokens, body, "prompt")
+    job = await _job(server, tokens, body, "prompt", request.url.path)
     return await _respond(server, request, job, body, "generate")

@@ -126,7 +126,7 @@ class CompletionBody(_Body):
 
 
 async def _job(server: Server, tokens: list[int], body: _Body, max_tokens: int | None,
-               prompt_field: str) -> Job:
+               prompt_field: str, route: str) -> Job:
     sampler = sampler_for(server.sampler, sampler=body.sampler, temperature=body.temperature,
                           top_p=body.top_p)
     schema = body.response_format.schema_wanted() if body.response_format else None
@@ -134,7 +134,8 @@ async def _job(server: Server, tokens: list[int], body: _Body, max_tokens: int |
                       stop=[body.stop] if isinstance(body.stop, str) else list(body.stop or []),
                       stream=body.stream, logprobs=body.logprobs_wanted(),
                       grammar=await grammar_for(schema, "response_format"),
-                      format_field="response_format", prompt_field=prompt_field)
+                      format_field="response_format", prompt_field=prompt_field,
+                      route=route)
 
 
 async def _respond(server: Server, request: Request, job: Job, body: _Body, kind: str):
@@ -278,7 +279,7 @@ async def chat_completions(request: Request):
     except Exception as exc:  # no template, or the template rejects the roles given
         raise APIError(400, f"messages: {exc}", param="messages") from None
     job = await _job(server, tokens, body, body.max_completion_tokens or body.max_tokens,
-                     "messages")
+                     "messages", request.url.path)
     return await _respond(server, request, job, body, "chat")
 
 @router.post("/v1/completions")
@@ -297,5 +298,5 @@ async def completions(request: Request):
     # OpenAI's completions endpoint defaults to 16 tokens.
     # A raw prompt: its caller wrote any chat markup (<|im_start|>...) on purpose.
     tokens = await asyncio.to_thread(engine.tokenize, prompt, True, True)
-    job = await _job(server, tokens, body, body.max_tokens or 16, "prompt")
+    job = await _job(server, tokens, body, body.max_tokens or 16, "prompt", request.url.path)
     return await _respond(server, request, job, body, "completion")

@@ -5,6 +5,8 @@ log-probabilities of the tokens that made it, then the result or an error) flow 
 asyncio loop that waits for them. The engine's ``parallel``
 slots decode together; at most ``max_queue`` jobs wait besides them; one more is refused
 with :class:`QueueFull`. A job whose ``cancelled`` event is set stops at the next token.
+Every job ends with one INFO line on the ``adaptive_llama.server`` log: its route and model,
+how it ended, its tokens and speed, the sampler and adaptive's mean k.
 """
 
 from __future__ import annotations
@@ -15,11 +17,11 @@ import queue
 import threading
 from dataclasses import dataclass, field
 
-from ..runtime.batching import Generation
+from ..runtime.batching import Generation, GenerationResult
 from ..runtime.engine import Engine
 from ..runtime.request import Request
 
-log = logging.getLogger(__name__)
+log = logging.getLogger("adaptive_llama.server")
 
 
 class QueueFull(Exception):
@@ -37,6 +39,7 @@ class Job:
     request: Request
     stream: bool  # the client wants the pieces as they come (otherwise only the result)
     loop: asyncio.AbstractEventLoop
+    label: str = ""  # "/api/chat smollm2": what its log line starts with
     events: asyncio.Queue = field(default_factory=asyncio.Queue)
     logprobs_sent: int = 0  # tokens whose log-probabilities went out with a piece
     cancelled: threading.Event = field(default_factory=threading.Event)
@@ -106,7 +109,7 @@ class Scheduler:
                 log.exception("decoding failed")
                 for generation, job in active.items():
                     job.emit("error", exc)
-                    self._done("failed")
+                    self._done(job, "failed", generation.result)
                 active.clear()
                 continue
             for generation, job in list(active.items()):
@@ -117,9 +120,10 @@ class Scheduler:
                         job.emit("piece", (piece, logprobs[job.logprobs_sent:]))
                         job.logprobs_sent = len(logprobs)
                 if generation.done:
-                    job.emit("done", generation.result)
-                    self._done("cancelled" if generation.result.finish_reason == "interrupted"
-                               else "completed")
+                    result = generation.result
+                    job.emit("done", result)
+                    self._done(job, "cancelled" if result.finish_reason == "interrupted"
+                               else "completed", result)
                     del active[generation]
 
     def _start(self, job: Job) -> Generation | None:
@@ -130,20 +134,34 @@ class Scheduler:
             except Exception as exc:  # reported to the client
                 log.exception("could not start a generation")
                 job.emit("error", exc)
-                self._count_out("failed")
+                self._count_out(job, "failed")
                 return None
             with self._lock:
                 self.running += 1
             return generation
-        self._count_out("cancelled")  # the client left while waiting
+        self._count_out(job, "cancelled")  # the client left while waiting
         return None
 
-    def _done(self, outcome: str) -> None:
+    def _done(self, job: Job, outcome: str, result: GenerationResult) -> None:
         with self._lock:
             self.running -= 1
-        self._count_out(outcome)
+        self._count_out(job, outcome, result)
 
-    def _count_out(self, outcome: str) -> None:
+    def _count_out(self, job: Job, outcome: str, result: GenerationResult | None = None
+                   ) -> None:
         with self._lock:
             self.accepted -= 1
             self.counts[outcome] += 1
+        log.info("%s", _log_line(job, outcome, result))
+
+
+def _log_line(job: Job, outcome: str, result: GenerationResult | None) -> str:
+    """``/v1/chat/completions smollm2: completed (stop), 25 + 12 tokens, 41.3 tok/s,
+    adaptive:eps=0.0005, mean k 4.2``."""
+    request = job.request
+    if result is None:  # it never ran
+        return f"{job.label}: {outcome}, {len(request.prompt_tokens)} prompt tokens"
+    mean_k = f", mean k {result.mean_k:.1f}" if result.mean_k is not None else ""
+    return (f"{job.label}: {outcome} ({result.finish_reason}), {result.prompt_tokens} + "
+            f"{result.completion_tokens} tokens, {result.decode_tokens_per_s:.1f} tok/s, "
+            f"{result.sampler}{mean_k}")
