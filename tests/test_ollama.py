@@ -141,3 +141,11 @@ def test_num_predict_below_zero_runs_until_the_context_is_full(client, num_predi
                             options={"temperature": 0, "num_predict": num_predict})
     assert reply.done_reason == "length"
     assert reply.prompt_eval_count + reply.eval_count == 512  # --ctx: each slot's window
+
+
+@pytest.mark.parametrize("text,value", [("8192", 8192), ("0.000010", 1e-5), ("135M", "135M"),
+                                        ("Infinity", "Infinity"), ("nan", "nan")])
+def test_model_info_values_are_numbers_only_where_json_can_hold_them(text, value):
+    from adaptive_llama.server.ollama import _number_or_text
+
+    assert _number_or_text(text) == value and type(_number_or_text(text)) is type(value)

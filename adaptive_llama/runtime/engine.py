@@ -276,8 +276,10 @@ class Engine:
     def quantization(self) -> str:
         """The weights' type as llama.cpp names it (``Q4_1``, ``Q4_K_M``, ``F16``), from the
         GGUF's ``general.file_type``; "unknown" when absent."""
-        file_type = self.metadata.get("general.file_type")
-        return _FILE_TYPES.get(int(file_type), f"type {file_type}") if file_type else "unknown"
+        file_type = self.metadata.get("general.file_type", "")
+        if not file_type.isdigit():
+            return "unknown"
+        return _FILE_TYPES.get(int(file_type), f"type {file_type}")
 
     @property
     def has_chat_template(self) -> bool:
@@ -455,16 +457,16 @@ class Engine:
         """The request's generation in a free slot (RuntimeError when none is); it advances
         with each :meth:`step` (its text in ``pieces``, its ``result`` filled as it goes)
         until ``done``."""
-        return self._join(self._generation(request))
+        self._check_free_slot()
+        generation = self._generation(request)
+        self.decoder.add(generation)
+        return generation
 
-    def _join(self, generation: Generation) -> Generation:
+    def _check_free_slot(self) -> None:
         if not self.decoder.free_slots:
-            generation.chain.close()
             raise RuntimeError(f"all {self.parallel} of the engine's sequences are busy: "
                                "finish or cancel() the other streams, or create the "
                                "Engine with a larger `parallel`")
-        self.decoder.add(generation)
-        return generation
 
     def step(self) -> None:
         """One decode step of every running generation (prompt chunks, or one token)."""
@@ -504,7 +506,8 @@ class Engine:
     def _drive(self, generation: Generation) -> Iterator[str]:
         decoder = self.decoder
         try:
-            self._join(generation)
+            self._check_free_slot()
+            decoder.add(generation)
             while not generation.done:
                 decoder.step()
                 yield from generation.take()

@@ -83,8 +83,15 @@ class Message(BaseModel):
         return {"role": role, "content": content}
 
 
-def template_messages(messages: list[Message]) -> list[dict]:
-    return [m.as_template_message(i) for i, m in enumerate(messages)]
+async def chat_prompt(engine: Engine, messages: list[Message]) -> list[int]:
+    """The conversation's tokens in the model's chat template, rendered off the event loop
+    (a long conversation must not stall other requests); a 400 on ``messages`` when the
+    model has no template or its template rejects the roles given."""
+    rendered = [m.as_template_message(i) for i, m in enumerate(messages)]
+    try:
+        return await asyncio.to_thread(engine.chat_prompt_tokens, rendered)
+    except Exception as exc:  # the template's own error, whatever its kind
+        raise APIError(400, f"messages: {exc}", param="messages") from None
 
 
 def sampler_for(default: SamplerSpec, *, param: str = "sampler", **options) -> SamplerSpec:

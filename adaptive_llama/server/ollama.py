@@ -26,6 +26,7 @@ import asyncio
 import datetime
 import hashlib
 import json
+import math
 from importlib import metadata
 from pathlib import Path
 from typing import ClassVar, Literal
@@ -42,15 +43,14 @@ from .common import (
     MAX_MESSAGES,
     MAX_STOPS,
     STRICT,
-    APIError,
     Job,
     Message,
     Server,
+    chat_prompt,
     grammar_for,
     parse_body,
     sampler_for,
     server_of,
-    template_messages,
 )
 
 router = APIRouter()
@@ -164,11 +164,15 @@ def _model_info(engine) -> dict:
 
 
 def _number_or_text(value: str):
+    """A GGUF value as a JSON number where it is one ("8192", "0.00001"); text otherwise,
+    a name such as "Infinity" included (JSON has no infinities)."""
     for kind in (int, float):
         try:
-            return kind(value)
+            number = kind(value)
         except ValueError:
-            pass
+            continue
+        if math.isfinite(number):
+            return number
     return value
 
 
@@ -261,11 +265,7 @@ async def show(request: Request):
 async def chat(request: Request):
     server = server_of(request)
     body = await parse_body(request, ChatBody)
-    messages = template_messages(body.messages)
-    try:
-        tokens = await asyncio.to_thread(server.engine.chat_prompt_tokens, messages)
-    except Exception as exc:  # no template, or the template rejects the roles given
-        raise APIError(400, f"messages: {exc}", param="messages") from None
+    tokens = await chat_prompt(server.engine, body.messages)
     job = await _job(server, tokens, body, "messages", request.url.path)
     return await _respond(server, request, job, body, "chat")
 

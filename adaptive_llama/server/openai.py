@@ -44,11 +44,11 @@ from .common import (
     Job,
     Message,
     Server,
+    chat_prompt,
     grammar_for,
     parse_body,
     sampler_for,
     server_of,
-    template_messages,
 )
 
 router = APIRouter()
@@ -271,13 +271,8 @@ async def models(request: Request):
 @router.post("/v1/chat/completions")
 async def chat_completions(request: Request):
     server = server_of(request)
-    engine = server.engine
     body = await parse_body(request, ChatBody)
-    messages = template_messages(body.messages)
-    try:  # off the event loop: a long conversation must not stall other requests
-        tokens = await asyncio.to_thread(engine.chat_prompt_tokens, messages)
-    except Exception as exc:  # no template, or the template rejects the roles given
-        raise APIError(400, f"messages: {exc}", param="messages") from None
+    tokens = await chat_prompt(server.engine, body.messages)
     job = await _job(server, tokens, body, body.max_completion_tokens or body.max_tokens,
                      "messages", request.url.path)
     return await _respond(server, request, job, body, "chat")
