@@ -19,7 +19,7 @@ from click.core import ParameterSource
 
 from .runtime import config
 from .runtime.limits import MAX_THREADS
-from .runtime.models import ModelError, describe_models
+from .runtime.models import ModelError, describe_models, resolve_model
 from .samplers import SEED, SpecError, parse_spec, table, valid_specs
 
 USER_ERRORS = (ModelError, SpecError, ValueError)
@@ -434,12 +434,15 @@ def _free_port(host: str, port: int) -> int:
 @click.option("--parallel", type=click.IntRange(1, 64), default=4, show_default=True,
               help="Requests decoded together (slots); the KV cache holds parallel x --ctx "
                    "tokens.")
+@click.option("--embedding-model", default=None, metavar="MODEL",
+              help="A GGUF (or bundled name) for /v1/embeddings and /api/embed; default: "
+                   "the served model, mean-pooled.")
 @model_options
 @user_errors
 @configured
 def serve(model, host, port, allow_remote, api_key, allow_origins, allow_hosts, sampler,
-          max_queue, max_body, read_timeout, parallel, n_gpu_layers, n_ctx, threads, seed, backend_sampling,
-          verbose):
+          max_queue, max_body, read_timeout, parallel, embedding_model, n_gpu_layers, n_ctx,
+          threads, seed, backend_sampling, verbose):
     """Serve MODEL over the OpenAI API (/v1/chat/completions, /v1/completions, /v1/models)."""
     try:
         import uvicorn
@@ -465,10 +468,16 @@ def serve(model, host, port, allow_remote, api_key, allow_origins, allow_hosts, 
     port = _free_port(host, port)
     engine = load_engine(model, n_gpu_layers, n_ctx, threads, seed, verbose, backend_sampling,
                          parallel=parallel, sampler=sampler)
+    embedder = None
+    if embedding_model is not None:
+        from .runtime.embeddings import Embedder
+
+        embedder = Embedder.open(resolve_model(embedding_model), engine.threads)
     # On a public address the server cannot know the names it is reached by: any Host.
     app = create_app(engine, sampler, api_key=api_key, max_queue=max_queue, max_body=max_body,
                      allow_origins=allow_origins,
-                     allow_hosts=allow_hosts if _is_loopback(host) else None)
+                     allow_hosts=allow_hosts if _is_loopback(host) else None,
+                     embedder=embedder)
     click.echo(f"Serving {engine.name} at http://{host}:{port}/v1 (default sampler {sampler}, "
                f"{parallel} slots of {engine.n_ctx} tokens, {engine.threads} threads); "
                "Ctrl-C stops.", err=True)

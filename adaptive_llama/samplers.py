@@ -2,9 +2,20 @@
 and the server, parsed and validated once, at the edge.
 
 A spec is ``NAME`` or ``NAME:key=value,key=value``; every sampler but greedy also takes
-``temp=`` (applied first). :data:`SAMPLERS` holds, per sampler, its parameters (name, type,
-default, valid range, help), how it joins a llama.cpp chain, and whether it picks the token
-itself (otherwise a ``dist`` sampler follows it). The error messages, ``adaptive-llama
+``temp=`` (applied first). Modifiers join a sampler with ``+``:
+``adaptive:eps=0.001+penalties:repeat=1.1+dry``. Whatever order they are written in, a chain
+runs them in one order, llama.cpp's (``--samplers``)::
+
+    [grammar] -> penalties -> dry -> top-n-sigma -> [temp] -> SAMPLER -> xtc -> [dist]
+
+penalties and DRY change the logits of tokens seen in the prompt and the reply, top-n-sigma
+masks tokens far below the top logit, the sampler truncates (and may choose), XTC removes
+the most likely tokens of what is left, and ``dist`` (seeded) chooses unless the sampler
+chose itself. After adaptive, XTC sees adaptive's kept set with its renormalised
+probabilities, and ``dist`` draws from what XTC leaves. :data:`SAMPLERS` holds, per
+sampler and modifier, its parameters (name, type, default, valid range, help), how it joins a
+llama.cpp chain, and whether it picks the token itself (otherwise a ``dist`` sampler follows
+it). The error messages, ``adaptive-llama
 samplers``, the REPL's ``/help`` and :class:`adaptive_llama.llama.chain.SamplerChain` all read
 it: adding a sampler that llama.cpp has is adding an entry (a new kind also needs its
 ``apply`` in ``native/adaptive.c`` and :mod:`adaptive_llama.llama.numba_samplers`). Run
@@ -17,6 +28,7 @@ This module imports neither llama_cpp nor numpy: a chain builder is handed to ea
 from __future__ import annotations
 
 import math
+import re
 import secrets
 from dataclasses import dataclass, field, replace
 from typing import Any, Callable, Protocol
@@ -25,7 +37,12 @@ INT32_MAX = 2**31 - 1  # llama.cpp takes k and m as int32
 
 
 class SpecError(ValueError):
-    """A sampler spec that cannot be used; the message says what is valid."""
+    """A sampler spec that cannot be used; the message says what is valid. ``param``: the
+    option it is about, when a client's option (not spec text) was wrong."""
+
+    def __init__(self, message: str, param: str | None = None):
+        super().__init__(message)
+        self.param = param
 
 
 @dataclass(frozen=True)
@@ -57,8 +74,15 @@ class Param:
         return f"an integer in {interval}" if self.kind is int else f"in {interval}"
 
     def validate(self, value: Any, name: str | None = None) -> Any:
-        """``value`` converted to the parameter's type, or SpecError naming ``name``."""
-        name = name or self.name
+        """``value`` converted to the parameter's type, or SpecError naming ``name`` (an
+        option's name, carried as the error's ``param``) or the parameter."""
+        try:
+            return self._validated(value, name or self.name)
+        except SpecError as exc:
+            exc.param = name
+            raise
+
+    def _validated(self, value: Any, name: str) -> Any:
         if self.choices:
             text = str(value).strip().lower()
             if text not in self.choices:
@@ -100,6 +124,11 @@ class ChainBuilder(Protocol):
     def greedy(self) -> None: ...
     def eta(self, epsilon: float) -> None: ...
     def adaptive(self, epsilon: float, uniform: bool) -> None: ...
+    def penalties(self, last_n: int, repeat: float, freq: float, present: float) -> None: ...
+    def dry(self, multiplier: float, base: float, allowed_length: int,
+            last_n: int) -> None: ...
+    def top_n_sigma(self, n: float) -> None: ...
+    def xtc(self, probability: float, threshold: float) -> None: ...
 
 
 @dataclass(frozen=True)
@@ -109,6 +138,9 @@ class Sampler:
     ``add(builder, params)`` appends the sampler's llama.cpp samplers; when
     ``chooses_token`` is False a ``dist`` sampler (seeded) follows them. ``in_graph``: it can
     run inside llama.cpp's graph (backend sampling, :mod:`adaptive_llama.llama.graph`).
+    ``stage``: where it runs in a chain: ``"sampler"`` for the one sampler of a spec,
+    ``"before"`` / ``"after"`` it for a modifier (joined with ``+``; modifiers of one stage
+    run in table order).
     """
 
     name: str
@@ -118,6 +150,11 @@ class Sampler:
     chooses_token: bool = False
     takes_temp: bool = True
     in_graph: bool = False
+    stage: str = "sampler"
+
+    @property
+    def is_modifier(self) -> bool:
+        return self.stage != "sampler"
 
     def all_params(self) -> tuple[Param, ...]:
         return self.params + ((TEMP,) if self.takes_temp else ())
@@ -144,6 +181,14 @@ _MASS = Param("p", float, 0.95, "probability mass kept", low=0.0, high=1.0, low_
 _TOP_K = Param("k", int, 40, "tokens kept", low=1, high=INT32_MAX)
 _MIROSTAT_TAU = Param("tau", float, 5.0, "target surprise, in bits", low=0.0, low_open=True)
 _MIROSTAT_ETA = Param("eta", float, 0.1, "learning rate", low=0.0, low_open=True)
+# The tokens penalties and DRY look back on: the prompt's last ones, then the reply's. llama.cpp
+# allocates this many entries per sampler; 2**20 is beyond any context window.
+MAX_LOOKBACK = 2**20
+_PENALTY = dict(low=-2.0, high=2.0)  # OpenAI's range for presence and frequency penalties
+
+
+def _modifier(name: str, summary: str, params: tuple[Param, ...], add, stage: str) -> Sampler:
+    return Sampler(name, summary, params, add, takes_temp=False, stage=stage)
 
 SAMPLERS: dict[str, Sampler] = {s.name: s for s in (
     Sampler("greedy", "argmax", (), lambda b, p: b.greedy(), chooses_token=True,
@@ -175,6 +220,41 @@ SAMPLERS: dict[str, Sampler] = {s.name: s for s in (
                             choices=("multinomial", "uniform"))),
             lambda b, p: b.adaptive(p["eps"], p["mode"] == "uniform"), chooses_token=True,
             in_graph=True),
+    Sampler("dist", "the whole distribution, no truncation", (), lambda b, p: None,
+            in_graph=True),
+    _modifier("penalties", "repetition (divides), frequency and presence (subtract) "
+              "penalties on tokens among the last last_n",
+              (Param("repeat", float, 1.1, "repetition penalty (1: none)", low=0.0,
+                     low_open=True, high=10.0),
+               Param("freq", float, 0.0, "frequency penalty, per occurrence (0: none)",
+                     **_PENALTY),
+               Param("present", float, 0.0, "presence penalty (0: none)", **_PENALTY),
+               Param("last_n", int, 64, "tokens looked back on", low=1,
+                     high=MAX_LOOKBACK)),
+              lambda b, p: b.penalties(p["last_n"], p["repeat"], p["freq"], p["present"]),
+              "before"),
+    _modifier("dry", "DRY: penalise tokens that would extend a repeated sequence "
+              "(multiplier * base^(length - allowed_length))",
+              (Param("multiplier", float, 0.8, "strength (0: none)", low=0.0, high=100.0),
+               Param("base", float, 1.75, "growth per repeated token", low=1.0, high=100.0),
+               Param("allowed_length", int, 2, "repeats this long go unpenalised", low=1,
+                     high=INT32_MAX),
+               Param("last_n", int, 1024, "tokens looked back on", low=1,
+                     high=MAX_LOOKBACK)),
+              lambda b, p: b.dry(p["multiplier"], p["base"], p["allowed_length"],
+                                 p["last_n"]),
+              "before"),
+    _modifier("top-n-sigma", "keep logits >= max - n * sigma (Tang et al., 2024)",
+              (Param("n", float, 1.0, "standard deviations below the top logit", low=0.0,
+                     low_open=True, high=1e6),),
+              lambda b, p: b.top_n_sigma(p["n"]), "before"),
+    _modifier("xtc", "exclude top choices: with probability `probability`, drop every "
+              "token with p >= threshold but the least likely of them",
+              (Param("probability", float, 0.5, "chance per token", low=0.0, high=1.0,
+                     low_open=True),
+               Param("threshold", float, 0.1, "p that makes a top choice", low=0.0,
+                     high=0.5, low_open=True)),
+              lambda b, p: b.xtc(p["probability"], p["threshold"]), "after"),
 )}
 
 
@@ -183,37 +263,61 @@ def in_graph_names() -> str:
     return ", ".join(s.name for s in SAMPLERS.values() if s.in_graph)
 
 
+def _with_defaults(s: Sampler) -> str:
+    args = ",".join(f"{p.name}={p.default:g}" if isinstance(p.default, float)
+                    else f"{p.name}={p.default}" for p in s.params)
+    return f"{s.name}:{args}" if args else s.name
+
+
 def valid_specs() -> str:
-    """Every sampler with its defaults, on one line (for error messages and --help)."""
-    def one(s: Sampler) -> str:
-        args = ",".join(f"{p.name}={p.default:g}" if isinstance(p.default, float)
-                        else f"{p.name}={p.default}" for p in s.params)
-        return f"{s.name}:{args}" if args else s.name
-    return (", ".join(one(s) for s in SAMPLERS.values())
-            + f" (all but greedy also take temp={TEMP.default:g})")
+    """Every sampler and modifier with its defaults, on one line (for error messages and
+    --help)."""
+    samplers = [_with_defaults(s) for s in SAMPLERS.values() if not s.is_modifier]
+    modifiers = [_with_defaults(s) for s in SAMPLERS.values() if s.is_modifier]
+    return (", ".join(samplers) + f" (all but greedy also take temp={TEMP.default:g}); "
+            f"modifiers, joined with +: {', '.join(modifiers)}")
 
 
 def table() -> str:
-    """The samplers, their parameters with defaults and ranges, and what runs."""
+    """The samplers and modifiers, their parameters with defaults and ranges."""
     lines = []
-    for s in SAMPLERS.values():
-        lines.append(f"{s.name:<10} {s.summary}")
-        for p in s.all_params():
-            lines.append(f"{'':<12}{p.name}={p.default!s:<12} {p.range_text()}: {p.help}")
+    for title, modifiers in (("Samplers (one per spec):", False),
+                             ("Modifiers (joined with +, e.g. adaptive+penalties:repeat=1.1; "
+                              "order: penalties, dry, top-n-sigma, temp, the sampler, xtc):",
+                              True)):
+        lines.append(title)
+        for s in SAMPLERS.values():
+            if s.is_modifier != modifiers:
+                continue
+            lines.append(f"  {s.name:<12} {s.summary}")
+            for p in s.all_params():
+                default = f"{p.name}={p.default}"
+                lines.append(f"{'':<16}{default:<22} {p.range_text()}: {p.help}")
     return "\n".join(lines)
 
 
 @dataclass(frozen=True)
 class SamplerSpec:
-    """A parsed, validated sampler: its table entry's name, parameters and temperature."""
+    """A parsed, validated spec: its sampler's name, parameters and temperature, and the
+    modifiers joined to it (each a SamplerSpec of a modifier entry), in chain order."""
 
     name: str
     params: dict = field(default_factory=dict)
     temp: float = 1.0
+    modifiers: tuple[SamplerSpec, ...] = ()
 
     @property
     def sampler(self) -> Sampler:
         return SAMPLERS[self.name]
+
+    def stage(self, stage: str) -> tuple[SamplerSpec, ...]:
+        """The modifiers that run ``"before"`` or ``"after"`` the sampler, in order."""
+        return tuple(m for m in self.modifiers if m.sampler.stage == stage)
+
+    @property
+    def in_graph(self) -> bool:
+        """Whether every entry can run inside llama.cpp's graph (backend sampling)."""
+        return all(s.sampler.in_graph for s in (self, *self.modifiers))
 
     def __str__(self) -> str:
         items = dict(self.params)
@@ -221,18 +325,45 @@ class SamplerSpec:
             items["temp"] = self.temp
         args = ",".join(f"{k}={_number_text(v)}" if isinstance(v, float) else f"{k}={v}"
                         for k, v in items.items())
-        return f"{self.name}:{args}" if args else self.name
+        own = f"{self.name}:{args}" if args else self.name
+        return "+".join([own, *map(str, self.modifiers)])
 
-    def with_param(self, key: str, value) -> "SamplerSpec":
-        """A copy with one parameter (``temp`` included) changed and validated."""
+    def with_param(self, key: str, value) -> SamplerSpec:
+        """A copy with one parameter of the sampler (``temp`` included) changed and
+        validated; the modifiers stay."""
         by_name = {p.name: p for p in self.sampler.all_params()}
         if key not in by_name:
             raise SpecError(f"{self.name} has no `{key}`; it takes "
                             f"{', '.join(f'{k}=' for k in by_name) or 'no parameters'}")
         value = by_name[key].validate(value)
         if key == "temp":
-            return SamplerSpec(self.name, dict(self.params), value)
-        return SamplerSpec(self.name, {**self.params, key: value}, self.temp)
+            return replace(self, temp=value)
+        return replace(self, params={**self.params, key: value})
+
+    def with_modifier(self, modifier: SamplerSpec) -> SamplerSpec:
+        """A copy with ``modifier`` joined, in place of one of the same name."""
+        kept = [m for m in self.modifiers if m.name != modifier.name]
+        return _joined(replace(self, modifiers=()), [*kept, modifier])
+
+
+def _joined(sampler: SamplerSpec, modifiers: list[SamplerSpec]) -> SamplerSpec:
+    """``sampler`` with ``modifiers`` in chain order, or SpecError for a pair that cannot
+    run together."""
+    order = list(SAMPLERS)
+    modifiers = sorted(modifiers, key=lambda m: order.index(m.name))
+    if any(m.sampler.stage == "after" for m in modifiers):
+        _check_chosen_later(sampler)
+    return replace(sampler, modifiers=tuple(modifiers))
+
+
+def _check_chosen_later(sampler: SamplerSpec) -> None:
+    """SpecError unless ``dist`` may choose after the sampler (as it does after xtc)."""
+    if sampler.name == "adaptive" and sampler.params["mode"] == "uniform":
+        raise SpecError("xtc cannot follow adaptive:mode=uniform: the choice after xtc "
+                        "draws by probability, not uniformly; use mode=multinomial")
+    if sampler.sampler.chooses_token and sampler.name != "adaptive":
+        raise SpecError(f"xtc cannot follow {sampler.name}, which chooses the token itself; "
+                        "use it with adaptive, dist or a truncation sampler")
 
 
 def _number_text(value: float) -> str:
@@ -241,8 +372,13 @@ def _number_text(value: float) -> str:
     return text[:-2] if text.endswith(".0") else text
 
 
+# `+` joins entries; the one in a number such as 1e+3 is followed by a digit.
+_JOIN = re.compile(r"\+(?=\s*[A-Za-z])")
+
+
 def parse_spec(text: str) -> SamplerSpec:
-    """Parse and validate ``NAME[:key=value,...]``; SpecError says what is wrong and valid.
+    """Parse and validate ``NAME[:key=value,...][+MODIFIER[:key=value,...]]...``; SpecError
+    says what is wrong and valid.
 
     Call it where text comes in (CLI option, REPL command, HTTP body); pass the
     :class:`SamplerSpec` on from there.
@@ -250,6 +386,22 @@ def parse_spec(text: str) -> SamplerSpec:
     if not isinstance(text, str):
         raise SpecError(f"a sampler spec has to be text such as 'adaptive:eps=0.0005', "
                         f"but is {text!r}")
+    entries = [_parse_entry(part) for part in _JOIN.split(text)]
+    samplers = [e for e in entries if not e.sampler.is_modifier]
+    modifiers = [e for e in entries if e.sampler.is_modifier]
+    if len(samplers) != 1:
+        names = " and ".join(e.name for e in samplers) or "none"
+        raise SpecError(f"a spec has one sampler, but {text.strip()!r} has {names}; "
+                        "modifiers join it with +, as in adaptive+penalties:repeat=1.1")
+    names = [m.name for m in modifiers]
+    twice = next((n for n in names if names.count(n) > 1), None)
+    if twice:
+        raise SpecError(f"`{twice}` is given twice in {text.strip()!r}")
+    return _joined(samplers[0], modifiers)
+
+
+def _parse_entry(text: str) -> SamplerSpec:
+    """One ``NAME[:key=value,...]`` of a spec, its values validated."""
     name, _, rest = text.strip().partition(":")
     name = name.strip().lower()
     if name not in SAMPLERS:
@@ -277,29 +429,113 @@ def spec_of(sampler: str | SamplerSpec) -> SamplerSpec:
     return sampler if isinstance(sampler, SamplerSpec) else parse_spec(sampler)
 
 
+# The protocols' options for modifiers (llama-server's and Ollama's names) -> (modifier,
+# parameter). Unset parameters start where nothing happens (OpenAI's penalties default to
+# none, llama-server's DRY and XTC to off), so that only the options given act.
+MODIFIER_OPTIONS = {
+    "repeat_penalty": ("penalties", "repeat"),
+    "frequency_penalty": ("penalties", "freq"),
+    "presence_penalty": ("penalties", "present"),
+    "repeat_last_n": ("penalties", "last_n"),
+    "dry_multiplier": ("dry", "multiplier"),
+    "dry_base": ("dry", "base"),
+    "dry_allowed_length": ("dry", "allowed_length"),
+    "dry_penalty_last_n": ("dry", "last_n"),
+    "top_n_sigma": ("top-n-sigma", "n"),
+    "xtc_probability": ("xtc", "probability"),
+    "xtc_threshold": ("xtc", "threshold"),
+}
+_OPTIONS_START = {"penalties": {"repeat": 1.0}, "dry": {"multiplier": 0.0},
+                  "xtc": {"probability": 0.0}}
+# Values that turn a modifier off, as in llama-server and Ollama (last_n 0: look back on
+# nothing; -1, the whole context, is taken as MAX_LOOKBACK).
+_OFF = {
+    "penalties": lambda p: p["last_n"] == 0 or (p["repeat"] == 1 and p["freq"] == 0
+                                                 and p["present"] == 0),
+    "dry": lambda p: p["multiplier"] == 0 or p["last_n"] == 0,
+    "top-n-sigma": lambda p: p["n"] <= 0,
+    "xtc": lambda p: p["probability"] <= 0,
+}
+_MIROSTAT = {1: "mirostat1", 2: "mirostat"}
+
+
 def spec_from_options(default: SamplerSpec, *, sampler: str | None = None,
                       temperature: float | None = None, top_p: float | None = None,
                       top_k: int | None = None, min_p: float | None = None,
-                      epsilon: float | None = None) -> SamplerSpec:
+                      epsilon: float | None = None, mirostat: int | None = None,
+                      mirostat_tau: float | None = None, mirostat_eta: float | None = None,
+                      **modifier_options) -> SamplerSpec:
     """The spec a client's options ask for (the OpenAI and Ollama routes, the llm plugin):
-    ``sampler`` text (parsed once), else the first truncation option that truncates
-    (``min_p`` above 0, ``top_p`` below 1, ``top_k`` above 0: llama.cpp's chain here runs
-    one) at the default spec's temperature, else ``default``; then ``epsilon`` on top (a spec
-    without one: SpecError) and ``temperature`` (0: greedy; a sampler that takes none, such as
-    greedy, ignores it, as clients send one with every request)."""
+    ``sampler`` text (parsed once), else ``mirostat`` 1 or 2 (with ``mirostat_tau`` and
+    ``mirostat_eta``), else the first truncation option that truncates (``min_p`` above 0,
+    ``top_p`` below 1, ``top_k`` above 0: llama.cpp's chain here runs one) at the default
+    spec's temperature, else ``default``; then ``epsilon`` on top (a spec without one:
+    SpecError), the modifiers' options (:data:`MODIFIER_OPTIONS`, over a modifier the spec
+    already has) and ``temperature`` (0: greedy, the modifiers kept; a sampler that takes
+    none, such as greedy, ignores it, as clients send one with every request)."""
+    unknown = set(modifier_options) - set(MODIFIER_OPTIONS)
+    if unknown:
+        raise TypeError(f"spec_from_options() got unknown options {sorted(unknown)}")
     spec = parse_spec(sampler) if sampler is not None else default
-    truncation = _truncation(top_p, top_k, min_p) if sampler is None else None
-    if truncation is not None:
-        spec = truncation.with_param("temp", default.temp) if default.sampler.takes_temp \
-            else truncation
+    chosen = None
+    if sampler is None:
+        chosen = (_mirostat(mirostat, mirostat_tau, mirostat_eta)
+                  or _truncation(top_p, top_k, min_p))
+    if chosen is not None:
+        chosen = chosen.with_param("temp", default.temp) if default.sampler.takes_temp \
+            else chosen
+        spec = _joined(chosen, list(default.modifiers))
     if epsilon is not None:
         if "eps" not in spec.params:
             raise SpecError(f"`epsilon` applies to adaptive and eta, not to {spec}")
         spec = spec.with_param("eps", epsilon)
+    spec = _with_option_modifiers(spec, modifier_options)
     if temperature == 0:
-        return parse_spec("greedy")
+        return _joined(parse_spec("greedy"), list(spec.modifiers))
     if temperature is not None and spec.sampler.takes_temp:
         spec = spec.with_param("temp", temperature)
+    return spec
+
+
+def _with_option_modifiers(spec: SamplerSpec, options: dict) -> SamplerSpec:
+    """``spec`` with each modifier that ``options`` set joined, replaced or (set off)
+    taken out; SpecError naming the option for a bad value."""
+    for name in _OFF:
+        given = {param: (option, value) for option, (modifier, param)
+                 in MODIFIER_OPTIONS.items()
+                 if modifier == name and (value := options.get(option)) is not None}
+        if not given:
+            continue
+        current = next((m for m in spec.modifiers if m.name == name), None)
+        by_name = {p.name: p for p in SAMPLERS[name].params}
+        values = dict(current.params) if current else {
+            p.name: p.default for p in by_name.values()} | _OPTIONS_START.get(name, {})
+        for param, (option, value) in given.items():
+            if isinstance(value, bool) or not isinstance(value, (int, float)):
+                raise SpecError(f"`{option}` has to be a number, but is {value!r}", option)
+            values[param] = MAX_LOOKBACK if param == "last_n" and value == -1 else value
+        kept = [m for m in spec.modifiers if m.name != name]
+        if not _OFF[name](values):
+            for param, (option, _) in given.items():
+                values[param] = by_name[param].validate(values[param], option)
+            kept.append(SamplerSpec(name, values))
+        spec = _joined(replace(spec, modifiers=()), kept)
+    return spec
+
+
+def _mirostat(mode: int | None, tau: float | None, eta: float | None) -> SamplerSpec | None:
+    """Ollama's and llama-server's ``mirostat``: 0 off, 1 mirostat v1, 2 mirostat v2."""
+    if mode is None or mode == 0:
+        return None
+    if mode not in _MIROSTAT or isinstance(mode, bool):
+        raise SpecError(f"`mirostat` has to be 0, 1 or 2, but is {mode}", "mirostat")
+    spec = parse_spec(_MIROSTAT[mode])
+    for key, value, option in (("tau", tau, "mirostat_tau"), ("eta", eta, "mirostat_eta")):
+        if value is not None:
+            try:
+                spec = spec.with_param(key, value)
+            except SpecError as exc:
+                raise SpecError(str(exc).replace(f"`{key}`", f"`{option}`"), option) from None
     return spec
 
 

@@ -55,9 +55,14 @@ def apply_to(chain, logits):
     ("eta:eps=0.0009", ["eta", "dist"]),
     ("adaptive:eps=0.0005", ["adaptive"]),
     ("adaptive:eps=0.0005,temp=0.8", ["temp", "adaptive"]),
+    ("dist", ["dist"]),
+    ("xtc+adaptive:temp=0.8+top-n-sigma+dry+penalties",
+     ["penalties", "dry", "top-n-sigma", "temp", "adaptive", "xtc", "dist"]),
+    ("min-p+penalties:repeat=1,freq=0.1", ["penalties", "min-p", "dist"]),
 ])
 def test_chain_holds_what_the_spec_names_and_nothing_more(engine, spec, names):
-    with SamplerChain(spec, seed=1, n_vocab=engine.n_vocab) as chain:
+    with SamplerChain(spec, seed=1, n_vocab=engine.n_vocab,
+                      vocab_model=engine._model) as chain:
         assert chain.names() == names
 
 
@@ -181,7 +186,9 @@ def test_nan_logits_do_not_crash_the_sampler(backend):
 @pytest.mark.parametrize("spec", [
     "greedy", "top-k:k=40", "top-p:p=0.95,temp=1.5", "typical:p=0.5", "min-p:p=0.05",
     "mirostat:tau=3,eta=0.1", "mirostat1:tau=5,eta=0.1", "eta:eps=0.0009,temp=0.7",
-    "adaptive:eps=0.0005", "adaptive:eps=0.001,mode=uniform,temp=2"])
+    "adaptive:eps=0.0005", "adaptive:eps=0.001,mode=uniform,temp=2",
+    "top-k:k=40+penalties:repeat=1.3+xtc:probability=0.5,threshold=0.05",
+    "adaptive:eps=0.001+top-n-sigma:n=1.5+xtc:probability=0.5,threshold=0.05"])
 def test_sampling_from_fetched_logits_is_llama_sampler_sample(engine, backend, spec):
     """sample_from, which the decoder runs in threads, takes llama_sampler_sample's steps:
     two chains with one seed choose the same tokens, and their states (random numbers,

@@ -67,7 +67,7 @@ def test_listing_the_models_writes_nothing(tmp_path):
 
 def test_samplers_prints_the_table():
     out = CliRunner().invoke(main, ["samplers"]).output
-    assert "adaptive   adaptive decoding" in out and "eps=0.0005" in out
+    assert "adaptive     adaptive decoding" in out and "eps=0.0005" in out
     assert "k=40" in out and "an integer in [1, 2147483647]" in out
 
 

@@ -21,13 +21,20 @@ values = st.one_of(st.sampled_from(NASTY_NUMBERS),
                    st.floats(allow_nan=True, allow_infinity=True).map(repr),
                    st.integers(-2**80, 2**80).map(str),
                    st.text(string.printable, max_size=8))
-keys = st.one_of(st.sampled_from(["eps", "p", "k", "tau", "eta", "m", "mode", "temp"]),
+keys = st.one_of(st.sampled_from(sorted({p.name for s in SAMPLERS.values()
+                                          for p in s.all_params()})),
                  st.text(string.ascii_letters, max_size=6))
 names = st.one_of(st.sampled_from(list(SAMPLERS)), st.text(string.printable, max_size=10))
 
 
 @st.composite
 def spec_texts(draw):
+    """A sampler's text, at times with modifiers (or other samplers) joined by +."""
+    return "+".join(draw(st.lists(entry_texts(), min_size=1, max_size=3)))
+
+
+@st.composite
+def entry_texts(draw):
     name = draw(names)
     items = draw(st.lists(st.tuples(keys, values), max_size=4))
     sep = draw(st.sampled_from([":", ":", " : ", ""]))

@@ -181,9 +181,22 @@ def test_in_graph_sequences_run_side_by_side(graph_engine):
     assert results[0].token_stats and not results[1].token_stats
 
 
-@pytest.mark.parametrize("spec", ["eta", "typical:p=0.9", "mirostat"])
-def test_samplers_without_a_graph_path_are_refused_in_one_line(graph_engine, spec):
-    with pytest.raises(SpecError, match="cannot run inside llama.cpp's graph.*greedy, top-k"):
+def test_dist_runs_in_the_graph_as_on_the_cpu_at_a_low_temperature(graph_engine, engine):
+    # temp 0.01 sharpens every step to its arg-max: both paths then give greedy's text.
+    prompt = "The capital of France is"
+    graph = graph_engine.generate(prompt, sampler="dist:temp=0.01", max_tokens=12, seed=3)
+    cpu = engine.generate(prompt, sampler="dist:temp=0.01", max_tokens=12, seed=3)
+    assert graph.backend == "graph" and graph.text == cpu.text
+    assert graph_engine.generate(prompt, sampler="dist", max_tokens=12, seed=4).text != \
+        graph_engine.generate(prompt, sampler="dist", max_tokens=12, seed=5).text
+
+
+@pytest.mark.parametrize("spec,named", [
+    ("eta", "`eta`"), ("typical:p=0.9", "`typical`"), ("mirostat", "`mirostat`"),
+    ("adaptive+penalties+xtc", "`penalties`, `xtc`"), ("greedy+dry", "`dry`")])
+def test_samplers_without_a_graph_path_are_refused_in_one_line(graph_engine, spec, named):
+    with pytest.raises(SpecError, match=f"^{named} cannot run inside llama.cpp's graph.*"
+                       "greedy, top-k"):
         graph_engine.generate("Hi", sampler=spec, max_tokens=4)
     assert graph_engine.generate("Hi", sampler="adaptive", max_tokens=4).completion_tokens
 
@@ -218,7 +231,7 @@ def test_a_sampler_without_a_graph_path_is_one_line_at_start():
     assert out.returncode == 2 and "Traceback" not in out.stderr
     assert out.stderr.strip().splitlines() == [
         "Error: --sampler: `mirostat` cannot run inside llama.cpp's graph (backend sampling): "
-        "use greedy, top-k, top-p, min-p, adaptive, or turn backend sampling off"]
+        "use greedy, top-k, top-p, min-p, adaptive, dist, or turn backend sampling off"]
 
 
 def test_config_file_turns_backend_sampling_on_and_rejects_a_non_boolean():

@@ -78,6 +78,14 @@ def test_generate_counts_on_greedily_and_stops_where_asked(client):
     ({"top_p": 0.9, "top_k": 40}, "top-p:p=0.9"),
     ({"top_k": 40, "temperature": 0.7}, "top-k:k=40,temp=0.7"),
     ({"temperature": 0, "sampler": "adaptive"}, "greedy"),
+    ({"repeat_penalty": 1.2, "repeat_last_n": 32},
+     "adaptive:eps=0.0005,mode=multinomial+penalties:repeat=1.2,freq=0,present=0,last_n=32"),
+    ({"presence_penalty": 0.5, "frequency_penalty": 0.25, "repeat_last_n": -1},
+     "adaptive:eps=0.0005,mode=multinomial+penalties:repeat=1,freq=0.25,present=0.5,"
+     "last_n=1048576"),
+    ({"repeat_penalty": 1.2, "repeat_last_n": 0}, "adaptive:eps=0.0005,mode=multinomial"),
+    ({"mirostat": 2, "mirostat_tau": 3.0, "top_k": 40}, "mirostat:tau=3,eta=0.1"),
+    ({"mirostat": 1, "mirostat_eta": 0.2}, "mirostat1:tau=5,eta=0.2,m=100"),
 ])
 def test_options_choose_the_sampler(server, options, sampler):  # noqa: F811
     status, _, body = raw("POST", server, "/api/generate", {
@@ -109,6 +117,12 @@ def test_a_client_that_streams_gets_ndjson(server):  # noqa: F811
      "options.seed"),
     ("/api/generate", {"model": MODEL, "prompt": "word " * 600, "raw": True}, 400,
      "context window"),
+    ("/api/generate", {"model": MODEL, "prompt": "x", "options": {"repeat_penalty": 0}},
+     400, "options.repeat_penalty: `repeat_penalty` has to be in (0, 10]"),
+    ("/api/generate", {"model": MODEL, "prompt": "x", "options": {"mirostat": 3}},
+     400, "options.mirostat"),
+    ("/api/generate", {"model": MODEL, "prompt": "word " * 20, "raw": True,
+                       "options": {"num_ctx": 10}}, 400, "`options.num_ctx` is 10"),
     ("/api/show", {}, 400, "`model`"),
     ("/api/nothing", {}, 404, "Not Found"),
 ])
@@ -130,6 +144,22 @@ def test_the_api_key_guards_the_ollama_routes_too(server):  # noqa: F811
     with pytest.raises(ollama.ResponseError) as caught:
         ollama.Client(host=f"http://127.0.0.1:{server}").list()
     assert caught.value.status_code == 401
+
+
+def test_options_of_the_ollama_client_reach_the_chain(client):
+    """The ollama package's own Options: penalties, mirostat and num_ctx act."""
+    prompt = "The cat sat on the mat. The cat sat on the mat. The cat"
+    plain = client.generate(MODEL, prompt=prompt, raw=True,
+                            options={"temperature": 0, "num_predict": 3})
+    assert plain.response.startswith(" sat")
+    penalised = client.generate(MODEL, prompt=prompt, raw=True, options={
+        "temperature": 0, "num_predict": 3, "repeat_penalty": 1.5, "repeat_last_n": 64})
+    assert not penalised.response.startswith(" sat")  # " sat" is in the prompt
+    # num_ctx: this request's window, prompt included, inside the slot's.
+    tokens = plain.prompt_eval_count
+    short = client.generate(MODEL, prompt=prompt, raw=True,
+                            options={"temperature": 0, "num_ctx": tokens + 2})
+    assert short.eval_count == 2 and short.done_reason == "length"
 
 
 @pytest.mark.parametrize("num_predict", [-1, -2])

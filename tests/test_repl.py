@@ -37,7 +37,7 @@ def test_piped_chat_is_plain_and_scriptable():
 def test_help_lists_commands_and_samplers():
     out = chat("/help", "/help samplers", "/shwo", "/bye")
     assert "/compare" in out and "/trace" in out
-    assert "adaptive   adaptive decoding (Zhu et al., 2024)" in out
+    assert "adaptive     adaptive decoding (Zhu et al., 2024)" in out
     assert "eps=0.0005" in out and "in (0, 1)" in out
     assert "unknown command /shwo. Did you mean /show?" in out
 

@@ -91,8 +91,9 @@ def test_with_param_validates_and_keeps_the_rest():
 
 def test_every_entry_documents_and_accepts_its_own_defaults():
     for name, sampler in SAMPLERS.items():
-        default = parse_spec(name)
-        assert isinstance(default, SamplerSpec)
+        spec = parse_spec(f"dist+{name}" if sampler.is_modifier else name)
+        default = spec.modifiers[0] if sampler.is_modifier else spec
+        assert isinstance(default, SamplerSpec) and default.name == name
         for param in sampler.params:
             assert default.params[param.name] == param.default
             assert param.validate(param.default) == param.default
@@ -153,7 +154,7 @@ def test_spec_text_shows_temp_only_when_it_is_not_one_and_reads_back():
     assert str(parse_spec("top-p:temp=0.25")) == "top-p:p=0.95,temp=0.25"
     assert str(parse_spec("greedy")) == "greedy"
     assert str(SamplerSpec("greedy", {}, 2.0)) == "greedy"  # greedy takes no temperature
-    for name in SAMPLERS:
+    for name in (n for n, s in SAMPLERS.items() if not s.is_modifier):
         for spec in (parse_spec(name), parse_spec(name).with_param("temp", 1.5)
                      if SAMPLERS[name].takes_temp else parse_spec(name)):
             assert parse_spec(str(spec)) == spec
@@ -180,11 +181,16 @@ def test_the_listings_show_every_sampler_with_its_defaults():
     specs = valid_specs()
     assert specs.startswith("greedy, top-k:k=40, top-p:p=0.95, ")
     assert "adaptive:eps=0.0005,mode=multinomial" in specs
-    assert specs.endswith("(all but greedy also take temp=1)")
+    assert "(all but greedy also take temp=1); modifiers, joined with +: penalties:" in specs
+    assert specs.endswith("xtc:probability=0.5,threshold=0.1")
     lines = table().splitlines()
-    assert lines[0].startswith("greedy     argmax")
+    assert lines[0] == "Samplers (one per spec):"
+    assert lines[1].startswith("  greedy       argmax")
     eps_line = next(line for line in lines if line.lstrip().startswith("eps=0.0005"))
-    assert eps_line == " " * 12 + f"{'eps=0.0005':<16} in (0, 1): threshold epsilon"
+    assert eps_line == " " * 16 + f"{'eps=0.0005':<22} in (0, 1): threshold epsilon"
+    modifiers = lines.index(next(line for line in lines if line.startswith("Modifiers")))
+    assert "order: penalties, dry, top-n-sigma, temp, the sampler, xtc" in lines[modifiers]
+    assert lines[modifiers + 1].startswith("  penalties    ")
 
 
 ADAPTIVE_HOT = parse_spec("adaptive:eps=0.001,temp=0.8")

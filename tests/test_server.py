@@ -20,6 +20,7 @@ from test_fuzz import schemas, spec_texts
 
 from adaptive_llama import kernel
 from adaptive_llama.runtime.batching import TokenLogprob
+from adaptive_llama.server.common import SamplingFields
 
 API_KEY = "test-key"
 MAX_QUEUE = 2
@@ -171,6 +172,15 @@ def test_openai_fields_map_onto_the_sampler_spec(client):
     assert sampler(top_p=0.9) == "top-p:p=0.9"
     assert sampler(extra_body={"sampler": "min-p:p=0.1"}) == "min-p:p=0.1"
     assert sampler(top_p=0.9, extra_body={"sampler": "eta"}) == "eta:eps=0.0009"
+    assert sampler(frequency_penalty=0.5, presence_penalty=-0.25, extra_body={
+        "sampler": "min-p:p=0.1"}) == "min-p:p=0.1+penalties:repeat=1,freq=0.5,present=-0.25,last_n=64"
+    assert sampler(temperature=0, extra_body={"repeat_penalty": 1.3, "top_k": 5}) == \
+        "greedy+penalties:repeat=1.3,freq=0,present=0,last_n=64"
+    assert sampler(extra_body={"top_k": 5, "xtc_probability": 0.5, "dry_multiplier": 0.8}) == \
+        "top-k:k=5+dry:multiplier=0.8,base=1.75,allowed_length=2,last_n=1024" \
+        "+xtc:probability=0.5,threshold=0.1"
+    with pytest.raises(openai.BadRequestError, match="`presence_penalty` has to be in"):
+        sampler(presence_penalty=2.5)
 
 
 def test_stop_strings_end_the_reply(client):
@@ -453,6 +463,7 @@ def test_message_text_never_becomes_a_control_token(server, engine, content):
     assert sum(t in controls for t in forged) == sum(t in controls for t in honest)
 
 
+SAMPLING_OPTIONS = sorted(SamplingFields.model_fields)
 json_values = st.one_of(st.none(), st.booleans(), st.integers(-2**70, 2**70),
                         st.floats(allow_nan=False, allow_infinity=False),
                         st.text(max_size=12), st.lists(st.text(max_size=4), max_size=3))
@@ -463,6 +474,7 @@ json_values = st.one_of(st.none(), st.booleans(), st.integers(-2**70, 2**70),
 @given(fields=st.fixed_dictionaries({}, optional={
     "sampler": st.one_of(spec_texts(), json_values), "temperature": json_values,
     "top_p": json_values, "seed": json_values, "max_tokens": json_values,
+    **{option: json_values for option in SAMPLING_OPTIONS},
     "stop": json_values, "n": json_values, "stream": st.booleans(),
     "response_format": st.one_of(json_values, st.fixed_dictionaries(
         {"type": st.sampled_from(["text", "json_object", "json_schema", "xml"])},

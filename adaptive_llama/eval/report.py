@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import json
 import math
+from dataclasses import replace
 from pathlib import Path
 
-from ..samplers import SamplerSpec, parse_spec
+from ..samplers import parse_spec
 
 
 def open_ended_settings(report: dict) -> str:
@@ -111,7 +112,7 @@ def gsm8k_table(g: dict) -> list[str]:
     for spec, v in g.items():
         if isinstance(v, dict) and spec != "paired":
             parsed = parse_spec(spec)
-            method = str(SamplerSpec(parsed.name, parsed.params, 1.0))
+            method = str(replace(parsed, temp=1.0))
             cells.setdefault(method, {})[v.get("temperature", 1.0)] = (
                 _pm(v["accuracy"], 1, 100) + f" % ({100 * v['cut_off']:.0f} % cut off)")
     temps = sorted({t for row in cells.values() for t in row})

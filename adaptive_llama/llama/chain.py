@@ -4,8 +4,8 @@ The adaptive and eta samplers are real ``llama_sampler`` objects whose ``apply``
 code: the C code in ``native/adaptive.c``, or, where that library is missing or
 ``ADAPTIVE_LLAMA_IMPL=numba`` asks, the numba cfuncs of :mod:`adaptive_llama.llama.numba_samplers`
 (the implementation :data:`adaptive_llama.kernel.IMPL` names, chosen once). No Python runs per
-token. A chain is ``[grammar] -> [temp] ->
-truncation -> final choice``, built from the spec's entry in the sampler table
+token. A chain is ``[grammar] -> [penalties, dry, top-n-sigma] -> [temp] ->
+truncation -> [xtc] -> final choice``, built from the spec's entries in the sampler table
 (:mod:`adaptive_llama.samplers`); it holds exactly the samplers its spec names (llama-cpp-python's
 default top_k 40 / top_p 0.95 / min_p 0.05 never run behind a spec that did not ask for them).
 Temperature comes first for every sampler, as in the paper's (transformers) setting, so that
@@ -41,6 +41,9 @@ from . import graph  # noqa: E402
 # llama.cpp's llama_token_data, one candidate token of a chain
 TOKEN_DATA = np.dtype([("id", np.int32), ("logit", np.float32), ("p", np.float32)])
 _FLOAT_P = ctypes.POINTER(ctypes.c_float)
+# llama.cpp's default DRY sequence breakers: a repeat across one of these is not penalised.
+DRY_SEQUENCE_BREAKERS = ("\n", ":", "\"", "*")
+XTC_SEED_OFFSET = 0x9E3779B9
 
 
 @functools.lru_cache(maxsize=4)
@@ -129,17 +132,20 @@ def in_chain_samplers():
 class SamplerChain:
     """A llama.cpp sampler chain for one spec and seed; owns its samplers.
 
-    The chain is ``[grammar] -> [temp] -> the spec's samplers -> [dist]``, built from the
-    spec's entry in :data:`adaptive_llama.samplers.SAMPLERS`; ``dist`` (seeded) follows
-    unless the entry chooses the token itself.
+    The chain is ``[grammar] -> [modifiers before] -> [temp] -> the spec's sampler ->
+    [modifiers after] -> [dist]``, built from the spec's entries in
+    :data:`adaptive_llama.samplers.SAMPLERS`; ``dist`` (seeded) follows unless the sampler
+    chooses the token itself and nothing comes after it. Penalties and DRY see the tokens
+    of the reply (and, through :meth:`remember`, of the prompt).
 
     Args:
         spec: a :class:`SamplerSpec` (or spec text, parsed here once).
         seed: the random seed, 0 to 2**32 - 1; the same seed and prompt give the same tokens.
         n_vocab: the model's vocabulary size (mirostat v1 needs it).
         grammar: an optional ``llama_cpp.LlamaGrammar`` applied before everything else.
-        vocab_model: the model the grammar is for (a ``llama_cpp._internals.LlamaModel``:
-            ``Llama._model``, or the engine's), needed with a grammar.
+        vocab_model: the model the grammar or DRY tokenizes for (a
+            ``llama_cpp._internals.LlamaModel``: ``Llama._model``, or the engine's), needed
+            with a grammar or DRY.
         record_stats: let the adaptive sampler compute entropy and Conf for every token
             (one extra multiply-add per vocabulary entry); k, kept mass and the chosen
             token's probability are always recorded.
@@ -163,13 +169,23 @@ class SamplerChain:
         self._closed_stats: AdaptiveStats | None = None  # last_stats once the chain is freed
         self._graph_stats: AdaptiveStats | None = None
         self._candidates: np.ndarray | None = None  # sample_from's llama_token_data rows
+        self._vocab_model = vocab_model
+        self._lookback: list[tuple[int, int]] = []  # (sampler, tokens): penalties, DRY
+        self._last_token = -1
         if grammar is not None:
             self._add_grammar(vocab_model, grammar)
+        for modifier in self.spec.stage("before"):
+            modifier.sampler.add(self, modifier.params)
         sampler = self.spec.sampler
         if sampler.takes_temp and self.spec.temp != 1.0:
             self._chain.add_temp(self.spec.temp)
         sampler.add(self, self.spec.params)
-        if not sampler.chooses_token:
+        after = self.spec.stage("after")
+        for modifier in after:
+            modifier.sampler.add(self, modifier.params)
+        # After xtc, dist chooses among what xtc left, even behind a sampler that chose.
+        self._chosen_later = bool(after) and sampler.chooses_token
+        if not sampler.chooses_token or after:
             self._chain.add_dist(self.seed)
 
     def _add_grammar(self, vocab_model, grammar) -> None:
@@ -219,6 +235,39 @@ class SamplerChain:
             graph.enable(self._adaptive, epsilon, uniform)
             self._chain.add_dist(self.seed)
 
+    def penalties(self, last_n: int, repeat: float, freq: float, present: float) -> None:
+        self._add_looking_back(llama_cpp.llama_sampler_init_penalties(
+            self._n_vocab, last_n, repeat, freq, present), last_n)
+
+    def dry(self, multiplier: float, base: float, allowed_length: int, last_n: int) -> None:
+        if self._vocab_model is None:
+            raise SpecError("dry needs the model's vocabulary: pass vocab_model")
+        breakers = (ctypes.c_char_p * len(DRY_SEQUENCE_BREAKERS))(
+            *(b.encode() for b in DRY_SEQUENCE_BREAKERS))
+        self._add_looking_back(llama_cpp.llama_sampler_init_dry(
+            self._vocab_model.vocab, multiplier, base, allowed_length, last_n, breakers,
+            len(DRY_SEQUENCE_BREAKERS)), last_n)
+
+    def top_n_sigma(self, n: float) -> None:
+        self._chain.add_top_n_sigma(n)
+
+    def xtc(self, probability: float, threshold: float) -> None:
+        # Its own stream: with dist's seed it would draw dist's numbers, and a low draw that
+        # lets xtc act would then also pick the top of what is left.
+        self._chain.add_xtc(probability, threshold, 1, (self.seed + XTC_SEED_OFFSET) % 2**32)
+
+    def _add_looking_back(self, sampler, last_n: int) -> None:
+        llama_cpp.llama_sampler_chain_add(self._chain.sampler, sampler)
+        self._lookback.append((sampler, last_n))
+
+    def remember(self, tokens) -> None:
+        """Let the samplers that look back on past tokens (penalties, DRY) see ``tokens``,
+        the prompt's, as llama-server does: a reply is penalised for repeating its prompt
+        too. The grammar and the other samplers do not see them."""
+        for sampler, last_n in self._lookback:
+            for token in tokens[-last_n:]:
+                llama_cpp.llama_sampler_accept(sampler, token)
+
     @property
     def backend(self) -> str:
         """Which implementation runs the adaptive and eta samplers: "c" or "numba" on the
@@ -266,7 +315,7 @@ class SamplerChain:
     def sample(self, ctx, idx: int = -1) -> int:
         """Sample the next token from the logits of ``ctx`` (a ``llama_context *``); in the
         graph: take the token the graph chose, and read the adaptive sampler's figures."""
-        token = llama_cpp.llama_sampler_sample(self.pointer, ctx, idx)
+        token = self._last_token = llama_cpp.llama_sampler_sample(self.pointer, ctx, idx)
         if self.in_graph and self._adaptive is not None:
             k, kept_mass, p_chosen = graph.read_back(ctx, idx, token, self._uniform)
             self._graph_stats = AdaptiveStats(k=k, token=token, kept_mass=kept_mass,
@@ -292,7 +341,9 @@ class SamplerChain:
         llama_cpp.llama_sampler_apply(self.pointer, ctypes.byref(rows))
         if not 0 <= rows.selected < rows.size:
             raise RuntimeError(f"the sampler chain {self.names()} chose no token")
-        token = int(cur["id"][rows.selected])
+        # xtc drops the top rows by moving the array's start: selected counts from there.
+        first = (ctypes.addressof(rows.data.contents) - cur.ctypes.data) // TOKEN_DATA.itemsize
+        token = self._last_token = int(cur["id"][first + rows.selected])
         llama_cpp.llama_sampler_accept(self.pointer, token)
         return token
 
@@ -305,6 +356,9 @@ class SamplerChain:
         if self.in_graph:
             return self._graph_stats
         s = self._stats
+        if self._chosen_later:  # the chain's dist chose after xtc, not the adaptive sampler
+            return AdaptiveStats(k=s.k, token=self._last_token, kept_mass=s.kept_mass,
+                                 entropy=s.entropy, conf=s.conf, p_chosen=math.nan)
         return AdaptiveStats(k=s.k, token=s.token, kept_mass=s.kept_mass, entropy=s.entropy,
                           conf=s.conf, p_chosen=s.p_chosen)
 
@@ -332,9 +386,11 @@ class SamplerChain:
 
 def check_in_graph(spec: SamplerSpec, grammar) -> None:
     """SpecError unless the spec can run inside llama.cpp's graph."""
-    if not spec.sampler.in_graph:
-        raise SpecError(f"`{spec.name}` cannot run inside llama.cpp's graph (backend "
-                        f"sampling): use {in_graph_names()}, or turn backend sampling off")
+    refused = [s.name for s in (spec, *spec.modifiers) if not s.sampler.in_graph]
+    if refused:
+        raise SpecError(f"`{'`, `'.join(refused)}` cannot run inside llama.cpp's graph "
+                        f"(backend sampling): use {in_graph_names()}, or turn backend "
+                        "sampling off")
     if grammar is not None:
         raise SpecError("a grammar cannot run inside llama.cpp's graph (backend sampling): "
                         "turn backend sampling off to use one")

@@ -25,6 +25,7 @@ import logging
 import re
 import secrets
 import sys
+import threading
 from collections import deque
 from pathlib import Path
 from typing import Callable, Iterator
@@ -36,7 +37,9 @@ from llama_cpp.llama_chat_format import Jinja2ChatFormatter  # noqa: E402
 from ..llama.chain import SamplerChain, check_in_graph
 from ..samplers import SEED, SamplerSpec, SpecError, seed_or_fresh, spec_of
 from .batching import MAX_LOGPROBS, Decoder, Generation, GenerationResult, TokenLogprob  # noqa: F401
+from .embeddings import Embedder
 from .limits import MAX_THREADS
+from .loading import load_model
 from .models import ModelError, resolve_model
 from .request import ContextOverflow, InvalidArgument, Request, check_int
 from .threads import ThreadTuner, default_threads
@@ -179,7 +182,9 @@ class Engine:
         self.batch_invariant = n_gpu_layers == 0
         self.path: Path = resolve_model(model)
         set_llama_log(verbose)
-        self._model = self._load_model(n_gpu_layers, verbose)
+        self._model = load_model(self.path, n_gpu_layers, verbose)
+        self._embedder: Embedder | None = None
+        self._embedder_lock = threading.Lock()
         self.vocab = Vocab(self._model)
         self.n_vocab = self.vocab.n_vocab
         # llama.cpp rounds each sequence's context up to a multiple of 256.
@@ -197,22 +202,6 @@ class Engine:
         self.metadata = self._model.metadata()
         self._formatter = self._chat_formatter()
         self._specials: tuple[re.Pattern, dict[str, int]] | None = None
-
-    def _load_model(self, n_gpu_layers: int, verbose: bool):
-        params = llama_cpp.llama_model_default_params()
-        params.n_gpu_layers = 0x7FFFFFFF if n_gpu_layers == -1 else n_gpu_layers
-        # No repacked weight layouts (AVX2/AVX-512 repack, AMX): they compute a row with
-        # other kernels depending on its place in the batch (groups of four rows against
-        # single rows), so a reply would depend on what else was decoded with it; and the
-        # AMX path crashed (SIGSEGV in ggml_backend_amx_mul_mat) on the AMX CPUs of our CI.
-        params.use_extra_bufts = False
-        try:
-            return _internals.LlamaModel(path_model=str(self.path), params=params,
-                                         verbose=verbose)
-        except (ValueError, RuntimeError, OSError) as exc:
-            raise ModelError(f"{self.path}: llama.cpp could not load it; the file is "
-                             f"truncated or corrupt, or not a model llama.cpp supports ({exc})"
-                             ) from None
 
     def _new_context(self, requested: int, threads: int, verbose: bool):
         params = llama_cpp.llama_context_default_params()
@@ -444,6 +433,7 @@ class Engine:
         chain = SamplerChain(request.spec, request.seed, self.n_vocab, grammar=request.grammar,
                              vocab_model=self._model, record_stats=request.record_stats,
                              in_graph=self.backend_sampling)
+        chain.remember(request.prompt_tokens)
         return Generation(request, chain)
 
     # ---- driving the slots: for a scheduler of its own (the server's) ----
@@ -583,7 +573,17 @@ class Engine:
             raise RuntimeError("clear_cache needs an idle engine: generations are running")
         self.decoder.forget()
 
+    def embedder(self) -> Embedder:
+        """Embeddings from this model (:mod:`adaptive_llama.runtime.embeddings`): a context of
+        their own, made on the first call, over the same weights."""
+        with self._embedder_lock:
+            if self._embedder is None:
+                self._embedder = Embedder(self._model, self.path.name, self.threads)
+            return self._embedder
+
     def close(self) -> None:
+        if self._embedder is not None:
+            self._embedder.close()
         self.decoder.close()
         self._context.close()
         self._model.close()

@@ -17,11 +17,13 @@ import json
 import logging
 from typing import Annotated, Literal
 
+import numpy as np
 from fastapi import Request
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from starlette.requests import ClientDisconnect
 
 from ..llama.grammar import UnsupportedSchema, json_grammar
+from ..runtime.embeddings import Embedder
 from ..runtime.engine import ContextOverflow, Engine, GenerationResult, InvalidArgument
 from ..samplers import SamplerSpec, SpecError, spec_from_options
 from .errors import APIError, too_large
@@ -42,6 +44,7 @@ MAX_MESSAGES = 4096
 MAX_PARTS = 256  # content parts of one message
 MAX_STOPS = 16  # OpenAI allows 4
 MAX_PROMPTS = 16  # a list of prompts: more than one is refused in words (one per request)
+MAX_EMBED_INPUTS = 256  # texts embedded in one request (OpenAI takes 2048)
 
 # Strict types, as OpenAI's: "5" is not a number and "yes" not a boolean. Unknown fields
 # (user, ...) are ignored, as most local servers do, so that clients sending their full
@@ -94,23 +97,76 @@ async def chat_prompt(engine: Engine, messages: list[Message]) -> list[int]:
         raise APIError(400, f"messages: {exc}", param="messages") from None
 
 
-def sampler_for(default: SamplerSpec, *, param: str = "sampler", **options) -> SamplerSpec:
-    """:func:`adaptive_llama.samplers.spec_from_options`, its error a 400 naming ``param``."""
+class SamplingFields(BaseModel):
+    """The sampling options both protocols take beside their own, under llama-server's and
+    Ollama's names: truncation, mirostat, and the modifiers (penalties, DRY, top-n-sigma,
+    XTC; see :data:`adaptive_llama.samplers.MODIFIER_OPTIONS`). Their ranges are the sampler
+    table's, checked in :func:`sampler_for`."""
+
+    model_config = STRICT
+
+    top_k: int | None = Field(None, ge=0)
+    min_p: float | None = Field(None, ge=0, le=1)
+    mirostat: int | None = None
+    mirostat_tau: float | None = None
+    mirostat_eta: float | None = None
+    repeat_penalty: float | None = None
+    frequency_penalty: float | None = None
+    presence_penalty: float | None = None
+    repeat_last_n: int | None = None
+    dry_multiplier: float | None = None
+    dry_base: float | None = None
+    dry_allowed_length: int | None = None
+    dry_penalty_last_n: int | None = None
+    top_n_sigma: float | None = None
+    xtc_probability: float | None = None
+    xtc_threshold: float | None = None
+
+    def sampling_options(self) -> dict:
+        """These fields as :func:`adaptive_llama.samplers.spec_from_options` takes them."""
+        return {name: getattr(self, name) for name in SamplingFields.model_fields}
+
+
+def sampler_for(default: SamplerSpec, *, param: str = "sampler", prefix: str = "",
+                **options) -> SamplerSpec:
+    """:func:`adaptive_llama.samplers.spec_from_options`, its error a 400 naming the option
+    that was wrong (``prefix`` + its name: ``options.repeat_penalty``), else ``param``."""
     try:
         return spec_from_options(default, **options)
     except SpecError as exc:
-        raise APIError(400, f"{param}: {exc}", param=param, code="invalid_sampler") from None
+        where = prefix + exc.param if exc.param else param
+        raise APIError(400, f"{where}: {exc}", param=where, code="invalid_sampler") from None
 
 
 class Server:
-    """The routes' shared state: the engine, its scheduler, the default sampler."""
+    """The routes' shared state: the engine, its scheduler, the default sampler, the
+    embeddings' model."""
 
     def __init__(self, engine: Engine, sampler: SamplerSpec, max_queue: int,
-                 model_id: str | None = None):
+                 model_id: str | None = None, embedder: Embedder | None = None):
         self.engine = engine
         self.sampler = sampler
         self.model_id = model_id or engine.name
         self.scheduler = Scheduler(engine, max_queue)
+        self._embedder = embedder
+
+    async def embed(self, items: list[str | list[int]], field: str,
+                    truncate: bool = False) -> tuple[np.ndarray, int]:
+        """The unit vectors of texts or token lists (one row each) and the tokens they held,
+        computed off the event loop; a 400 naming ``field.i`` for an input that is empty,
+        too long (``truncate``: cut to the longest the model embeds instead) or not tokens
+        of the model."""
+        def run():
+            embedder = self._embedder or self.engine.embedder()
+            inputs = [embedder.tokenize(x) if isinstance(x, str) else x for x in items]
+            if truncate:
+                inputs = [tokens[:embedder.max_tokens] for tokens in inputs]
+            embedder.check(inputs, field)
+            return embedder.embed(inputs), sum(map(len, inputs))
+        try:
+            return await asyncio.to_thread(run)
+        except InvalidArgument as exc:
+            raise APIError(400, str(exc), param=exc.param) from None
 
     def job(self, prompt_tokens: list[int], *, sampler: SamplerSpec, max_tokens: int | None,
             seed: int | None, stop: list[str], stream: bool, logprobs: int | None = None,
@@ -125,7 +181,7 @@ class Server:
                                           max_tokens=max_tokens, seed=seed, stop=stop,
                                           logprobs=logprobs, grammar=grammar)
         except SpecError as exc:
-            param = format_field if grammar is not None and sampler.sampler.in_graph \
+            param = format_field if grammar is not None and sampler.in_graph \
                 else "sampler"
             raise APIError(400, f"{param}: {exc}", param=param,
                            code="invalid_sampler") from None

@@ -1,17 +1,21 @@
 """Ollama-compatible routes, beside the OpenAI ones, for desktop clients that speak Ollama's API.
 
-``GET /api/version``, ``GET /api/tags``, ``POST /api/show``, ``POST /api/chat`` and
-``POST /api/generate``: newline-delimited JSON as pieces come (the default), or one object
+``GET /api/version``, ``GET /api/tags``, ``POST /api/show``, ``POST /api/embed`` (and the older
+``/api/embeddings``), ``POST /api/chat`` and ``POST /api/generate``: newline-delimited JSON as pieces come (the default), or one object
 with ``"stream": false``. The same queue, slots, API key and limits as the OpenAI routes; errors
 in Ollama's shape, ``{"error": "message"}``, with the HTTP status.
 
 ``options``: ``temperature`` (0: greedy), ``seed``, ``num_predict`` (max new tokens; -1 or
-absent: until the context is full), ``stop``, and the sampler: our ``sampler`` spec
-(``"adaptive:eps=0.001"``), or, without it, one of Ollama's truncation options: ``min_p``
-above 0, else ``top_p`` below 1, else ``top_k`` above 0 (in that order; llama.cpp's chain here
-runs one truncation sampler), at the default sampler's temperature. Without any of them the
-server's default sampler runs (:func:`.common.sampler_for`, shared with the OpenAI routes). Other
-Ollama options (``num_ctx``, ``repeat_penalty``, ...) are accepted and ignored.
+absent: until the context is full), ``stop``, ``num_ctx`` (this request's window, inside the
+slot's), and the sampler: our ``sampler`` spec (``"adaptive:eps=0.001"``), or, without it,
+``mirostat`` 1 or 2, or one of Ollama's truncation options: ``min_p`` above 0, else ``top_p``
+below 1, else ``top_k`` above 0 (in that order; llama.cpp's chain here runs one truncation
+sampler), at the default sampler's temperature; penalties (``repeat_penalty``,
+``repeat_last_n``, ``presence_penalty``, ``frequency_penalty``) and llama-server's DRY, XTC and
+top-n-sigma options join their modifiers (:class:`.common.SamplingFields`). Without any of them
+the server's default sampler runs (:func:`.common.sampler_for`, shared with the OpenAI routes).
+Options that set up a model (``num_gpu``, ``num_thread``, ...) are accepted and ignored: the
+server sets them when it starts.
 
 ``format``: ``"json"`` (any JSON object) or a JSON schema constrains the reply with a grammar
 (:mod:`adaptive_llama.llama.grammar`); a schema keyword it cannot enforce is a 400 naming it.
@@ -27,9 +31,10 @@ import datetime
 import hashlib
 import json
 import math
+import time
 from importlib import metadata
 from pathlib import Path
-from typing import ClassVar, Literal
+from typing import Annotated, ClassVar, Literal
 
 from fastapi import APIRouter, Request
 from fastapi.responses import StreamingResponse
@@ -40,11 +45,14 @@ from ..runtime.engine import GenerationResult
 from ..samplers import SEED
 from .common import (
     FINISH_REASONS,
+    MAX_EMBED_INPUTS,
     MAX_MESSAGES,
     MAX_STOPS,
     STRICT,
+    APIError,
     Job,
     Message,
+    SamplingFields,
     Server,
     chat_prompt,
     grammar_for,
@@ -58,14 +66,13 @@ NDJSON = "application/x-ndjson"
 OLLAMA_API_VERSION = "0.9.0"  # /api/chat, /api/generate with format and options, as here
 
 
-class Options(BaseModel):
+class Options(SamplingFields):
     model_config = STRICT
 
     temperature: float | None = Field(None, ge=0, le=2)
     top_p: float | None = Field(None, gt=0, le=1)
-    top_k: int | None = Field(None, ge=0)
-    min_p: float | None = Field(None, ge=0, le=1)
     seed: int | None = Field(None, ge=0, le=SEED.high)
+    num_ctx: int | None = Field(None, ge=1)
     num_predict: int | None = Field(None, ge=-2)
     stop: list[str] | None = Field(None, max_length=MAX_STOPS)
     sampler: str | None = None
@@ -100,6 +107,20 @@ class GenerateBody(_Body):
     prompt: str = ""
     system: str | None = None
     raw: bool = False
+
+
+class EmbedBody(BaseModel):
+    model_config = STRICT
+    UNSUPPORTED: ClassVar[dict[str, tuple]] = {"dimensions": (None,)}
+    model: str = Field(min_length=1)
+    input: str | Annotated[list[str], Field(min_length=1, max_length=MAX_EMBED_INPUTS)]
+    truncate: bool = True
+
+
+class EmbeddingsBody(BaseModel):  # the older /api/embeddings
+    model_config = STRICT
+    model: str = Field(min_length=1)
+    prompt: str
 
 
 class ShowBody(BaseModel):
@@ -181,8 +202,16 @@ async def _job(server: Server, tokens: list[int], body: _Body, prompt_field: str
     options = body.options
     sampler = sampler_for(server.sampler, sampler=options.sampler,
                           temperature=options.temperature, top_p=options.top_p,
-                          top_k=options.top_k, min_p=options.min_p, param="options.sampler")
+                          param="options.sampler", prefix="options.",
+                          **options.sampling_options())
     wanted = options.num_predict if options.num_predict and options.num_predict > 0 else None
+    if options.num_ctx is not None:  # a window of its own, inside the slot's
+        room = options.num_ctx - len(tokens)
+        if room < 1:
+            raise APIError(400, f"the prompt has {len(tokens)} tokens, but `options.num_ctx` "
+                           f"is {options.num_ctx}: shorten it or raise num_ctx",
+                           param="options.num_ctx", code="context_length_exceeded")
+        wanted = min(wanted or room, room)
     return server.job(tokens, sampler=sampler, max_tokens=wanted, seed=options.seed,
                       stop=[s for s in options.stop or [] if s], stream=body.stream,
                       grammar=await grammar_for(body.schema_wanted(), "format"),
@@ -288,3 +317,25 @@ async def generate(request: Request):
         tokens = await asyncio.to_thread(engine.chat_prompt_tokens, messages)
     job = await _job(server, tokens, body, "prompt", request.url.path)
     return await _respond(server, request, job, body, "generate")
+
+
+@router.post("/api/embed")
+async def embed(request: Request):
+    server = server_of(request)
+    body = await parse_body(request, EmbedBody)
+    started = time.perf_counter()
+    items = [body.input] if isinstance(body.input, str) else body.input
+    vectors, tokens = await server.embed(items, "input", truncate=body.truncate)
+    return {"model": body.model, "embeddings": vectors.tolist(),
+            "total_duration": _ns(time.perf_counter() - started), "load_duration": 0,
+            "prompt_eval_count": tokens}
+
+
+@router.post("/api/embeddings")
+async def embeddings(request: Request):
+    server = server_of(request)
+    body = await parse_body(request, EmbeddingsBody)
+    if not body.prompt:  # as ollama answers it
+        return {"embedding": []}
+    vectors, _ = await server.embed([body.prompt], "prompt", truncate=True)
+    return {"embedding": vectors[0].tolist()}

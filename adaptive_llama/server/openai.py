@@ -1,11 +1,13 @@
 """The OpenAI-compatible routes: ``GET /v1/models``, ``POST /v1/chat/completions`` and
 ``POST /v1/completions``, streaming as server-sent events ending with ``data: [DONE]``, or one
-JSON object.
+JSON object; ``POST /v1/embeddings`` (unit vectors, as numbers or base64 float32).
 
 Sampling: the body field ``sampler`` takes a spec (``adaptive:eps=0.001``, ``min-p:p=0.05``,
 ...); without it the server's default (adaptive) runs. OpenAI fields map onto the spec
 (:func:`.common.sampler_for`): ``temperature`` sets its ``temp=`` (0 means greedy), and
-``top_p`` below 1 without a ``sampler`` field asks for nucleus sampling, ``top-p:p=TOP_P``.
+``top_p`` below 1 without a ``sampler`` field asks for nucleus sampling, ``top-p:p=TOP_P``;
+``frequency_penalty``, ``presence_penalty`` and llama-server's extensions (``repeat_penalty``,
+``top_k``, ``min_p``, DRY, XTC, ...; :class:`.common.SamplingFields`) join their modifiers.
 Every response carries ``sampler_stats`` (the spec, and for adaptive the mean and spread of k).
 
 Structured output: ``response_format`` ``{"type": "json_object"}`` (any JSON object) or
@@ -21,12 +23,14 @@ keeps serving.
 from __future__ import annotations
 
 import asyncio
+import base64
 import codecs
 import itertools
 import json
 import time
 from typing import Annotated, ClassVar, Literal
 
+import numpy as np
 from fastapi import APIRouter, Request
 from pydantic import BaseModel, Field
 from sse_starlette.sse import EventSourceResponse
@@ -36,6 +40,7 @@ from ..runtime.engine import MAX_LOGPROBS, GenerationResult, TokenLogprob
 from ..samplers import SEED
 from .common import (
     FINISH_REASONS,
+    MAX_EMBED_INPUTS,
     MAX_MESSAGES,
     MAX_PROMPTS,
     MAX_STOPS,
@@ -43,6 +48,7 @@ from .common import (
     APIError,
     Job,
     Message,
+    SamplingFields,
     Server,
     chat_prompt,
     grammar_for,
@@ -80,7 +86,7 @@ class ResponseFormat(BaseModel):
         return self.json_schema.schema_ or ANY_OBJECT
 
 
-class _Body(BaseModel):
+class _Body(SamplingFields):
     model_config = STRICT
     UNSUPPORTED: ClassVar[dict[str, tuple]] = {"logit_bias": (None, {})}
 
@@ -125,10 +131,34 @@ class CompletionBody(_Body):
         return self.logprobs
 
 
+class EmbeddingBody(BaseModel):
+    model_config = STRICT
+    UNSUPPORTED: ClassVar[dict[str, tuple]] = {"dimensions": (None,)}
+
+    model: str | None = None
+    input: (str | Annotated[list[str], Field(min_length=1, max_length=MAX_EMBED_INPUTS)]
+            | Annotated[list[int], Field(min_length=1)]
+            | Annotated[list[list[int]], Field(min_length=1, max_length=MAX_EMBED_INPUTS)])
+    encoding_format: Literal["float", "base64"] = "float"
+
+    def items(self) -> list[str | list[int]]:
+        """The inputs, one per vector: a text or a list of token ids each."""
+        if isinstance(self.input, str) or (self.input and isinstance(self.input[0], int)):
+            return [self.input]
+        return list(self.input)
+
+
+def _encoded(vector: np.ndarray, encoding: str) -> list[float] | str:
+    """A vector as OpenAI writes it: numbers, or base64 of little-endian float32."""
+    if encoding == "base64":
+        return base64.b64encode(vector.astype("<f4").tobytes()).decode("ascii")
+    return vector.tolist()
+
+
 async def _job(server: Server, tokens: list[int], body: _Body, max_tokens: int | None,
                prompt_field: str, route: str) -> Job:
     sampler = sampler_for(server.sampler, sampler=body.sampler, temperature=body.temperature,
-                          top_p=body.top_p)
+                          top_p=body.top_p, **body.sampling_options())
     schema = body.response_format.schema_wanted() if body.response_format else None
     return server.job(tokens, sampler=sampler, max_tokens=max_tokens, seed=body.seed,
                       stop=[body.stop] if isinstance(body.stop, str) else list(body.stop or []),
@@ -295,3 +325,15 @@ async def completions(request: Request):
     tokens = await asyncio.to_thread(engine.tokenize, prompt, True, True)
     job = await _job(server, tokens, body, body.max_tokens or 16, "prompt", request.url.path)
     return await _respond(server, request, job, body, "completion")
+
+
+@router.post("/v1/embeddings")
+async def embeddings(request: Request):
+    server = server_of(request)
+    body = await parse_body(request, EmbeddingBody)
+    vectors, tokens = await server.embed(body.items(), "input")
+    return {"object": "list", "model": server.model_id,
+            "data": [{"object": "embedding", "index": i,
+                      "embedding": _encoded(v, body.encoding_format)}
+                     for i, v in enumerate(vectors)],
+            "usage": {"prompt_tokens": tokens, "total_tokens": tokens}}
