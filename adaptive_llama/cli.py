@@ -298,7 +298,7 @@ def _continue(repl, store, name: str) -> None:
 @main.command("eval")
 @click.argument("model", required=False)
 @click.option("--tasks", default="wiki,stories,ablation,latency,gsm8k", show_default=True,
-              help="Comma-separated: wiki, stories, ablation, latency, gsm8k.")
+              help="Comma-separated: wiki, stories, ablation, penalties, latency, gsm8k.")
 @click.option("--methods", default=None,
               help="Comma-separated subset of greedy, top-k, top-p, typical, min-p, mirostat, "
                    "eta, adaptive (default: all).")

@@ -194,6 +194,28 @@ def test_each_finished_task_is_reported_before_the_next_one_runs(tmp_path, engin
     assert "**Interim report**: gsm8k still to run" in markdown
 
 
+def test_the_penalty_study_runs_each_sampler_bare_and_with_each_penalty(tmp_path, engine):
+    config = run.EvalConfig(tasks=("penalties",), n_dev=2, n_test=4, max_tokens=16,
+                            out=str(tmp_path))
+    ev = run.Evaluator(config, engine=engine)
+    try:
+        report = ev.run()
+    finally:
+        ev.close()
+    rows = report["penalties"]
+    assert [r["spec"] for r in rows] == [base + m for base in tasks.PENALTY_BASES
+                                         for m in tasks.PENALTY_MODIFIERS]
+    for row in rows:
+        assert 0 <= row["rep2"][0] <= 1 and 0 <= row["diversity"][0] <= 1
+    cache = [json.loads(line) for line in (tmp_path / "generations.jsonl").open()]
+    text = {(r["spec"], r["prompt_id"]): r["text"] for r in cache}
+    bare, strong = tasks.PENALTY_BASES[0], tasks.PENALTY_BASES[0] + "+penalties:repeat=1.3"
+    assert any(text[(bare, pid)] != text[(strong, pid)] for s, pid in text if s == bare)
+    markdown = (tmp_path / "results.md").read_text()
+    assert "## Penalties with adaptive decoding" in markdown
+    assert "`adaptive:eps=0.0005+dry` |" in markdown
+
+
 @pytest.mark.parametrize("text, answer", [
     ("3 + 4 = 7. Then 7 * 2 = 14. The answer is 14.", "14"),
     ("The answer is $1,250.", "1250"),

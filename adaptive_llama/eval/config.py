@@ -23,7 +23,7 @@ GRIDS = {
                  "adaptive:eps=0.005"],
 }
 
-TASKS = ("wiki", "stories", "ablation", "latency", "gsm8k")
+TASKS = ("wiki", "stories", "ablation", "penalties", "latency", "gsm8k")
 METHODS = tuple(GRIDS)
 
 

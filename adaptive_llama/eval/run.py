@@ -189,20 +189,22 @@ class Evaluator:
         open_tasks = ["file"] if c.prompts_file else [t for t in c.tasks
                                                        if t in ("wiki", "stories")]
         pending = [*open_tasks, *(t for t in TASKS[2:] if t in c.tasks)]
-        ablation_prompts = None
+        test_prompts = None
         for task in open_tasks:
             result = tasks.open_ended(self, task)
-            test_prompts = result.pop("test_prompts")
-            ablation_prompts = ablation_prompts or test_prompts[:c.n_dev]
+            test_prompts = test_prompts or result.pop("test_prompts")
+            result.pop("test_prompts", None)
             report.setdefault("open_ended", {})[task] = result
             self._finished(task, pending, report, started)
+        if test_prompts is None and ("ablation" in c.tasks or "penalties" in c.tasks):
+            prompts = tasks.open_ended_prompts(self, "wiki")
+            test_prompts = data.dev_test_split(prompts, c.n_dev, c.n_test, c.seed)[1]
         if "ablation" in c.tasks:
-            if ablation_prompts is None:
-                prompts = tasks.open_ended_prompts(self, "wiki")
-                ablation_prompts = data.dev_test_split(prompts, c.n_dev, c.n_test,
-                                                       c.seed)[1][:c.n_dev]
-            report["ablation"] = tasks.ablation(self, ablation_prompts)
+            report["ablation"] = tasks.ablation(self, test_prompts[:c.n_dev])
             self._finished("ablation", pending, report, started)
+        if "penalties" in c.tasks:
+            report["penalties"] = tasks.penalties(self, test_prompts)
+            self._finished("penalties", pending, report, started)
         if "latency" in c.tasks:
             report["latency_us"] = tasks.latency(self, [tasks.GRIDS[m][0] for m in c.methods])
             self._finished("latency", pending, report, started)

@@ -4,6 +4,8 @@
   on a disjoint test split (the paper's section 5.1);
 - :func:`ablation`: the threshold study (k, kept mass, Conf per epsilon, multinomial and
   uniform sampling in the kept set);
+- :func:`penalties`: what repetition penalties and DRY do to adaptive's (and top-p's)
+  repetition, diversity, coherence and MAUVE;
 - :func:`latency`: microseconds of one sampler call at each vocabulary size;
 - :func:`gsm8k`: accuracy of greedy, and of top-p, min-p and adaptive at three temperatures,
   on grade-school maths.
@@ -198,6 +200,28 @@ def ablation(ev: Runner, prompts: list[Prompt]) -> list[dict]:
                 "conf": metrics.mean_sd([x for r in rows for x in r["conf"]]),
                 "diversity": scored["diversity"], "coherence": scored["coherence"],
                 "mauve": scored["mauve"]})
+    return out
+
+
+# The penalty study: adaptive and top-p at their defaults, bare and with the penalties users
+# reach for (Ollama's default repeat_penalty 1.1, a strong 1.3, OpenAI's presence_penalty,
+# DRY at its usual settings).
+PENALTY_BASES = ("adaptive:eps=0.0005", "top-p:p=0.95")
+PENALTY_MODIFIERS = ("", "+penalties:repeat=1.1", "+penalties:repeat=1.3",
+                     "+penalties:repeat=1,present=0.5", "+dry")
+
+
+def penalties(ev: Runner, prompts: list[Prompt]) -> list[dict]:
+    """rep-n, diversity, coherence and MAUVE of each base sampler with each penalty, on the
+    same prefixes: do penalties still help once adaptive decoding picks the set?"""
+    specs = [base + modifier for base in PENALTY_BASES for modifier in PENALTY_MODIFIERS]
+    rows = ev.generate_specs("penalties", "test", specs, prompts, 1)
+    out = []
+    for spec in specs:
+        scored = ev.score(rows[spec], prompts)
+        out.append({"spec": spec, **{k: scored[k] for k in
+                                     ("rep2", "rep3", "rep4", "diversity", "coherence",
+                                      "mauve")}})
     return out
 
 
