@@ -471,8 +471,8 @@ def spec_from_options(default: SamplerSpec, *, sampler: str | None = None,
     ``top_p`` below 1, ``top_k`` above 0: llama.cpp's chain here runs one) at the default
     spec's temperature, else ``default``; then ``epsilon`` on top (a spec without one:
     SpecError), the modifiers' options (:data:`MODIFIER_OPTIONS`, over a modifier the spec
-    already has) and ``temperature`` (0: greedy, the modifiers kept; a sampler that takes
-    none, such as greedy, ignores it, as clients send one with every request)."""
+    already has) and ``temperature`` (0: greedy, with the modifiers before it; a sampler
+    that takes none, such as greedy, ignores it, as clients send one with every request)."""
     unknown = set(modifier_options) - set(MODIFIER_OPTIONS)
     if unknown:
         raise TypeError(f"spec_from_options() got unknown options {sorted(unknown)}")
@@ -484,17 +484,28 @@ def spec_from_options(default: SamplerSpec, *, sampler: str | None = None,
     if chosen is not None:
         chosen = chosen.with_param("temp", default.temp) if default.sampler.takes_temp \
             else chosen
-        spec = _joined(chosen, list(default.modifiers))
+        spec = _rejoined(chosen, default.modifiers)
     if epsilon is not None:
         if "eps" not in spec.params:
             raise SpecError(f"`epsilon` applies to adaptive and eta, not to {spec}")
         spec = spec.with_param("eps", epsilon)
     spec = _with_option_modifiers(spec, modifier_options)
     if temperature == 0:
-        return _joined(parse_spec("greedy"), list(spec.modifiers))
+        return _rejoined(parse_spec("greedy"), spec.modifiers)
     if temperature is not None and spec.sampler.takes_temp:
         spec = spec.with_param("temp", temperature)
     return spec
+
+
+def _rejoined(sampler: SamplerSpec, modifiers: tuple[SamplerSpec, ...]) -> SamplerSpec:
+    """``sampler`` in place of another, with the modifiers it can take: a client's
+    temperature 0 or mirostat on a server whose default spec has xtc drops xtc, which
+    cannot follow a sampler that chooses the token itself."""
+    try:
+        _check_chosen_later(sampler)
+    except SpecError:
+        modifiers = tuple(m for m in modifiers if m.sampler.stage != "after")
+    return _joined(sampler, list(modifiers))
 
 
 def _with_option_modifiers(spec: SamplerSpec, options: dict) -> SamplerSpec:

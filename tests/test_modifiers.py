@@ -85,8 +85,18 @@ def test_option_errors_name_the_field():
         spec_from_options(parse_spec("adaptive"), repeat_penalty=0)
     with pytest.raises(SpecError, match="`mirostat` has to be 0, 1 or 2"):
         spec_from_options(parse_spec("adaptive"), mirostat=3)
+    # A client's xtc option after an explicit greedy spec is an error ...
     with pytest.raises(SpecError, match="xtc cannot follow greedy"):
-        spec_from_options(parse_spec("adaptive"), temperature=0, xtc_probability=0.5)
+        spec_from_options(parse_spec("adaptive"), sampler="greedy", xtc_probability=0.5)
+
+
+def test_temperature_zero_or_mirostat_drop_a_default_xtc_they_cannot_take():
+    # ... but a server default with xtc still answers temperature 0 and mirostat requests.
+    default = parse_spec("adaptive+penalties:repeat=1.2+xtc")
+    assert spec_from_options(default, temperature=0) == parse_spec(
+        "greedy+penalties:repeat=1.2")
+    assert spec_from_options(default, mirostat=2) == parse_spec("mirostat+penalties:repeat=1.2")
+    assert spec_from_options(default, top_k=5) == parse_spec("top-k:k=5+penalties:repeat=1.2+xtc")
 
 
 # ---- hand-worked distributions through llama.cpp's own chain ----
