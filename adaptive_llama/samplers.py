@@ -185,6 +185,8 @@ _MIROSTAT_ETA = Param("eta", float, 0.1, "learning rate", low=0.0, low_open=True
 # allocates this many entries per sampler; 2**20 is beyond any context window.
 MAX_LOOKBACK = 2**20
 _PENALTY = dict(low=-2.0, high=2.0)  # OpenAI's range for presence and frequency penalties
+# llama.cpp's default DRY sequence breakers: a repeat across one of these is not penalised.
+DRY_SEQUENCE_BREAKERS = ("\n", ":", "\"", "*")
 
 
 def _modifier(name: str, summary: str, params: tuple[Param, ...], add, stage: str) -> Sampler:

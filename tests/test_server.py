@@ -181,6 +181,11 @@ def test_openai_fields_map_onto_the_sampler_spec(client):
         "+xtc:probability=0.5,threshold=0.1"
     with pytest.raises(openai.BadRequestError, match="`presence_penalty` has to be in"):
         sampler(presence_penalty=2.5)
+    # DRY's sequence breakers: llama.cpp's own are served, others refused by name.
+    assert sampler(extra_body={"dry_multiplier": 0.8, "dry_sequence_breakers": [
+        "\n", ":", '"', "*"]}).endswith("+dry:multiplier=0.8,base=1.75,allowed_length=2,last_n=1024")
+    with pytest.raises(openai.BadRequestError, match="`dry_sequence_breakers` is not supported"):
+        sampler(extra_body={"dry_multiplier": 0.8, "dry_sequence_breakers": ["."]})
 
 
 def test_stop_strings_end_the_reply(client):

@@ -35,14 +35,19 @@ from llama_cpp import _internals  # noqa: E402
 
 from .. import kernel  # noqa: E402
 from ..kernel import AdaptiveStats, native  # noqa: E402
-from ..samplers import SEED, SamplerSpec, SpecError, in_graph_names, spec_of  # noqa: E402
+from ..samplers import (  # noqa: E402
+    DRY_SEQUENCE_BREAKERS,
+    SEED,
+    SamplerSpec,
+    SpecError,
+    in_graph_names,
+    spec_of,
+)
 from . import graph  # noqa: E402
 
 # llama.cpp's llama_token_data, one candidate token of a chain
 TOKEN_DATA = np.dtype([("id", np.int32), ("logit", np.float32), ("p", np.float32)])
 _FLOAT_P = ctypes.POINTER(ctypes.c_float)
-# llama.cpp's default DRY sequence breakers: a repeat across one of these is not penalised.
-DRY_SEQUENCE_BREAKERS = ("\n", ":", "\"", "*")
 XTC_SEED_OFFSET = 0x9E3779B9
 
 

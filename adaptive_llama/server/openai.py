@@ -37,7 +37,7 @@ from sse_starlette.sse import EventSourceResponse
 
 from ..llama.grammar import ANY_OBJECT
 from ..runtime.engine import MAX_LOGPROBS, GenerationResult, TokenLogprob
-from ..samplers import SEED
+from ..samplers import DRY_SEQUENCE_BREAKERS, SEED
 from .common import (
     FINISH_REASONS,
     MAX_EMBED_INPUTS,
@@ -88,7 +88,10 @@ class ResponseFormat(BaseModel):
 
 class _Body(SamplingFields):
     model_config = STRICT
-    UNSUPPORTED: ClassVar[dict[str, tuple]] = {"logit_bias": (None, {})}
+    # DRY runs with llama.cpp's sequence breakers; clients that send them (SillyTavern
+    # sends llama.cpp's) are served, other breakers refused.
+    UNSUPPORTED: ClassVar[dict[str, tuple]] = {
+        "logit_bias": (None, {}), "dry_sequence_breakers": (None, list(DRY_SEQUENCE_BREAKERS))}
 
     model: str | None = None
     max_tokens: int | None = Field(None, ge=1)
