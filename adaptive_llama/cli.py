@@ -64,24 +64,31 @@ def configured(fn):
 
     @functools.wraps(fn)
     def wrapper(**kwargs):
-        ctx = click.get_current_context()
-        settings = config.settings_for(kwargs.get("model"))  # ConfigError: one line, exit 2
+        kwargs, click.get_current_context().meta["sources"] = _settings(kwargs.get("model"),
+                                                                        kwargs)
         _warn_misspelt_tables()
-        sources = {}
-        for key, name in CONFIG_PARAMS.items():
-            if name not in kwargs:
-                continue
-            if ctx.get_parameter_source(name) in GIVEN:
-                sources[key] = "command line"
-            elif key in settings.values:
-                kwargs[name] = settings.values[key]
-                sources[key] = settings.source[key]
-            else:
-                sources[key] = "built-in default"
-        ctx.meta["sources"] = sources
         return fn(**kwargs)
 
     return wrapper
+
+
+def _settings(model: str | None, kwargs: dict) -> tuple[dict, dict]:
+    """The command's arguments with what the command line left out taken from config.toml
+    for ``model``, and where each setting came from. ConfigError: one line, exit 2."""
+    ctx = click.get_current_context()
+    settings = config.settings_for(model)
+    kwargs, sources = dict(kwargs), {}
+    for key, name in CONFIG_PARAMS.items():
+        if name not in kwargs:
+            continue
+        if ctx.get_parameter_source(name) in GIVEN:
+            sources[key] = "command line"
+        elif key in settings.values:
+            kwargs[name] = settings.values[key]
+            sources[key] = settings.source[key]
+        else:
+            sources[key] = "built-in default"
+    return kwargs, sources
 
 
 def _warn_misspelt_tables() -> None:
@@ -133,7 +140,8 @@ def load_engine(model, n_gpu_layers, n_ctx, threads, seed, verbose, backend_samp
             engine.check_sampler(sampler)
         except SpecError as exc:
             engine.close()
-            fail(f"--sampler: {exc}")
+            # ValueError, not an exit: a server loads models while it serves.
+            raise ValueError(f"--sampler: {exc}") from None
     return engine
 
 
@@ -406,7 +414,18 @@ def _free_port(host: str, port: int) -> int:
 
 
 @main.command()
-@click.argument("model", required=False)
+@click.argument("models", nargs=-1, metavar="[MODEL]...")
+@click.option("--model", "-m", "more_models", multiple=True, metavar="[NAME=]MODEL",
+              help="A model to serve, as a bundled name or a GGUF path; NAME= sets the name "
+                   "clients ask for (default: the bundled name or the file's stem); "
+                   "repeatable. Default: every model in config.toml, else smollm2.")
+@click.option("--max-loaded", type=click.IntRange(min=1), default=3, show_default=True,
+              help="Models loaded at once (ollama's default); loading one more unloads the "
+                   "least recently used idle one.")
+@click.option("--keep-alive", default="5m", show_default=True, metavar="DURATION",
+              callback=lambda ctx, param, value: _keep_alive(value),
+              help="How long an idle model stays loaded (\"30s\", \"1h\", seconds; -1: for "
+                   "ever); a request's keep_alive overrides it.")
 @click.option("--host", default="127.0.0.1", show_default=True,
               help="Address to bind; other than loopback needs --allow-remote.")
 @click.option("--port", type=click.IntRange(0, 65535), default=8080, show_default=True)
@@ -439,16 +458,17 @@ def _free_port(host: str, port: int) -> int:
                    "the served model, mean-pooled.")
 @model_options
 @user_errors
-@configured
-def serve(model, host, port, allow_remote, api_key, allow_origins, allow_hosts, sampler,
-          max_queue, max_body, read_timeout, parallel, embedding_model, n_gpu_layers, n_ctx,
-          threads, seed, backend_sampling, verbose):
-    """Serve MODEL over the OpenAI API (/v1/chat/completions, /v1/completions, /v1/models)."""
+def serve(models, more_models, max_loaded, keep_alive, host, port, allow_remote, api_key,
+          allow_origins, allow_hosts, sampler, max_queue, max_body, read_timeout, parallel,
+          embedding_model, n_gpu_layers, n_ctx, threads, seed, backend_sampling, verbose):
+    """Serve one or several models over the OpenAI and Ollama APIs (/v1/chat/completions,
+    /api/chat, ...); the first loads now, the others on their first request."""
     try:
         import uvicorn
 
         from .server import create_app
         from .server.guard import check_api_key
+        from .server.pool import ModelPool
         from .server.protocol import with_read_timeout
     except ImportError as exc:
         fail(f"`serve` needs the server extra ({exc.name} is missing): "
@@ -466,24 +486,72 @@ def serve(model, host, port, allow_remote, api_key, allow_origins, allow_hosts, 
         click.echo(f"Warning: serving on {host}, reachable from other machines"
                    f"{'' if api_key else ' with no --api-key'}.", err=True)
     port = _free_port(host, port)
-    engine = load_engine(model, n_gpu_layers, n_ctx, threads, seed, verbose, backend_sampling,
-                         parallel=parallel, sampler=sampler)
+    options = dict(sampler=sampler, n_gpu_layers=n_gpu_layers, n_ctx=n_ctx, threads=threads,
+                   backend_sampling=backend_sampling)
+    served = [_served(argument, options, parallel=parallel, seed=seed, verbose=verbose)
+              for argument in (*models, *more_models) or _configured_models()]
+    _warn_misspelt_tables()
+    pool = ModelPool(served, max_loaded=max_loaded, keep_alive=keep_alive,
+                     max_queue=max_queue)
+    first = pool.load_now(pool.default)
     embedder = None
     if embedding_model is not None:
         from .runtime.embeddings import Embedder
 
-        embedder = Embedder.open(resolve_model(embedding_model), engine.threads)
+        embedder = Embedder.open(resolve_model(embedding_model), first.engine.threads)
     # On a public address the server cannot know the names it is reached by: any Host.
-    app = create_app(engine, sampler, api_key=api_key, max_queue=max_queue, max_body=max_body,
-                     allow_origins=allow_origins,
+    app = create_app(pool, api_key=api_key, max_body=max_body, allow_origins=allow_origins,
                      allow_hosts=allow_hosts if _is_loopback(host) else None,
                      embedder=embedder)
-    click.echo(f"Serving {engine.name} at http://{host}:{port}/v1 (default sampler {sampler}, "
-               f"{parallel} slots of {engine.n_ctx} tokens, {engine.threads} threads); "
-               "Ctrl-C stops.", err=True)
+    others = f" (and {', '.join(m.name for m in served[1:])} on demand)" if served[1:] else ""
+    click.echo(f"Serving {first.name}{others} at http://{host}:{port}/v1 (default sampler "
+               f"{first.sampler}, {parallel} slots of {first.engine.n_ctx} tokens, "
+               f"{first.engine.threads} threads); Ctrl-C stops.", err=True)
     _log_requests()
     uvicorn.run(app, host=host, port=port, http=with_read_timeout(read_timeout),
                 log_level="info" if verbose else "warning")
+
+
+def _keep_alive(value: str) -> float:
+    from .server.pool import keep_alive_s
+
+    try:
+        return keep_alive_s(value)
+    except ValueError as exc:
+        fail(f"--keep-alive {exc}")
+
+
+def _configured_models() -> list[str]:
+    """The models config.toml has tables for that serve can find (bundled names and
+    paths), each once, else the default bundled model; a note for each table naming no
+    file."""
+    found = {}
+    for name in config.model_tables():
+        try:
+            path = resolve_model(name).resolve()
+        except ModelError as exc:
+            click.echo(f"Note: not serving [models.{name}]: {exc}", err=True)
+            continue
+        found.setdefault(path, name)  # two tables for one file: one model, the first's
+    return list(found.values()) or [None]
+
+
+def _served(argument: str | None, options: dict, *, parallel: int, seed: int | None,
+            verbose: bool):
+    """One model to serve: its name, its file, its settings (the command line's, else its
+    config.toml table's), and how to load it."""
+    from .server.pool import ServedModel, served_name, split_named
+
+    name, model = split_named(argument) if argument else (None, None)
+    path = resolve_model(model)
+    settings, _ = _settings(model, options)
+
+    def load():
+        return load_engine(path, settings["n_gpu_layers"], settings["n_ctx"],
+                           settings["threads"], seed, verbose, settings["backend_sampling"],
+                           parallel=parallel, sampler=settings["sampler"])
+
+    return ServedModel(name or served_name(model or "", path), path, load, settings["sampler"])
 
 
 def _log_requests() -> None:

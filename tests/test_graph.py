@@ -274,11 +274,11 @@ def test_server_with_backend_sampling_answers_and_refuses_in_400s(graph_server):
                           {**chat, "logprobs": True})
     assert status == 400 and "`logprobs` needs the model's logits" in body["error"]["message"]
     status, _, body = raw("POST", graph_server, "/api/chat",
-                          {"model": "m", "messages": chat["messages"], "stream": False,
+                          {"model": "smollm2", "messages": chat["messages"], "stream": False,
                            "options": {"sampler": "typical:p=0.9"}})
     assert status == 400 and "cannot run inside" in body["error"]
     status, _, body = raw("POST", graph_server, "/api/chat",
-                          {"model": "m", "messages": chat["messages"], "stream": False,
+                          {"model": "smollm2", "messages": chat["messages"], "stream": False,
                            "options": {"num_predict": 6, "min_p": 0.1}})
     assert status == 200 and body["done"] and body["message"]["content"]
 

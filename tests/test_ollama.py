@@ -1,12 +1,13 @@
 """Ollama's routes on `adaptive-llama serve`, driven by the `ollama` Python client (end to end)."""
 
 import json
+import math
 
 import ollama
 import pytest
 from test_server import API_KEY, raw, server, server_log, wait_idle  # noqa: F401 (fixtures)
 
-MODEL = "SmolLM2-135M-Instruct.Q4_1.gguf"
+MODEL = "smollm2"  # the bundled model's short name
 HELLO = [{"role": "user", "content": "Name one colour."}]
 
 
@@ -108,7 +109,11 @@ def test_a_client_that_streams_gets_ndjson(server):  # noqa: F811
 @pytest.mark.parametrize("path,body,status,needle", [
     ("/api/chat", b"{not json", 400, "not valid JSON"),
     ("/api/chat", {"messages": HELLO}, 400, "`model`"),
-    ("/api/chat", {"model": MODEL, "messages": []}, 400, "`messages`"),
+    ("/api/chat", {"model": MODEL, "messages": HELLO, "keep_alive": "soon"}, 400,
+     "`keep_alive` has to be a duration"),
+    ("/api/chat", {"model": "llama3", "messages": HELLO}, 404,
+     "model 'llama3' not found; this server serves smollm2"),
+    ("/api/show", {"model": "llama3"}, 404, "'llama3' not found"),
     ("/api/chat", {"model": MODEL, "messages": HELLO, "options": {"sampler": "nucleus"}},
      400, "options.sampler"),
     ("/api/generate", {"model": MODEL, "prompt": "x", "options": {"temperature": "hot"}},
@@ -173,9 +178,10 @@ def test_num_predict_below_zero_runs_until_the_context_is_full(client, num_predi
     assert reply.prompt_eval_count + reply.eval_count == 512  # --ctx: each slot's window
 
 
-@pytest.mark.parametrize("text,value", [("8192", 8192), ("0.000010", 1e-5), ("135M", "135M"),
-                                        ("Infinity", "Infinity"), ("nan", "nan")])
-def test_model_info_values_are_numbers_only_where_json_can_hold_them(text, value):
-    from adaptive_llama.server.ollama import _number_or_text
+@pytest.mark.parametrize("value,shown", [(8192, 8192), (1e-5, 1e-5), ("135M", "135M"),
+                                         (math.inf, "inf"), (math.nan, "nan"),
+                                         ([1.0, -math.inf], [1.0, "-inf"])])
+def test_model_info_values_are_what_json_can_hold(value, shown):
+    from adaptive_llama.server.ollama import _json_safe
 
-    assert _number_or_text(text) == value and type(_number_or_text(text)) is type(value)
+    assert _json_safe(value) == shown and type(_json_safe(value)) is type(shown)

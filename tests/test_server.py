@@ -42,11 +42,12 @@ def server_log(tmp_path_factory):
 
 
 def serving(model_path, log_file, *options):
-    """Starts `adaptive-llama serve` on a free port with the test API key and a 512-token
+    """Starts `adaptive-llama serve` (on ``model_path``; None: its default) on a free port with the test API key and a 512-token
     context, yields the port once /health answers, and stops the server afterwards."""
     port = free_port()
     proc = subprocess.Popen(
-        [sys.executable, "-m", "adaptive_llama.cli", "serve", str(model_path), "--port",
+        [sys.executable, "-m", "adaptive_llama.cli", "serve",
+         *([str(model_path)] if model_path else []), "--port",
          str(port), "--api-key", API_KEY, "--ctx", "512", *options],
         stdout=log_file.open("w"), stderr=subprocess.STDOUT, text=True)
     deadline = time.monotonic() + 60
@@ -107,8 +108,9 @@ HELLO = [{"role": "user", "content": "Name one colour."}]
 
 
 def test_models_lists_the_loaded_model(client):
-    ids = [m.id for m in client.models.list().data]
-    assert ids == ["SmolLM2-135M-Instruct.Q4_1.gguf"]
+    models = client.models.list().data
+    assert [m.id for m in models] == ["smollm2"]  # the bundled model's short name
+    assert models[0].model_extra["loaded"] and models[0].model_extra["n_ctx"] == 512
 
 
 def test_chat_non_streaming_fills_usage_and_sampler_stats(client):
@@ -399,7 +401,7 @@ def test_each_request_ends_with_one_log_line(client, server_log):
     lines = [line for line in server_log.read_text().splitlines() if marker in line]
     assert len(lines) == 1, lines
     tokens = f"{r.usage.prompt_tokens} + {r.usage.completion_tokens} tokens"
-    assert "/v1/chat/completions SmolLM2-135M-Instruct.Q4_1.gguf: completed (" in lines[0]
+    assert "/v1/chat/completions smollm2: completed (" in lines[0]
     assert tokens in lines[0] and " tok/s, " in lines[0] and ", mean k " in lines[0]
 
 
@@ -639,7 +641,7 @@ HI = {"messages": HELLO, "max_tokens": 1}
 ])
 def test_web_pages_and_foreign_host_names_cannot_drive_the_server(server, headers, status):
     for path in ("/v1/chat/completions", "/api/chat"):
-        body = {**HI, "model": "m", "stream": False, "options": {"num_predict": 1}}
+        body = {**HI, "model": "smollm2", "stream": False, "options": {"num_predict": 1}}
         got, _, payload = raw("POST", server, path, body, headers=headers)
         assert got == status, (path, payload)
         if status != 200:
@@ -674,7 +676,7 @@ def test_a_loopback_page_may_ask_first_and_read_the_answer(server):
 ])
 def test_fields_the_server_does_not_do_are_refused_by_name(server, path, extra, field):
     base = {"prompt": "Hi", "max_tokens": 1} if path == "/v1/completions" else \
-        {**HI, "model": "m", "prompt": "Hi", "stream": False}
+        {**HI, "model": "smollm2", "prompt": "Hi", "stream": False}
     status, _, payload = raw("POST", server, path, {**base, **extra})
     message = payload["error"] if path.startswith("/api/") else payload["error"]["message"]
     assert status == 400 and f"`{field}` is not supported" in message
@@ -688,7 +690,7 @@ def test_fields_the_server_does_not_do_are_refused_by_name(server, path, extra, 
 ])
 def test_the_same_fields_at_values_that_change_nothing_pass(server, path, extra):
     base = {"prompt": "Hi", "max_tokens": 1} if path == "/v1/completions" else \
-        {**HI, "model": "m", "prompt": "Hi", "stream": False, "options": {"num_predict": 1}}
+        {**HI, "model": "smollm2", "prompt": "Hi", "stream": False, "options": {"num_predict": 1}}
     assert raw("POST", server, path, {**base, **extra})[0] == 200
 
 
@@ -702,12 +704,12 @@ def test_the_same_fields_at_values_that_change_nothing_pass(server, path, extra)
         {"type": "image_url", "image_url": {"url": "data:,"}}]}]},
      "`messages.0.content.0`: the model has no vision or audio support; send text parts "
      "only, not 'image_url'"),
-    ("/api/chat", {"model": "m", "messages": [{"role": "user", "content": "Hi",
+    ("/api/chat", {"model": "smollm2", "messages": [{"role": "user", "content": "Hi",
                                                "images": ["aGk="]}]},
      "`messages.0.images`: the model has no vision support; send text only"),
-    ("/api/chat", {"model": "m", "messages": HELLO, "options": {"stop": ["x"] * 17}},
+    ("/api/chat", {"model": "smollm2", "messages": HELLO, "options": {"stop": ["x"] * 17}},
      "at most 16"),
-    ("/api/chat", {"model": "m", "messages": HELLO, "options": {"num_predict": "5"}},
+    ("/api/chat", {"model": "smollm2", "messages": HELLO, "options": {"num_predict": "5"}},
      "num_predict"),
 ])
 def test_strict_types_and_bounded_lists(server, path, body, needle):
@@ -748,7 +750,7 @@ def test_a_raw_prompt_keeps_its_own_chat_markup(server, engine):
     assert payload["usage"]["prompt_tokens"] == len(engine.tokenize(text, special=True)) \
         < len(engine.tokenize(text)) - 6
     status, _, payload = raw("POST", server, "/api/generate",
-                             {"model": "m", "prompt": text, "raw": True, "stream": False,
+                             {"model": "smollm2", "prompt": text, "raw": True, "stream": False,
                               "options": {"num_predict": 1}})
     assert payload["prompt_eval_count"] == len(engine.tokenize(text, special=True))
 

@@ -170,7 +170,7 @@ def test_ollama_format_json_and_schema(ollama_client):
 ])
 def test_ollama_formats_the_server_cannot_enforce_are_400s(server, fmt, needle):  # noqa: F811
     status, _, payload = raw("POST", server, "/api/chat", {
-        "model": "m", "messages": ASK, "stream": False, "format": fmt})
+        "model": "smollm2", "messages": ASK, "stream": False, "format": fmt})
     assert status == 400 and needle in payload["error"]
 
 
@@ -185,7 +185,7 @@ def test_under_backend_sampling_a_format_is_a_400_that_names_it(graph_server):
     assert status == 400 and payload["error"]["param"] == "response_format"
     assert "grammar cannot run inside llama.cpp's graph" in payload["error"]["message"]
     status, _, payload = raw("POST", graph_server, "/api/chat", {
-        "model": "m", "messages": ASK, "stream": False, "format": "json"})
+        "model": "smollm2", "messages": ASK, "stream": False, "format": "json"})
     assert status == 400 and "format: a grammar cannot run" in payload["error"]
     # the same request without a format runs
     assert raw("POST", graph_server, "/v1/chat/completions",

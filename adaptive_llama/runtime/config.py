@@ -207,6 +207,12 @@ def _names(model: str | None) -> list[str]:
     return list(dict.fromkeys(names))
 
 
+def model_tables(path: Path | None = None) -> list[str]:
+    """The NAMEs of the file's ``[models.NAME]`` tables, in the file's order."""
+    prefix = f"{MODELS_TABLE}."
+    return [t.removeprefix(prefix) for t in load(path) if t.startswith(prefix)]
+
+
 def settings_for(model: str | None, path: Path | None = None) -> Settings:
     """The file's values for ``model`` (a model's table over [defaults]), with their source."""
     tables = load(path)

@@ -38,6 +38,7 @@ from ..llama.chain import SamplerChain, check_in_graph
 from ..samplers import SEED, SamplerSpec, SpecError, seed_or_fresh, spec_of
 from .batching import MAX_LOGPROBS, Decoder, Generation, GenerationResult, TokenLogprob  # noqa: F401
 from .embeddings import Embedder
+from .gguf_header import quantization_name
 from .limits import MAX_THREADS
 from .loading import load_model
 from .models import ModelError, resolve_model
@@ -180,6 +181,7 @@ class Engine:
         # the batch, the cache, the threads or the other sequences): on the CPU, yes (see
         # _new_context); with layers on a GPU, llama.cpp's kernels depend on the batch.
         self.batch_invariant = n_gpu_layers == 0
+        self.n_gpu_layers = n_gpu_layers
         self.path: Path = resolve_model(model)
         set_llama_log(verbose)
         self._model = load_model(self.path, n_gpu_layers, verbose)
@@ -265,10 +267,7 @@ class Engine:
     def quantization(self) -> str:
         """The weights' type as llama.cpp names it (``Q4_1``, ``Q4_K_M``, ``F16``), from the
         GGUF's ``general.file_type``; "unknown" when absent."""
-        file_type = self.metadata.get("general.file_type", "")
-        if not file_type.isdigit():
-            return "unknown"
-        return _FILE_TYPES.get(int(file_type), f"type {file_type}")
+        return quantization_name(self.metadata.get("general.file_type"))
 
     @property
     def has_chat_template(self) -> bool:
@@ -587,12 +586,6 @@ class Engine:
         self.decoder.close()
         self._context.close()
         self._model.close()
-
-
-# llama.cpp's llama_ftype values -> its names for them (LLAMA_FTYPE_MOSTLY_Q4_1 -> Q4_1).
-_FILE_TYPES = {getattr(llama_cpp, name): name.removeprefix("LLAMA_FTYPE_").removeprefix(
-    "MOSTLY_").removeprefix("ALL_") for name in dir(llama_cpp)
-    if name.startswith("LLAMA_FTYPE_") and name != "LLAMA_FTYPE_GUESSED"}
 
 
 def _split_marks(rendered: str, messages: list[dict],

@@ -1,5 +1,5 @@
-"""The HTTP server behind ``adaptive-llama serve``: one model, with one llama.cpp context,
-behind OpenAI's routes (:mod:`.openai`) and Ollama's (:mod:`.ollama`), plus llama-server's
+"""The HTTP server behind ``adaptive-llama serve``: one or several models (:mod:`.pool`: each
+with its llama.cpp context, loaded on demand), behind OpenAI's routes (:mod:`.openai`) and Ollama's (:mod:`.ollama`), plus llama-server's
 ``/tokenize`` and ``/detokenize`` (:mod:`.llamacpp`) and ``GET /health``.
 
 This module assembles the application: the shared state (:class:`.common.Server`), who may
@@ -10,6 +10,7 @@ handling (a deadline for each request) is :mod:`.protocol`.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 
 from fastapi import FastAPI, Request
@@ -17,33 +18,35 @@ from fastapi.middleware.cors import CORSMiddleware
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from ..runtime.embeddings import Embedder
-from ..runtime.engine import Engine
-from ..samplers import SamplerSpec, spec_of
 from . import llamacpp, ollama, openai
 from .common import MAX_BODY, Server
 from .errors import APIError
 from .guard import LOOPBACK_ORIGIN, Access, Guard
+from .pool import LoadedModel, ModelPool
+from .scheduler import Scheduler
 
 
-def create_app(engine: Engine, sampler: SamplerSpec | str = "adaptive", *,
-               api_key: str | None = None, max_queue: int = 8, model_id: str | None = None,
-               max_body: int = MAX_BODY, allow_origins: tuple[str, ...] = (),
-               allow_hosts: tuple[str, ...] | None = (),
+def create_app(pool: ModelPool, *, api_key: str | None = None, max_body: int = MAX_BODY,
+               allow_origins: tuple[str, ...] = (), allow_hosts: tuple[str, ...] | None = (),
                embedder: Embedder | None = None) -> FastAPI:
-    """The ASGI application; run it with uvicorn (``adaptive-llama serve`` does).
+    """The ASGI application over the pool's models; run it with uvicorn (``adaptive-llama
+    serve`` does). It unloads idle models while it runs and closes them all when it stops.
 
     ``allow_origins``: web pages besides loopback ones that may call it (``"*"``: any);
     ``allow_hosts``: host names besides loopback ones it answers (None: any, for a server
     on a public address). See :mod:`.guard`. ValueError for an empty or non-ASCII key.
-    ``embedder``: the embeddings' model (it closes with the app); None: the engine's own.
+    ``embedder``: the embeddings' model (it closes with the app); None: each served model's
+    own.
     """
     access = Access(api_key, allow_origins, allow_hosts)
-    server = Server(engine, spec_of(sampler), max_queue, model_id, embedder)
+    server = Server(pool, embedder)
 
     @contextlib.asynccontextmanager
     async def lifespan(_app):
+        unloading = asyncio.create_task(pool.keep_unloading())
         yield
-        server.scheduler.stop()
+        unloading.cancel()
+        pool.close()
         if embedder is not None:
             embedder.close()
 
@@ -68,13 +71,19 @@ def create_app(engine: Engine, sampler: SamplerSpec | str = "adaptive", *,
 
     @app.get("/health")
     async def health():
-        s = server.scheduler
-        return {"status": "ok", "model": server.model_id, "sampler": str(server.sampler),
-                "slots": engine.parallel, "running": s.running,
-                "free": engine.parallel - s.running, "waiting": s.waiting,
-                "threads": engine.threads, **s.counts}
+        loaded = [_health_of(model) for model in pool.loaded]
+        totals = {key: sum(m[key] for m in loaded)
+                  for key in ("slots", "running", "free", "waiting", *Scheduler.OUTCOMES)}
+        return {"status": "ok", "model": pool.default.name, **totals, "loaded": loaded}
 
     app.include_router(openai.router)
     app.include_router(ollama.router)
     app.include_router(llamacpp.router)
     return app
+
+
+def _health_of(model: LoadedModel) -> dict:
+    s = model.scheduler
+    return {"name": model.name, "sampler": str(model.sampler), "slots": model.engine.parallel,
+            "running": s.running, "free": model.engine.parallel - s.running,
+            "waiting": s.waiting, "threads": model.engine.threads, **s.counts}

@@ -1,10 +1,10 @@
-"""What the OpenAI and Ollama routes share: the server's state (:class:`Server`: the engine,
-its scheduler, the default sampler), the rules of a request (its body read and checked off
+"""What the OpenAI and Ollama routes share: the server's state (:class:`Server`: the models
+it serves, :mod:`.pool`), the rules of a request (its body read and checked off
 the event loop, its messages, the sampler its options ask for, the room its prompt leaves),
 and the bounds on what one request may hold.
 
-Scheduling: up to ``--parallel`` generations decode together on one worker thread, one
-token of each per step (continuous batching: a new request joins between two steps). At
+Scheduling, for each loaded model: up to ``--parallel`` generations decode together on
+its worker thread, one token of each per step (continuous batching: a new request joins between two steps). At
 most ``max_queue`` more wait, in arrival order; one more gets 503 with ``Retry-After``. A
 client that disconnects stops its generation at the next token, and its slot goes to the
 next request.
@@ -13,6 +13,7 @@ next request.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 from typing import Annotated, Literal
@@ -24,14 +25,14 @@ from starlette.requests import ClientDisconnect
 
 from ..llama.grammar import UnsupportedSchema, json_grammar
 from ..runtime.embeddings import Embedder
-from ..runtime.engine import ContextOverflow, Engine, GenerationResult, InvalidArgument
+from ..runtime.engine import Engine, GenerationResult, InvalidArgument
 from ..samplers import SamplerSpec, SpecError, spec_from_options
 from .errors import APIError, too_large
-from .scheduler import Job, QueueFull, Scheduler
+from .pool import ModelPool
+from .scheduler import Job
 
 log = logging.getLogger("adaptive_llama.server")
 
-RETRY_AFTER_S = 5
 DISCONNECT_POLL_S = 0.25
 MAX_BODY = 2 * 2**20  # bytes: about 500k tokens of text, more than any context holds
 # finish reasons of the engine -> OpenAI's ("interrupted" only reaches a client that left).
@@ -139,92 +140,75 @@ def sampler_for(default: SamplerSpec, *, param: str = "sampler", prefix: str = "
 
 
 class Server:
-    """The routes' shared state: the engine, its scheduler, the default sampler, the
-    embeddings' model."""
+    """The routes' shared state: the models (:class:`.pool.ModelPool`) and the embeddings'
+    own model, if one was given."""
 
-    def __init__(self, engine: Engine, sampler: SamplerSpec, max_queue: int,
-                 model_id: str | None = None, embedder: Embedder | None = None):
-        self.engine = engine
-        self.sampler = sampler
-        self.model_id = model_id or engine.name
-        self.scheduler = Scheduler(engine, max_queue)
+    def __init__(self, pool: ModelPool, embedder: Embedder | None = None):
+        self.pool = pool
         self._embedder = embedder
 
-    async def embed(self, items: list[str | list[int]], field: str,
-                    truncate: bool = False) -> tuple[np.ndarray, int]:
-        """The unit vectors of texts or token lists (one row each) and the tokens they held,
-        computed off the event loop; a 400 naming ``field.i`` for an input that is empty,
-        too long (``truncate``: cut to the longest the model embeds instead) or not tokens
-        of the model."""
-        def run():
-            embedder = self._embedder or self.engine.embedder()
-            inputs = [embedder.tokenize(x) if isinstance(x, str) else x for x in items]
-            if truncate:
-                inputs = [tokens[:embedder.max_tokens] for tokens in inputs]
-            embedder.check(inputs, field)
-            return embedder.embed(inputs), sum(map(len, inputs))
-        try:
-            return await asyncio.to_thread(run)
-        except InvalidArgument as exc:
-            raise APIError(400, str(exc), param=exc.param) from None
+    @contextlib.asynccontextmanager
+    async def model(self, name: str | None, *, keep_alive: float | None = None,
+                    any_name_for_one: bool = False):
+        """The model a request names, loaded and held while the block runs; 404 for a name
+        no model answers to (:meth:`.pool.ModelPool.find`)."""
+        async with self.pool.use(self.pool.find(name, any_name_for_one=any_name_for_one),
+                                 keep_alive) as model:
+            yield model
 
-    def job(self, prompt_tokens: list[int], *, sampler: SamplerSpec, max_tokens: int | None,
-            seed: int | None, stop: list[str], stream: bool, logprobs: int | None = None,
-            grammar=None, format_field: str = "", prompt_field: str, route: str = "") -> Job:
-        """The engine's checked request as the scheduler takes it, or the 400 that says why
-        not: a prompt that leaves no room in the context window (named as
-        ``prompt_field``), a sampler or a grammar (asked for by ``format_field``) the engine
-        cannot run here (backend sampling runs fewer, and no grammar), logprobs it cannot
-        give. ``max_tokens`` None or beyond the room: the room."""
-        try:
-            request = self.engine.request(prompt_tokens, sampler=sampler,
-                                          max_tokens=max_tokens, seed=seed, stop=stop,
-                                          logprobs=logprobs, grammar=grammar)
-        except SpecError as exc:
-            param = format_field if grammar is not None and sampler.in_graph \
-                else "sampler"
-            raise APIError(400, f"{param}: {exc}", param=param,
-                           code="invalid_sampler") from None
-        except ContextOverflow as exc:
-            raise APIError(400, str(exc), param=prompt_field,
-                           code="context_length_exceeded") from None
-        except InvalidArgument as exc:
-            raise APIError(400, str(exc), param=exc.param) from None
-        return Job(request=request, stream=stream, loop=asyncio.get_running_loop(),
-                   label=f"{route} {self.model_id}")
+    async def embed(self, name: str | None, items: list[str | list[int]], field: str, *,
+                    truncate: bool = False, any_name_for_one: bool = False
+                    ) -> tuple[str, np.ndarray, int]:
+        """The embedding model's name, the unit vectors of texts or token lists (one row
+        each) and the tokens they held, computed off the event loop by the server's
+        embeddings model (``--embedding-model``, whatever the name) or else the model
+        ``name``; a 400 naming ``field.i`` for an input that is empty, too long
+        (``truncate``: cut to the longest the model embeds instead) or not tokens of the
+        model."""
+        if self._embedder is not None:
+            return self._embedder.name, *await _embedded(self._embedder, items, field,
+                                                         truncate)
+        async with self.model(name, any_name_for_one=any_name_for_one) as model:
+            embedder = await asyncio.to_thread(model.engine.embedder)
+            return model.name, *await _embedded(embedder, items, field, truncate)
 
-    def submit(self, job: Job) -> None:
-        """Queue the job, or 503 with Retry-After when the queue is full."""
-        try:
-            self.scheduler.submit(job)
-        except QueueFull as exc:
-            raise APIError(503, f"the server is busy: {exc.waiting} requests are waiting; "
-                           f"retry in {RETRY_AFTER_S} s", type="server_busy",
-                           code="queue_full",
-                           headers={"Retry-After": str(RETRY_AFTER_S)}) from None
 
-    async def wait(self, request: Request, job: Job) -> GenerationResult:
-        """The job's result, for an answer in one piece; a client that leaves stops the job
-        (and gets 499, which nobody reads)."""
-        loop = asyncio.get_running_loop()
-        checked = loop.time()
-        try:
-            while True:
-                try:
-                    what, value = await asyncio.wait_for(job.events.get(), DISCONNECT_POLL_S)
-                except asyncio.TimeoutError:
-                    what = value = None
-                if what == "error":
-                    raise APIError(500, f"generation failed: {value}", type="server_error")
-                if what == "done":  # the result holds the whole text; pieces are for streams
-                    return value
-                # Pieces arrive every few ms, so look for a client that left on a clock.
-                if loop.time() - checked >= DISCONNECT_POLL_S:
-                    checked = loop.time()
-                    if await request.is_disconnected():
-                        raise APIError(499, "the client disconnected")  # finally: stops the job
-        finally:
-            job.cancelled.set()  # no-op once done; stops the generation if we were cancelled
+async def _embedded(embedder: Embedder, items: list[str | list[int]], field: str,
+                    truncate: bool) -> tuple[np.ndarray, int]:
+    def run():
+        inputs = [embedder.tokenize(x) if isinstance(x, str) else x for x in items]
+        if truncate:
+            inputs = [tokens[:embedder.max_tokens] for tokens in inputs]
+        embedder.check(inputs, field)
+        return embedder.embed(inputs), sum(map(len, inputs))
+    try:
+        return await asyncio.to_thread(run)
+    except InvalidArgument as exc:
+        raise APIError(400, str(exc), param=exc.param) from None
+
+
+async def wait(request: Request, job: Job) -> GenerationResult:
+    """The job's result, for an answer in one piece; a client that leaves stops the job
+    (and gets 499, which nobody reads)."""
+    loop = asyncio.get_running_loop()
+    checked = loop.time()
+    try:
+        while True:
+            try:
+                what, value = await asyncio.wait_for(job.events.get(), DISCONNECT_POLL_S)
+            except asyncio.TimeoutError:
+                what = value = None
+            if what == "error":
+                raise APIError(500, f"generation failed: {value}", type="server_error")
+            if what == "done":  # the result holds the whole text; pieces are for streams
+                return value
+            # Pieces arrive every few ms, so look for a client that left on a clock.
+            if loop.time() - checked >= DISCONNECT_POLL_S:
+                checked = loop.time()
+                if await request.is_disconnected():
+                    raise APIError(499, "the client disconnected")  # finally: stops the job
+    finally:
+        job.cancelled.set()  # no-op once done; stops the generation if we were cancelled
 
 
 async def grammar_for(schema: dict | None, field: str):

@@ -7,6 +7,8 @@ in llama-server's shapes, for clients that count tokens or inspect a prompt.
 bytes). ``add_special`` adds the model's BOS token; ``parse_special`` reads markup such as
 ``<|im_start|>`` as the control tokens it names.
 
+Both take an optional ``model`` (default: the server's first model).
+
 ``/detokenize``: ``{"tokens": [ids]}`` -> ``{"content": text}``, control tokens written out
 as their text; an id outside the vocabulary is a 400 that names its index.
 """
@@ -25,6 +27,7 @@ router = APIRouter()
 
 class TokenizeBody(BaseModel):
     model_config = STRICT
+    model: str | None = None  # None: the server's default model
     content: str
     add_special: bool = False
     parse_special: bool = True
@@ -33,6 +36,7 @@ class TokenizeBody(BaseModel):
 
 class DetokenizeBody(BaseModel):
     model_config = STRICT
+    model: str | None = None
     tokens: list[int]
 
 
@@ -45,24 +49,26 @@ def _piece(text: bytes) -> str | list[int]:
 
 @router.post("/tokenize")
 async def tokenize(request: Request):
-    engine = server_of(request).engine
     body = await parse_body(request, TokenizeBody)
-    tokens = await asyncio.to_thread(engine.tokenize, body.content, body.add_special,
-                                     body.parse_special)
-    if not body.with_pieces:
-        return {"tokens": tokens}
-    return {"tokens": [{"id": t, "piece": _piece(engine.piece(t, special=True))}
-                       for t in tokens]}
+    async with server_of(request).model(body.model, any_name_for_one=True) as model:
+        engine = model.engine
+        tokens = await asyncio.to_thread(engine.tokenize, body.content, body.add_special,
+                                         body.parse_special)
+        if not body.with_pieces:
+            return {"tokens": tokens}
+        return {"tokens": [{"id": t, "piece": _piece(engine.piece(t, special=True))}
+                           for t in tokens]}
 
 
 @router.post("/detokenize")
 async def detokenize(request: Request):
-    engine = server_of(request).engine
     body = await parse_body(request, DetokenizeBody)
-    for i, token in enumerate(body.tokens):
-        if not 0 <= token < engine.n_vocab:
-            raise APIError(400, f"`tokens.{i}`: {token} is not a token of this model "
-                           f"(0 to {engine.n_vocab - 1})", param=f"tokens.{i}")
-    text = await asyncio.to_thread(
-        lambda: b"".join(engine.piece(t, special=True) for t in body.tokens))
+    async with server_of(request).model(body.model, any_name_for_one=True) as model:
+        engine = model.engine
+        for i, token in enumerate(body.tokens):
+            if not 0 <= token < engine.n_vocab:
+                raise APIError(400, f"`tokens.{i}`: {token} is not a token of this model "
+                               f"(0 to {engine.n_vocab - 1})", param=f"tokens.{i}")
+        text = await asyncio.to_thread(
+            lambda: b"".join(engine.piece(t, special=True) for t in body.tokens))
     return {"content": text.decode("utf-8", "replace")}

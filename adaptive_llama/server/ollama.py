@@ -20,8 +20,12 @@ server sets them when it starts.
 ``format``: ``"json"`` (any JSON object) or a JSON schema constrains the reply with a grammar
 (:mod:`adaptive_llama.llama.grammar`); a schema keyword it cannot enforce is a 400 naming it.
 
-The model: one model is served under every name; ``/api/tags`` lists it under the server's
-model id.
+Models (:mod:`.pool`): ``model`` names one the server serves (``/api/tags`` lists them,
+``/api/ps`` the loaded ones, with when each will be unloaded); an unknown name gets 404. The
+model loads on its first request; ``keep_alive`` (``"5m"``, seconds, ``-1`` for ever, ``0``
+to unload once idle) sets how long it stays loaded after the request, as in Ollama; a
+``/api/generate`` without a prompt (or ``/api/chat`` without messages) loads it, or with
+``keep_alive`` 0 unloads it.
 """
 
 from __future__ import annotations
@@ -33,7 +37,6 @@ import json
 import math
 import time
 from importlib import metadata
-from pathlib import Path
 from typing import Annotated, ClassVar, Literal
 
 from fastapi import APIRouter, Request
@@ -59,7 +62,9 @@ from .common import (
     parse_body,
     sampler_for,
     server_of,
+    wait,
 )
+from .pool import FOREVER, LoadedModel, ServedModel, keep_alive_s
 
 router = APIRouter()
 NDJSON = "application/x-ndjson"
@@ -88,6 +93,16 @@ class _Body(BaseModel):
     stream: bool = True
     options: Options = Field(default_factory=Options)
     format: Literal["", "json"] | dict | None = None
+    keep_alive: int | float | str | None = None
+
+    def keep_alive_wanted(self) -> float | None:
+        """Seconds to keep the model loaded after this request (None: as it is)."""
+        if self.keep_alive is None:
+            return None
+        try:
+            return keep_alive_s(self.keep_alive)
+        except ValueError as exc:
+            raise APIError(400, f"`keep_alive` {exc}", param="keep_alive") from None
 
     def schema_wanted(self) -> dict | None:
         """The JSON schema the reply has to follow; None: plain text."""
@@ -97,7 +112,7 @@ class _Body(BaseModel):
 
 
 class ChatBody(_Body):
-    messages: list[Message] = Field(min_length=1, max_length=MAX_MESSAGES)
+    messages: list[Message] = Field(default_factory=list, max_length=MAX_MESSAGES)
 
 
 class GenerateBody(_Body):
@@ -113,6 +128,7 @@ class EmbedBody(BaseModel):
     model_config = STRICT
     UNSUPPORTED: ClassVar[dict[str, tuple]] = {"dimensions": (None,)}
     model: str = Field(min_length=1)
+    keep_alive: int | float | str | None = None  # accepted; the server's keep-alive applies
     input: str | Annotated[list[str], Field(min_length=1, max_length=MAX_EMBED_INPUTS)]
     truncate: bool = True
 
@@ -154,16 +170,26 @@ def _line(value: dict) -> bytes:
     return (json.dumps(value, ensure_ascii=False) + "\n").encode()
 
 
-def _details(server: Server) -> dict:
+def _details(model: ServedModel) -> dict:
     """Ollama's ``details``, as ollama writes them: family ``llama``, parameter_size
     ``135M``, quantization_level ``Q4_1``."""
-    engine = server.engine
-    family = engine.metadata.get("general.architecture", "")
+    header = model.header
+    family = header.architecture
     return {"parent_model": "", "format": "gguf", "family": family,
             "families": [family] if family else None,
-            "parameter_size": engine.metadata.get("general.size_label")
-            or _size_label(engine.n_params),
-            "quantization_level": engine.quantization}
+            "parameter_size": header.metadata.get("general.size_label")
+            or _size_label(header.n_params),
+            "quantization_level": header.quantization}
+
+
+def _listed(model: ServedModel) -> dict:
+    """A model as ``/api/tags`` and ``/api/ps`` list it."""
+    stat = model.path.stat()
+    modified = datetime.datetime.fromtimestamp(stat.st_mtime, datetime.timezone.utc)
+    digest = hashlib.sha256(f"{model.path.resolve()}:{stat.st_size}".encode()).hexdigest()
+    return {"name": model.name, "model": model.name,
+            "modified_at": modified.isoformat().replace("+00:00", "Z"),
+            "size": stat.st_size, "digest": digest, "details": _details(model)}
 
 
 def _size_label(n_params: int) -> str:
@@ -174,33 +200,50 @@ def _size_label(n_params: int) -> str:
     return str(n_params)
 
 
-def _model_info(engine) -> dict:
-    """Ollama's ``model_info``: the GGUF's own keys (``llama.context_length``, ...; numbers
-    as numbers, the tokenizer's lists left out, as they are large), and the parameter
-    count."""
-    info = {key: _number_or_text(value) for key, value in engine.metadata.items()
+def _model_info(model: ServedModel) -> dict:
+    """Ollama's ``model_info``: the GGUF's own keys (``llama.context_length``, ...; the
+    tokenizer's, which are large, left out), and the parameter count."""
+    info = {key: _json_safe(value) for key, value in model.header.metadata.items()
             if not key.startswith("tokenizer.")}
-    info["general.parameter_count"] = engine.n_params
+    info["general.parameter_count"] = model.header.n_params
     return info
 
 
-def _number_or_text(value: str):
-    """A GGUF value as a JSON number where it is one ("8192", "0.00001"); text otherwise,
-    a name such as "Infinity" included (JSON has no infinities)."""
-    for kind in (int, float):
-        try:
-            number = kind(value)
-        except ValueError:
-            continue
-        if math.isfinite(number):
-            return number
+def _json_safe(value):
+    """A GGUF value as JSON can hold it: an infinity or NaN as its name."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return str(value)
+    if isinstance(value, list):
+        return [_json_safe(v) for v in value]
     return value
 
 
-async def _job(server: Server, tokens: list[int], body: _Body, prompt_field: str,
+def _wall_clock(monotonic: float) -> str:
+    """A time on the monotonic clock as ollama writes times (far in the future for
+    never, as ollama writes a model kept for ever)."""
+    if monotonic == FOREVER:
+        when = datetime.datetime(2318, 1, 1, tzinfo=datetime.timezone.utc)
+    else:
+        when = datetime.datetime.now(datetime.timezone.utc) + datetime.timedelta(
+            seconds=monotonic - time.monotonic())
+    return when.isoformat().replace("+00:00", "Z")
+
+
+def _in_memory(model: LoadedModel) -> tuple[int, int]:
+    """(bytes, bytes on the GPU) of a loaded model's weights, as ``/api/ps`` reports them:
+    the file's size, the share of its layers offloaded on the GPU."""
+    size = model.served.header.size
+    layers = model.served.header.metadata.get(f"{model.served.header.architecture}"
+                                              ".block_count") or 1
+    offloaded = model.engine.n_gpu_layers
+    share = 1.0 if offloaded < 0 else min(offloaded, layers) / layers
+    return size, int(size * share)
+
+
+async def _job(model: LoadedModel, tokens: list[int], body: _Body, prompt_field: str,
                route: str) -> Job:
     options = body.options
-    sampler = sampler_for(server.sampler, sampler=options.sampler,
+    sampler = sampler_for(model.sampler, sampler=options.sampler,
                           temperature=options.temperature, top_p=options.top_p,
                           param="options.sampler", prefix="options.",
                           **options.sampling_options())
@@ -212,14 +255,14 @@ async def _job(server: Server, tokens: list[int], body: _Body, prompt_field: str
                            f"is {options.num_ctx}: shorten it or raise num_ctx",
                            param="options.num_ctx", code="context_length_exceeded")
         wanted = min(wanted or room, room)
-    return server.job(tokens, sampler=sampler, max_tokens=wanted, seed=options.seed,
+    return model.job(tokens, sampler=sampler, max_tokens=wanted, seed=options.seed,
                       stop=[s for s in options.stop or [] if s], stream=body.stream,
                       grammar=await grammar_for(body.schema_wanted(), "format"),
                       format_field="format", prompt_field=prompt_field, route=route)
 
 
-async def _respond(server: Server, request: Request, job: Job, body: _Body, kind: str):
-    server.submit(job)
+async def _respond(model: LoadedModel, request: Request, job: Job, body: _Body, kind: str):
+    model.submit(job)
     head = {"model": body.model}
 
     def piece(text: str) -> dict:
@@ -234,7 +277,7 @@ async def _respond(server: Server, request: Request, job: Job, body: _Body, kind
         return out
 
     if not body.stream:
-        result = await server.wait(request, job)
+        result = await wait(request, job)
         return last(result, result.text)
 
     async def lines():
@@ -267,56 +310,83 @@ async def version():
 
 @router.get("/api/tags")
 async def tags(request: Request):
-    server = server_of(request)
-    path = Path(server.engine.path)
-    stat = path.stat()
-    modified = datetime.datetime.fromtimestamp(stat.st_mtime, datetime.timezone.utc)
-    digest = hashlib.sha256(f"{path.resolve()}:{stat.st_size}".encode()).hexdigest()
-    return {"models": [{
-        "name": server.model_id, "model": server.model_id,
-        "modified_at": modified.isoformat().replace("+00:00", "Z"),
-        "size": stat.st_size, "digest": digest, "details": _details(server)}]}
+    pool = server_of(request).pool
+    return {"models": await asyncio.to_thread(lambda: [_listed(m) for m in pool.models])}
+
+
+@router.get("/api/ps")
+async def ps(request: Request):
+    def listed(model: LoadedModel) -> dict:
+        size, size_vram = _in_memory(model)
+        return {**_listed(model.served), "size": size, "size_vram": size_vram,
+                "expires_at": _wall_clock(model.expires_at()),
+                "context_length": model.engine.n_ctx}
+    pool = server_of(request).pool
+    return {"models": await asyncio.to_thread(lambda: [listed(m) for m in pool.loaded])}
 
 
 @router.post("/api/show")
 async def show(request: Request):
     server = server_of(request)
-    engine = server.engine
-    await parse_body(request, ShowBody)
-    return {"modelfile": "", "parameters": f"sampler {server.sampler}",
-            "template": engine.metadata.get("tokenizer.chat_template", ""),
-            "details": _details(server),
-            "model_info": _model_info(engine),
+    body = await parse_body(request, ShowBody)
+    model = server.pool.find(body.model)
+    await asyncio.to_thread(lambda: model.header)  # read once, off the event loop
+    template = model.header.chat_template
+    return {"modelfile": "", "parameters": f"sampler {model.sampler}", "template": template,
+            "details": _details(model), "model_info": _model_info(model),
             "capabilities": ["completion"], "modified_at": _now()}
+
+
+async def _load_or_unload(server: Server, body: _Body, kind: str) -> dict:
+    """Ollama's answer to a request with nothing to generate: the model is loaded, or
+    with ``keep_alive`` 0 unloaded."""
+    keep_alive = body.keep_alive_wanted()
+    unloading = keep_alive == 0
+    loaded = {m.name for m in server.pool.loaded}
+    if not (unloading and server.pool.find(body.model).name not in loaded):
+        async with server.model(body.model, keep_alive=keep_alive):
+            pass
+        if unloading:
+            await server.pool.unload_expired()
+    out = {"model": body.model, "created_at": _now(), "done": True,
+           "done_reason": "unload" if unloading else "load"}
+    if kind == "chat":
+        out["message"] = {"role": "assistant", "content": ""}
+    else:
+        out["response"] = ""
+    return out
 
 
 @router.post("/api/chat")
 async def chat(request: Request):
     server = server_of(request)
     body = await parse_body(request, ChatBody)
-    tokens = await chat_prompt(server.engine, body.messages)
-    job = await _job(server, tokens, body, "messages", request.url.path)
-    return await _respond(server, request, job, body, "chat")
+    if not body.messages:  # Ollama's way to load (or unload) a model
+        return await _load_or_unload(server, body, "chat")
+    async with server.model(body.model, keep_alive=body.keep_alive_wanted()) as model:
+        tokens = await chat_prompt(model.engine, body.messages)
+        job = await _job(model, tokens, body, "messages", request.url.path)
+        return await _respond(model, request, job, body, "chat")
 
 
 @router.post("/api/generate")
 async def generate(request: Request):
     server = server_of(request)
-    engine = server.engine
     body = await parse_body(request, GenerateBody)
-    if not body.prompt:  # Ollama's way to load a model: nothing to generate
-        return {"model": body.model, "created_at": _now(), "response": "", "done": True,
-                "done_reason": "load"}
-    if body.raw or not engine.has_chat_template:
-        text = body.prompt if body.system is None else f"{body.system}\n\n{body.prompt}"
-        # raw: the caller wrote the template's markup itself, on purpose
-        tokens = await asyncio.to_thread(engine.tokenize, text, True, body.raw)
-    else:
-        messages = ([{"role": "system", "content": body.system}] if body.system else [])
-        messages.append({"role": "user", "content": body.prompt})
-        tokens = await asyncio.to_thread(engine.chat_prompt_tokens, messages)
-    job = await _job(server, tokens, body, "prompt", request.url.path)
-    return await _respond(server, request, job, body, "generate")
+    if not body.prompt:  # Ollama's way to load (or unload) a model
+        return await _load_or_unload(server, body, "generate")
+    async with server.model(body.model, keep_alive=body.keep_alive_wanted()) as model:
+        engine = model.engine
+        if body.raw or not engine.has_chat_template:
+            text = body.prompt if body.system is None else f"{body.system}\n\n{body.prompt}"
+            # raw: the caller wrote the template's markup itself, on purpose
+            tokens = await asyncio.to_thread(engine.tokenize, text, True, body.raw)
+        else:
+            messages = ([{"role": "system", "content": body.system}] if body.system else [])
+            messages.append({"role": "user", "content": body.prompt})
+            tokens = await asyncio.to_thread(engine.chat_prompt_tokens, messages)
+        job = await _job(model, tokens, body, "prompt", request.url.path)
+        return await _respond(model, request, job, body, "generate")
 
 
 @router.post("/api/embed")
@@ -325,7 +395,8 @@ async def embed(request: Request):
     body = await parse_body(request, EmbedBody)
     started = time.perf_counter()
     items = [body.input] if isinstance(body.input, str) else body.input
-    vectors, tokens = await server.embed(items, "input", truncate=body.truncate)
+    _, vectors, tokens = await server.embed(body.model, items, "input",
+                                            truncate=body.truncate)
     return {"model": body.model, "embeddings": vectors.tolist(),
             "total_duration": _ns(time.perf_counter() - started), "load_duration": 0,
             "prompt_eval_count": tokens}
@@ -337,5 +408,5 @@ async def embeddings(request: Request):
     body = await parse_body(request, EmbeddingsBody)
     if not body.prompt:  # as ollama answers it
         return {"embedding": []}
-    vectors, _ = await server.embed([body.prompt], "prompt", truncate=True)
+    _, vectors, _ = await server.embed(body.model, [body.prompt], "prompt", truncate=True)
     return {"embedding": vectors[0].tolist()}

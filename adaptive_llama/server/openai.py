@@ -49,13 +49,14 @@ from .common import (
     Job,
     Message,
     SamplingFields,
-    Server,
     chat_prompt,
     grammar_for,
     parse_body,
     sampler_for,
     server_of,
+    wait,
 )
+from .pool import LoadedModel
 
 router = APIRouter()
 _ids = itertools.count(1)  # of the responses, "chatcmpl-1", "cmpl-2", ...
@@ -158,12 +159,12 @@ def _encoded(vector: np.ndarray, encoding: str) -> list[float] | str:
     return vector.tolist()
 
 
-async def _job(server: Server, tokens: list[int], body: _Body, max_tokens: int | None,
+async def _job(model: LoadedModel, tokens: list[int], body: _Body, max_tokens: int | None,
                prompt_field: str, route: str) -> Job:
-    sampler = sampler_for(server.sampler, sampler=body.sampler, temperature=body.temperature,
+    sampler = sampler_for(model.sampler, sampler=body.sampler, temperature=body.temperature,
                           top_p=body.top_p, **body.sampling_options())
     schema = body.response_format.schema_wanted() if body.response_format else None
-    return server.job(tokens, sampler=sampler, max_tokens=max_tokens, seed=body.seed,
+    return model.job(tokens, sampler=sampler, max_tokens=max_tokens, seed=body.seed,
                       stop=[body.stop] if isinstance(body.stop, str) else list(body.stop or []),
                       stream=body.stream, logprobs=body.logprobs_wanted(),
                       grammar=await grammar_for(schema, "response_format"),
@@ -171,16 +172,16 @@ async def _job(server: Server, tokens: list[int], body: _Body, max_tokens: int |
                       route=route)
 
 
-async def _respond(server: Server, request: Request, job: Job, body: _Body, kind: str):
+async def _respond(model: LoadedModel, request: Request, job: Job, body: _Body, kind: str):
     """Queue the job; answer with an SSE stream or one JSON object."""
-    server.submit(job)
+    model.submit(job)
     head = {"id": f"{'chatcmpl' if kind == 'chat' else 'cmpl'}-{next(_ids)}",
-            "created": int(time.time()), "model": server.model_id}
+            "created": int(time.time()), "model": model.name}
     if body.stream:
         usage = bool((body.stream_options or {}).get("include_usage"))
         return EventSourceResponse(_events(job, head, kind, usage),
                                    ping=15, sep="\n")
-    return _final(await server.wait(request, job), head, kind, job.request.logprobs is not None)
+    return _final(await wait(request, job), head, kind, job.request.logprobs is not None)
 
 
 def _final(result: GenerationResult, head: dict, kind: str, logprobs: bool) -> dict:
@@ -294,26 +295,30 @@ def _json(value: dict) -> str:
 
 @router.get("/v1/models")
 async def models(request: Request):
-    server = server_of(request)
-    engine = server.engine
+    pool = server_of(request).pool
+    loaded = {m.name: m.engine for m in pool.loaded}
     return {"object": "list", "data": [{
-        "id": server.model_id, "object": "model", "created": 0, "owned_by": "local",
-        "n_ctx": engine.n_ctx, "n_vocab": engine.n_vocab}]}
+        "id": m.name, "object": "model", "created": 0, "owned_by": "local",
+        "loaded": m.name in loaded,
+        **({"n_ctx": loaded[m.name].n_ctx, "n_vocab": loaded[m.name].n_vocab}
+           if m.name in loaded else {})} for m in pool.models]}
 
 
+# A server with one model answers every name with it: OpenAI clients often insist on a name.
 @router.post("/v1/chat/completions")
 async def chat_completions(request: Request):
     server = server_of(request)
     body = await parse_body(request, ChatBody)
-    tokens = await chat_prompt(server.engine, body.messages)
-    job = await _job(server, tokens, body, body.max_completion_tokens or body.max_tokens,
-                     "messages", request.url.path)
-    return await _respond(server, request, job, body, "chat")
+    async with server.model(body.model, any_name_for_one=True) as model:
+        tokens = await chat_prompt(model.engine, body.messages)
+        job = await _job(model, tokens, body, body.max_completion_tokens or body.max_tokens,
+                         "messages", request.url.path)
+        return await _respond(model, request, job, body, "chat")
+
 
 @router.post("/v1/completions")
 async def completions(request: Request):
     server = server_of(request)
-    engine = server.engine
     body = await parse_body(request, CompletionBody)
     prompt = body.prompt
     if isinstance(prompt, list):
@@ -323,19 +328,22 @@ async def completions(request: Request):
         prompt = prompt[0]
     if not prompt:
         raise APIError(400, "`prompt`: the prompt is empty", param="prompt")
-    # OpenAI's completions endpoint defaults to 16 tokens.
-    # A raw prompt: its caller wrote any chat markup (<|im_start|>...) on purpose.
-    tokens = await asyncio.to_thread(engine.tokenize, prompt, True, True)
-    job = await _job(server, tokens, body, body.max_tokens or 16, "prompt", request.url.path)
-    return await _respond(server, request, job, body, "completion")
+    async with server.model(body.model, any_name_for_one=True) as model:
+        # A raw prompt: its caller wrote any chat markup (<|im_start|>...) on purpose.
+        tokens = await asyncio.to_thread(model.engine.tokenize, prompt, True, True)
+        # OpenAI's completions endpoint defaults to 16 tokens.
+        job = await _job(model, tokens, body, body.max_tokens or 16, "prompt",
+                         request.url.path)
+        return await _respond(model, request, job, body, "completion")
 
 
 @router.post("/v1/embeddings")
 async def embeddings(request: Request):
     server = server_of(request)
     body = await parse_body(request, EmbeddingBody)
-    vectors, tokens = await server.embed(body.items(), "input")
-    return {"object": "list", "model": server.model_id,
+    name, vectors, tokens = await server.embed(body.model, body.items(), "input",
+                                               any_name_for_one=True)
+    return {"object": "list", "model": name,
             "data": [{"object": "embedding", "index": i,
                       "embedding": _encoded(v, body.encoding_format)}
                      for i, v in enumerate(vectors)],

@@ -15,6 +15,7 @@ import asyncio
 import logging
 import queue
 import threading
+import time
 from dataclasses import dataclass, field
 
 from ..runtime.batching import Generation, GenerationResult
@@ -56,6 +57,8 @@ class Scheduler:
     order. A job whose ``cancelled`` is set stops at the next step and frees its slot.
     """
 
+    OUTCOMES = ("completed", "cancelled", "failed")  # how jobs end, counted
+
     def __init__(self, engine: Engine, max_queue: int):
         self.engine = engine
         self.max_queue = max_queue
@@ -63,7 +66,8 @@ class Scheduler:
         self._lock = threading.Lock()
         self.accepted = 0  # waiting or running
         self.running = 0
-        self.counts = {"completed": 0, "cancelled": 0, "failed": 0}
+        self.counts = dict.fromkeys(self.OUTCOMES, 0)
+        self.last_done = time.monotonic()  # when the latest job ended (idle since then)
         self._thread = threading.Thread(target=self._work, name="adaptive-llama-worker",
                                         daemon=True)
         self._thread.start()
@@ -152,6 +156,7 @@ class Scheduler:
         with self._lock:
             self.accepted -= 1
             self.counts[outcome] += 1
+            self.last_done = time.monotonic()
         log.info("%s", _log_line(job, outcome, result))
 
 

@@ -1,0 +1,307 @@
+"""The models one server serves, as ollama serves them.
+
+Each model has a friendly name (``smollm2``, or the file's stem in lower case; see
+:func:`served_name`) and is loaded on its first request. At most ``max_loaded`` are loaded
+at once: loading one more first unloads the least recently used model that is idle (no
+request running or waiting). When every loaded model is busy, the request waits for one to
+become idle, up to ``LOAD_WAIT_S``, then gets 503. A loaded model idle for its
+``keep_alive`` seconds is unloaded: the last request's ``keep_alive``, else the server's
+(``--keep-alive``); infinite keeps it, 0 unloads it as soon as it is idle.
+
+A request holds its model from the moment it names it (:meth:`ModelPool.use`) until its
+generation is queued; from then on the model's scheduler counts it until it ends. A model is
+unloaded only when neither holds it, so no request ever sees a closed engine.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import functools
+import logging
+import math
+import re
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+from ..runtime.engine import ContextOverflow, Engine, InvalidArgument
+from ..runtime.gguf_header import GGUFHeader, read_header
+from ..runtime.models import BUNDLED
+from ..samplers import SamplerSpec, SpecError
+from .errors import APIError
+from .scheduler import Job, QueueFull, Scheduler
+
+log = logging.getLogger("adaptive_llama.server")
+
+FOREVER = math.inf
+LOAD_WAIT_S = 120.0  # a request for an unloaded model waits this long for room
+ROOM_POLL_S = 0.1
+UNLOAD_POLL_S = 0.5  # how often idle models are looked at
+RETRY_AFTER_S = 5
+# Go's duration syntax, as ollama's keep_alive takes it: "5m", "1h30m", "-1s", "90s".
+_DURATION = re.compile(r"([+-]?)((?:\d+(?:\.\d*)?|\.\d+)(?:ns|us|µs|ms|s|m|h))+")
+_DURATION_PART = re.compile(r"(\d+(?:\.\d*)?|\.\d+)(ns|us|µs|ms|s|m|h)")
+_UNIT_S = {"ns": 1e-9, "us": 1e-6, "µs": 1e-6, "ms": 1e-3, "s": 1.0, "m": 60.0, "h": 3600.0}
+_NAME = re.compile(r"[a-z0-9][a-z0-9._:-]*")
+
+
+def keep_alive_s(value: float | int | str) -> float:
+    """Seconds from ollama's ``keep_alive``: a number of seconds, or a duration such as
+    "5m", "1h30m" or "300" (seconds); negative means for ever. ValueError for anything
+    else."""
+    if isinstance(value, bool):
+        raise ValueError(f"has to be a duration such as \"5m\" or a number of seconds, "
+                         f"but is {value!r}")
+    if isinstance(value, (int, float)):
+        seconds = float(value)
+    else:
+        text = value.strip()
+        try:
+            seconds = float(text)
+        except ValueError:
+            if not _DURATION.fullmatch(text):
+                raise ValueError(f"has to be a duration such as \"5m\", \"1h\" or \"30s\" "
+                                 f"(or -1: for ever), but is {value!r}") from None
+            seconds = sum(float(n) * _UNIT_S[unit] for n, unit in
+                          _DURATION_PART.findall(text))
+            seconds = -seconds if text.startswith("-") else seconds
+    if math.isnan(seconds):
+        raise ValueError("has to be a number of seconds, but is NaN")
+    return FOREVER if seconds < 0 else seconds
+
+
+def served_name(model: str, path: Path) -> str:
+    """The name a model is served under: ``NAME`` of a ``NAME=PATH`` argument, a bundled
+    model's short name, else the file's stem in lower case
+    (``Llama-3.2-1B-Instruct-Q4_K_M.gguf`` -> ``llama-3.2-1b-instruct-q4_k_m``)."""
+    for bundled in BUNDLED.values():
+        if model == bundled.name or (bundled.installed() and path == bundled.path()):
+            return bundled.name
+    return path.stem.lower()
+
+
+def split_named(argument: str) -> tuple[str | None, str]:
+    """``NAME=PATH`` -> (NAME, PATH); anything else (a path, a bundled name) -> (None, it).
+    ValueError for a NAME ollama's clients could not send."""
+    name, sep, model = argument.partition("=")
+    if not sep or Path(argument).expanduser().exists():
+        return None, argument
+    if not _NAME.fullmatch(name):
+        raise ValueError(f"{name!r} cannot name a model: use lower-case letters, digits "
+                         "and . _ : - (NAME=PATH)")
+    return name, model
+
+
+@dataclass(frozen=True, eq=False)
+class ServedModel:
+    """A model the server may serve: its name, its file, how to load it, its sampler."""
+
+    name: str
+    path: Path
+    load: Callable[[], Engine]
+    sampler: SamplerSpec
+
+    @functools.cached_property
+    def header(self) -> GGUFHeader:
+        """The GGUF's header (its metadata and size), read once, without loading it."""
+        return read_header(self.path)
+
+    def answers_to(self, name: str) -> bool:
+        """Whether a request naming ``name`` means this model: its name (with ollama's
+        ``:latest`` or not), its file name or stem, in any case."""
+        asked = name.strip().lower()
+        return asked.removesuffix(":latest") == self.name or asked in (
+            self.path.name.lower(), self.path.stem.lower())
+
+
+class LoadedModel:
+    """A model in memory: its engine and the scheduler running that engine's slots."""
+
+    def __init__(self, served: ServedModel, engine: Engine, max_queue: int,
+                 keep_alive: float):
+        self.served = served
+        self.name = served.name
+        self.sampler = served.sampler
+        self.engine = engine
+        self.scheduler = Scheduler(engine, max_queue)
+        self.keep_alive = keep_alive
+        self.holders = 0  # requests that named it and have not queued their job yet
+        self._released = time.monotonic()
+
+    @property
+    def busy(self) -> bool:
+        return self.holders > 0 or self.scheduler.accepted > 0
+
+    def idle_since(self) -> float:
+        """When its last request let go of it (monotonic clock)."""
+        return max(self._released, self.scheduler.last_done)
+
+    def expires_at(self) -> float:
+        """When it will be unloaded if nothing uses it (monotonic clock; inf: never)."""
+        start = time.monotonic() if self.busy else self.idle_since()
+        return start + self.keep_alive
+
+    def job(self, prompt_tokens: list[int], *, sampler: SamplerSpec, max_tokens: int | None,
+            seed: int | None, stop: list[str], stream: bool, logprobs: int | None = None,
+            grammar=None, format_field: str = "", prompt_field: str, route: str = "") -> Job:
+        """The engine's checked request as the scheduler takes it, or the 400 that says why
+        not: a prompt that leaves no room in the context window (named as
+        ``prompt_field``), a sampler or a grammar (asked for by ``format_field``) the engine
+        cannot run here (backend sampling runs fewer, and no grammar), logprobs it cannot
+        give. ``max_tokens`` None or beyond the room: the room."""
+        try:
+            request = self.engine.request(prompt_tokens, sampler=sampler,
+                                          max_tokens=max_tokens, seed=seed, stop=stop,
+                                          logprobs=logprobs, grammar=grammar)
+        except SpecError as exc:
+            param = format_field if grammar is not None and sampler.in_graph \
+                else "sampler"
+            raise APIError(400, f"{param}: {exc}", param=param,
+                           code="invalid_sampler") from None
+        except ContextOverflow as exc:
+            raise APIError(400, str(exc), param=prompt_field,
+                           code="context_length_exceeded") from None
+        except InvalidArgument as exc:
+            raise APIError(400, str(exc), param=exc.param) from None
+        return Job(request=request, stream=stream, loop=asyncio.get_running_loop(),
+                   label=f"{route} {self.name}")
+
+    def submit(self, job: Job) -> None:
+        """Queue the job, or 503 with Retry-After when the queue is full."""
+        try:
+            self.scheduler.submit(job)
+        except QueueFull as exc:
+            raise APIError(503, f"the server is busy: {exc.waiting} requests are waiting; "
+                           f"retry in {RETRY_AFTER_S} s", type="server_busy",
+                           code="queue_full",
+                           headers={"Retry-After": str(RETRY_AFTER_S)}) from None
+
+    def close(self) -> None:
+        self.scheduler.stop()
+        self.engine.close()
+
+
+class ModelPool:
+    """The models a server may serve (the first is the default) and the ones loaded now."""
+
+    def __init__(self, models: Sequence[ServedModel], *, max_loaded: int, keep_alive: float,
+                 max_queue: int):
+        if not models:
+            raise ValueError("a server needs at least one model")
+        names = [m.name for m in models]
+        twice = sorted({n for n in names if names.count(n) > 1})
+        if twice:
+            raise ValueError(f"two models are named {twice[0]!r}: name one with NAME=PATH")
+        if not (isinstance(max_loaded, int) and max_loaded >= 1):
+            raise ValueError(f"`max_loaded` has to be at least 1, but is {max_loaded!r}")
+        if not keep_alive >= 0:
+            raise ValueError(f"`keep_alive` has to be >= 0 seconds, but is {keep_alive!r}")
+        self.models = tuple(models)
+        self.max_loaded = max_loaded
+        self.keep_alive = keep_alive
+        self.max_queue = max_queue
+        self._loaded: dict[str, LoadedModel] = {}
+        self._room = asyncio.Lock()  # one load (and the unloading it needs) at a time
+
+    @property
+    def default(self) -> ServedModel:
+        return self.models[0]
+
+    @property
+    def loaded(self) -> list[LoadedModel]:
+        return list(self._loaded.values())
+
+    def find(self, name: str | None, *, any_name_for_one: bool = False) -> ServedModel:
+        """The model a request names (None: the default); with ``any_name_for_one``, any
+        name reaches a server's only model (OpenAI clients often insist on a name of their
+        own). APIError 404 that lists the served names otherwise."""
+        if name is None or (any_name_for_one and len(self.models) == 1):
+            return self.default
+        for model in self.models:
+            if model.answers_to(name):
+                return model
+        raise APIError(404, f"model {name!r} not found; this server serves "
+                       f"{', '.join(m.name for m in self.models)}", param="model",
+                       code="model_not_found")
+
+    def load_now(self, model: ServedModel) -> LoadedModel:
+        """Load ``model`` before serving (the default, so that a broken file stops the
+        server at its start); no room is made."""
+        loaded = LoadedModel(model, model.load(), self.max_queue, self.keep_alive)
+        self._loaded[model.name] = loaded
+        return loaded
+
+    @contextlib.asynccontextmanager
+    async def use(self, model: ServedModel, keep_alive: float | None = None):
+        """The loaded model, held while the block runs (loaded first when it is not);
+        ``keep_alive`` (seconds) replaces its idle time before unloading."""
+        loaded = self._loaded.get(model.name) or await self._load(model)
+        loaded.holders += 1  # no await since the lookup: nothing unloaded it in between
+        if keep_alive is not None:
+            loaded.keep_alive = keep_alive
+        try:
+            yield loaded
+        finally:
+            loaded.holders -= 1
+            loaded._released = time.monotonic()
+
+    async def _load(self, model: ServedModel) -> LoadedModel:
+        async with self._room:
+            loaded = self._loaded.get(model.name)  # another request may have loaded it
+            if loaded is not None:
+                return loaded
+            await self._make_room()
+            log.info("loading %s (%s)", model.name, model.path)
+            started = time.perf_counter()
+            try:
+                engine = await asyncio.to_thread(model.load)
+            except Exception as exc:  # a damaged file, no memory: the server keeps serving
+                log.exception("could not load %s", model.name)
+                raise APIError(500, f"model {model.name!r} could not be loaded: {exc}",
+                               type="server_error", param="model") from None
+            loaded = LoadedModel(model, engine, self.max_queue, self.keep_alive)
+            self._loaded[model.name] = loaded
+            log.info("loaded %s in %.1f s", model.name, time.perf_counter() - started)
+            return loaded
+
+    async def _make_room(self) -> None:
+        deadline = time.monotonic() + LOAD_WAIT_S
+        while len(self._loaded) >= self.max_loaded:
+            idle = [m for m in self._loaded.values() if not m.busy]
+            if idle:
+                await self._unload(min(idle, key=LoadedModel.idle_since))
+                continue
+            if time.monotonic() >= deadline:
+                raise APIError(503, f"every loaded model is busy ({self.max_loaded} at "
+                               f"most, adaptive-llama serve --max-loaded); retry in "
+                               f"{RETRY_AFTER_S} s", type="server_busy", code="models_busy",
+                               headers={"Retry-After": str(RETRY_AFTER_S)})
+            await asyncio.sleep(ROOM_POLL_S)
+
+    async def _unload(self, loaded: LoadedModel) -> None:
+        # Out of the table first, with no await before: no request can take it after this.
+        if self._loaded.get(loaded.name) is not loaded:
+            return
+        del self._loaded[loaded.name]
+        log.info("unloading %s", loaded.name)
+        await asyncio.to_thread(loaded.close)
+
+    async def unload_expired(self) -> None:
+        """Unload every model idle for its keep-alive time."""
+        now = time.monotonic()
+        for loaded in self.loaded:
+            if not loaded.busy and now >= loaded.expires_at():
+                await self._unload(loaded)
+
+    async def keep_unloading(self) -> None:
+        """Unload idle models as their keep-alive ends, until cancelled (a server task)."""
+        while True:
+            await asyncio.sleep(UNLOAD_POLL_S)
+            await self.unload_expired()
+
+    def close(self) -> None:
+        for loaded in self._loaded.values():
+            loaded.close()
+        self._loaded.clear()
