@@ -5,7 +5,17 @@ import math
 
 import ollama
 import pytest
-from test_server import API_KEY, raw, server, server_log, wait_idle  # noqa: F401 (fixtures)
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from test_server import (  # noqa: F401 (fixtures)
+    API_KEY,
+    SAMPLING_OPTIONS,
+    json_values,
+    raw,
+    server,
+    server_log,
+    wait_idle,
+)
 
 MODEL = "smollm2"  # the bundled model's short name
 HELLO = [{"role": "user", "content": "Name one colour."}]
@@ -185,3 +195,27 @@ def test_model_info_values_are_what_json_can_hold(value, shown):
     from adaptive_llama.server.ollama import _json_safe
 
     assert _json_safe(value) == shown and type(_json_safe(value)) is type(shown)
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[
+    HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
+@given(fields=st.fixed_dictionaries({}, optional={
+    "keep_alive": st.one_of(json_values, st.sampled_from(["5m", "-1", "1h30m", "0s"])),
+    "format": json_values, "stream": json_values, "raw": json_values,
+    "options": st.one_of(json_values, st.fixed_dictionaries({}, optional={
+        name: json_values for name in ("temperature", "top_p", "seed", "num_ctx",
+                                       "num_predict", "sampler", *SAMPLING_OPTIONS)}))}))
+def test_any_ollama_fields_get_an_answer_or_a_400(server, fields):  # noqa: F811
+    body = {"model": MODEL, "prompt": "Hi", **fields}
+    options = body.get("options")
+    if isinstance(options, dict) and isinstance(options.get("num_predict"), int):
+        options["num_predict"] = min(options["num_predict"], 3)
+    else:
+        body["options"] = {**(options if isinstance(options, dict) else {}), "num_predict": 3}
+    status, _, payload = raw("POST", server, "/api/generate", json.dumps(body).encode(),
+                             parse=False)
+    assert status in (200, 400), payload
+    if status == 400:
+        error = json.loads(payload)["error"]
+        assert isinstance(error, str) and "\n" not in error
+    assert raw("GET", server, "/health")[2]["status"] == "ok"
