@@ -20,7 +20,7 @@ from click.core import ParameterSource
 from .runtime import config
 from .runtime.limits import MAX_THREADS
 from .runtime.models import ModelError, describe_models, resolve_model
-from .samplers import SEED, SpecError, parse_spec, table, valid_specs
+from .samplers import SEED, SpecError, parse_spec, spec_from_options, table, valid_specs
 
 USER_ERRORS = (ModelError, SpecError, ValueError)
 
@@ -190,21 +190,41 @@ def samplers():
     click.echo(table())
 
 
+def temp_option(fn):
+    return click.option("--temp", "temperature", type=float, default=None,
+                        help="Temperature of the sampler (0: greedy), as the server's "
+                             "`temperature`.")(fn)
+
+
+def _with_temperature(sampler, temperature: float | None):
+    """``--temp`` on top of ``--sampler``, mapped as the server maps `temperature`."""
+    if temperature is None:
+        return sampler
+    try:
+        return spec_from_options(sampler, temperature=temperature)
+    except SpecError as exc:
+        fail(f"--temp: {exc}")
+
+
 @main.command()
-@click.argument("model")
+@click.argument("model", required=False)
 @click.option("--prompt", default=None, help="Prompt text (default: read stdin).")
 @click.option("--sampler", default="adaptive", callback=_spec, show_default=True,
               help=f"Sampler spec: {valid_specs()}")
-@click.option("--max-tokens", type=click.IntRange(min=1), default=128, show_default=True)
+@temp_option
+@click.option("--max-tokens", "-n", type=click.IntRange(min=1), default=128,
+              show_default=True)
 @click.option("--chat", is_flag=True, help="Wrap the prompt in the model's chat template.")
 @click.option("--stop", multiple=True, help="Stop string (repeatable).")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object with the figures.")
 @model_options
 @user_errors
 @configured
-def generate(model, prompt, sampler, max_tokens, chat, stop, as_json, n_gpu_layers, n_ctx,
-             threads, seed, backend_sampling, verbose):
-    """Generate a continuation (or, with --chat, a reply) of a prompt."""
+def generate(model, prompt, sampler, temperature, max_tokens, chat, stop, as_json,
+             n_gpu_layers, n_ctx, threads, seed, backend_sampling, verbose):
+    """Generate a continuation (or, with --chat, a reply) of a prompt, with MODEL (default:
+    the bundled SmolLM2-135M-Instruct)."""
+    sampler = _with_temperature(sampler, temperature)
     if prompt is None:
         # Bytes that are not UTF-8 become U+FFFD rather than a codec error.
         prompt = sys.stdin.buffer.read().decode("utf-8", "replace")
@@ -228,8 +248,10 @@ def generate(model, prompt, sampler, max_tokens, chat, stop, as_json, n_gpu_laye
 @click.argument("model", required=False)
 @click.option("--sampler", default="adaptive", callback=_spec, show_default=True,
               help="Sampler spec (see generate --help).")
+@temp_option
 @click.option("--system", default=None, help="System prompt.")
-@click.option("--max-tokens", type=click.IntRange(min=1), default=256, show_default=True)
+@click.option("--max-tokens", "-n", type=click.IntRange(min=1), default=256,
+              show_default=True)
 @click.option("--resume", "resume", is_flag=False, flag_value="", default=None,
               metavar="[NAME]", help="Continue the newest saved chat, or the one named "
               "(/chats lists them).")
@@ -237,8 +259,8 @@ def generate(model, prompt, sampler, max_tokens, chat, stop, as_json, n_gpu_laye
 @model_options
 @user_errors
 @configured
-def run(model, sampler, system, max_tokens, resume, no_save, n_gpu_layers, n_ctx, threads,
-        seed, backend_sampling, verbose):
+def run(model, sampler, temperature, system, max_tokens, resume, no_save, n_gpu_layers,
+        n_ctx, threads, seed, backend_sampling, verbose):
     """Chat with MODEL (default: the bundled SmolLM2-135M-Instruct). /help inside.
 
     Each chat is saved as it goes, in $XDG_STATE_HOME/adaptive-llama/chats (a reply cut off
@@ -246,6 +268,7 @@ def run(model, sampler, system, max_tokens, resume, no_save, n_gpu_layers, n_ctx
     from .chat.repl import Repl, check_saved_chat
     from .chat.saved import ChatStore
 
+    sampler = _with_temperature(sampler, temperature)
     store = None if no_save else ChatStore()
     if resume is not None:
         if store is None:
@@ -280,7 +303,8 @@ def run(model, sampler, system, max_tokens, resume, no_save, n_gpu_layers, n_ctx
             fail(f"the saved chat {resume!r} cannot be continued: {exc}")
         given = {key: value for key, value in (("sampler", sampler), ("system", system),
                                                ("max_tokens", max_tokens), ("seed", seed))
-                 if ctx.get_parameter_source(key) in GIVEN}
+                 if ctx.get_parameter_source(key) in GIVEN
+                 or (key == "sampler" and temperature is not None)}
         repl.take_settings(given, f"saved chat {resume}")
         _continue(repl, store, resume)
     repl.loop()
@@ -297,10 +321,12 @@ def _continue(repl, store, name: str) -> None:
         return
     if held:
         repl.note(f"continuing {name}: {len(repl.chat.messages)} messages")
+        repl.recap()
         return
     repl.new_saved_chat()
     repl.note(f"{name} is open in another REPL; continuing its {len(repl.chat.messages)} "
               f"messages in a copy, {repl.chat_name}")
+    repl.recap()
 
 
 @main.command("eval")

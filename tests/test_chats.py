@@ -39,6 +39,9 @@ def test_resume_continues_the_newest_chat_or_the_named_one():
     second, first = store().names()
     out = run("--resume", "--max-tokens", "6", input="/show\nAnd more\n").stdout
     assert f"continuing {second}: 2 messages" in out and "(2 messages)" in out
+    reply = store().load(second)["messages"][1]["content"]
+    recap = out.split(f"continuing {second}: 2 messages\n")[1]
+    assert recap.startswith(f">>> Second chat\n{reply}\n")  # the last exchange, recalled
     assert [m["content"] for m in store().load(second)["messages"]][::2] == [
         "Second chat", "And more"]
     assert store().load(second)["seed"] == 3  # the chat's own settings come back

@@ -94,3 +94,24 @@ def test_ctrl_c_right_after_enter_inside_a_block_drops_the_block(tmp_path):
         assert "[interrupted]" not in child.logfile_read.getvalue()
 
     drive(spawn(tmp_path), script)
+
+
+def test_a_terminal_reply_ends_with_its_footer_and_set_parameter_works(tmp_path):
+    def script(child):
+        child.expect(">>>")
+        child.send("/set parameter temperature 0\r")
+        child.expect("temp set; sampler greedy")
+        child.send("/set max-tokens 4\r")
+        child.expect(">>>")
+        child.send("Hi\r")
+        # On a terminal verbose is on: a dim footer follows the reply (and the cut mark).
+        child.expect(r"\[cut at max-tokens 4")
+        child.expect(r"4 tokens · [\d.]+ tok/s · seed \d+")
+        child.expect(">>>")
+        child.send("/trace on\r")
+        child.expect(r"\033\[34mblue: k=1, sure\033\[0m")  # the legend, in its colours
+        child.expect(">>>")
+        child.send("/bye\r")
+        child.expect(pexpect.EOF)
+
+    drive(spawn(tmp_path), script)

@@ -241,3 +241,71 @@ def test_trace_top_shows_each_tokens_likeliest_alternatives():
         shares = [int(p) for p in re.findall(r" (\d+)%", alternatives)]
         assert len(shares) == 3 and shares == sorted(shares, reverse=True) and sum(shares) <= 101
     assert "{" not in out.split("trace off")[1]
+
+
+def test_ollamas_and_llama_cpps_set_habits_map_onto_the_spec_as_the_server_does():
+    out = chat("/set parameter temperature 0.5", "/show",
+               "/set temperature 0", "/show",          # greedy everywhere
+               "/set temperature 0.8", "/show",        # back to the sampler it replaced
+               "/set top_k 20", "/show",               # Ollama's top_k chooses top-k
+               "/set sampler min-p:p=0.1", "/show",    # keeps the earlier /set temp
+               "/set sampler min-p:p=0.1,temp=1.2", "/show",  # unless it names one
+               "/set repeat_penalty 1.1", "/set parameter num_predict 9", "/show",
+               "/set system You are terse.", "/set system", "/show",
+               "/set top_p x", "/set verbose maybe")
+    samplers = [show_block(out, i)["sampler"] for i in range(1, 8)]
+    assert samplers == [
+        "adaptive:eps=0.0005,mode=multinomial,temp=0.5", "greedy",
+        "adaptive:eps=0.0005,mode=multinomial,temp=0.8", "top-k:k=20,temp=0.8",
+        "min-p:p=0.1,temp=0.8", "min-p:p=0.1,temp=1.2",
+        "min-p:p=0.1,temp=1.2+penalties:repeat=1.1,freq=0,present=0,last_n=64"]
+    assert show_block(out, 7)["max-tokens"] == "9"
+    assert "system cleared" in out and show_block(out)["system"] == "(none)"
+    assert "`top_p` has to be a number, but is 'x'; kept the old value" in out
+    assert "`verbose` has to be on or off, but is 'maybe'" in out
+
+
+def test_a_reply_cut_by_max_tokens_is_marked_and_verbose_adds_its_figures():
+    out = chat("Tell me a long story.", "/set verbose on", "And another.",
+               args=["--max-tokens", "3", "--seed", "4"])
+    first, second = out.split("verbose on")
+    assert "[cut at max-tokens 3: /set max-tokens N for longer replies]" in first
+    assert "tok/s" not in first  # piped: no footer until /set verbose on
+    assert re.search(r"\n3 tokens · [\d.]+ tok/s · mean k [\d.]+ · seed 4\n", second)
+
+
+def test_an_empty_reply_is_marked_and_its_stats_say_so():
+    from adaptive_llama.runtime.batching import GenerationResult
+
+    repl = Repl.__new__(Repl)  # the footer of a reply that ended at its first token
+    repl.out, repl.interactive, repl.verbose = io.StringIO(), False, True
+    empty = GenerationResult(text="", finish_reason="stop", prompt_tokens=9,
+                             completion_tokens=0, sampler="greedy", seed=5)
+    repl.footer(empty)
+    assert repl.out.getvalue().startswith("[empty reply: the model ended it at once")
+    from adaptive_llama.chat.repl import format_stats
+
+    assert format_stats(empty.summary()) == ("an empty reply: the model ended it at once "
+                                             "(finish: stop, seed 5)")
+
+
+def test_compare_without_a_spec_and_trace_say_what_they_do():
+    out = chat("Hi", "/compare", "/trace on", "/trace top", "Hello")
+    assert "usage: /compare SPEC, e.g. /compare top-p:p=0.9" in out
+    assert "trace on: each token shows its candidate-set size k by [k] after it" in out
+    assert "then {k=K: the likeliest tokens and their probabilities}" in out
+    assert re.search(r"\[\d+\]\{'", out)  # /trace top: [k], then the alternatives
+
+
+def test_run_and_generate_take_temp_and_n():
+    out = chat("/show", args=["--temp", "0"])
+    assert show_block(out)["sampler"] == "greedy"
+    out = chat("/show", args=["--sampler", "min-p:p=0.1", "--temp", "0.6", "-n", "7"])
+    assert show_block(out)["sampler"] == "min-p:p=0.1,temp=0.6"
+    assert show_block(out)["max-tokens"] == "7"
+    result = CliRunner().invoke(main, ["run", "--temp", "-1"], input="")
+    assert result.exit_code == 2 and "--temp: `temp` has to be in" in result.output
+    # generate's model is optional, as run's and serve's: the bundled one
+    result = CliRunner().invoke(main, ["generate", "--prompt", "1, 2, 3,", "--temp", "0",
+                                       "-n", "6"])
+    assert result.exit_code == 0 and result.output.startswith(" 4, 5"), result.output

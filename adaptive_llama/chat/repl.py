@@ -11,20 +11,32 @@ import difflib
 import json
 import math
 import os
+import re
 import signal
 import sys
 from pathlib import Path
 
 from .. import kernel
 from ..runtime.engine import ContextOverflow, Engine, GenerationResult
-from ..samplers import INT32_MAX, SEED, Param, SpecError, parse_spec, table
+from ..samplers import (
+    INT32_MAX,
+    SAMPLERS,
+    SEED,
+    Param,
+    SamplerSpec,
+    SpecError,
+    parse_spec,
+    spec_from_options,
+    table,
+)
 from .conversation import Chat
 from .saved import ChatStore, read_text_file, state_folder, write_user_file
 
 COMMANDS = {
     "/help": "this list; /help samplers: every sampler and its parameters",
     "/set": "/set eps|temp|max-tokens VALUE, /set seed N|random, /set sampler SPEC, "
-            "/set system TEXT",
+            "/set system [TEXT], /set verbose on|off; ollama's and llama.cpp's too: "
+            "/set [parameter] temperature|top_k|top_p|min_p|repeat_penalty|num_predict VALUE",
     "/show": "model, sampler, parameters, context used",
     "/clear": "forget the conversation",
     "/undo": "drop the last exchange",
@@ -38,8 +50,16 @@ COMMANDS = {
     "/compare": "/compare SPEC: the last reply again, same seed, another sampler",
     "/bye": "quit (also Ctrl-D)",
 }
-SET_KEYS = ("eps", "temp", "seed", "max-tokens", "sampler", "system")
+SET_KEYS = ("eps", "temp", "seed", "max-tokens", "sampler", "system", "verbose")
+# ollama's `/set parameter NAME VALUE` names (llama.cpp's too) -> ours
+SET_ALIASES = {"temperature": "temp", "num_predict": "max-tokens", "max_tokens": "max-tokens",
+               "n_predict": "max-tokens", "epsilon": "eps"}
+# Options that choose or modify the sampler as the server's fields do (spec_from_options).
+SET_OPTIONS = {"top_k": int, "top_p": float, "min_p": float, "repeat_penalty": float,
+               "repeat_last_n": int, "presence_penalty": float, "frequency_penalty": float}
+_NAMES_TEMP = re.compile(r"[:,]\s*temp\s*=")  # a spec text that sets its own temperature
 MULTILINE = '"""'
+RECAP_CHARS = 400  # of each message of the last exchange, shown on --resume
 
 
 def k_colour(k: int) -> str:
@@ -72,6 +92,9 @@ class Repl:
         self.out = out or sys.stdout
         self.read_line = read_line or (self._terminal_reader() if interactive else _plain_reader)
         self.trace = "off"  # "on": each token's k; "top": and its likeliest alternatives
+        self.verbose = interactive  # a footer after each reply (/set verbose)
+        self.temp_set: float | None = None  # a /set temp that a new /set sampler keeps
+        self.before_greedy: SamplerSpec | None = None  # what temperature 0 replaced
         self.interrupt_pending = False  # a Ctrl-C came with the Enter of the line just read
         self.last: GenerationResult | None = None  # the last reply, while it is the last message
         self.warned_dropped = 0
@@ -112,7 +135,8 @@ class Repl:
         from prompt_toolkit.input.typeahead import get_typeahead, store_typeahead
         from prompt_toolkit.keys import Keys
 
-        words = list(COMMANDS) + list(SET_KEYS) + ["on", "off", "samplers", "random"]
+        words = [*COMMANDS, *SET_KEYS, *SET_ALIASES, *SET_OPTIONS, *SAMPLERS, "parameter",
+                 "on", "off", "top", "samplers", "random"]
         path = state_folder() / "history"
         try:  # a history that cannot be written would fail on every Enter
             path.parent.mkdir(parents=True, exist_ok=True)
@@ -206,6 +230,7 @@ class Repl:
         if self.autosave():  # the message, before its reply; then the reply as it shows
             self.store.begin_reply(self.chat_name)
         self.last = self.show_stream(stream, keep=self.store.piece if self.store else None)
+        self.footer(self.last)
         if self.chat.dropped > self.warned_dropped and self.warned_dropped == 0:
             self.note("(the conversation outgrew the context window: the oldest messages "
                       "are being dropped from what the model sees; /save keeps them all)")
@@ -228,6 +253,21 @@ class Repl:
             self.say("")
         return stream.result
 
+    def footer(self, result: GenerationResult) -> None:
+        """How the reply went: a mark when it is empty or cut by max-tokens (always), and
+        with /set verbose on, one dim line of figures."""
+        if result.finish_reason == "interrupted":
+            return
+        if not result.text.strip():
+            self.note("[empty reply: the model ended it at once; /regen tries again]")
+        elif result.finish_reason == "length":
+            self.note(f"[cut at max-tokens {self.chat.max_tokens}: /set max-tokens N for "
+                      "longer replies]")
+        if self.verbose:
+            mean_k = f" · mean k {result.mean_k:.1f}" if result.mean_k is not None else ""
+            self.note(f"{result.completion_tokens} tokens · "
+                      f"{result.decode_tokens_per_s:.1f} tok/s{mean_k} · seed {result.seed}")
+
     def _traced(self, stream, piece: str) -> str:
         """The piece marked with the k of its token: coloured, or piece[k] when piped; with
         /trace top, then {the likeliest tokens and their probabilities}."""
@@ -240,6 +280,8 @@ class Repl:
             return marked
         alternatives = ", ".join(f"{text.decode('utf-8', 'replace')!r} {math.exp(lp):.0%}"
                                  for _, text, lp in entry.top)
+        if k is not None and self.interactive:  # piped, [k] is already there
+            alternatives = f"k={k}: {alternatives}"
         return marked + (f"\033[2m{{{alternatives}}}{RESET}" if self.interactive
                          else f"{{{alternatives}}}")
 
@@ -274,30 +316,69 @@ class Repl:
     def cmd_set(self, arg):
         key, _, value = arg.partition(" ")
         key, value = key.strip().lower(), value.strip()
-        if key not in SET_KEYS or not value:
-            self.note(f"usage: /set {'|'.join(SET_KEYS)} VALUE")
+        if key == "parameter":  # ollama's /set parameter NAME VALUE
+            key, _, value = value.partition(" ")
+            key, value = key.strip().lower(), value.strip()
+        key = SET_ALIASES.get(key, key)
+        if key not in (*SET_KEYS, *SET_OPTIONS) or not (value or key == "system"):
+            self.note(f"usage: /set {'|'.join(SET_KEYS)} VALUE, or /set [parameter] "
+                      f"temperature|{'|'.join(SET_OPTIONS)} VALUE")
             return
         chat = self.chat
         try:
-            if key == "sampler":
-                chat.sampler = self.engine.check_sampler(parse_spec(value))
-            elif key == "system":
-                chat.system = value
+            if key == "verbose":
+                self.verbose = _on_off(key, value)
+                self.note(f"verbose {value.lower()}")
+                return
+            if key == "system":
+                chat.system = value or None
+            elif key in ("sampler", "temp") or key in SET_OPTIONS:
+                chat.sampler = self.engine.check_sampler(self._sampler_after(key, value))
             elif key == "eps":
                 chat.sampler = chat.sampler.with_param("eps", value)
-            elif key == "temp":
-                chat.sampler = chat.sampler.with_param("temp", value)
             elif key == "seed":
                 chat.seed = None if value.lower() == "random" else SEED.validate(value)
             elif key == "max-tokens":
                 chat.max_tokens = MAX_TOKENS.validate(value)
-        except SpecError as exc:
+        except (SpecError, ValueError) as exc:
             self.note(f"{exc}; kept the old value")
             return
-        self.sources["system" if key == "system" else "sampler"
-                     if key in ("sampler", "eps", "temp") else key] = "/set"
-        self.note(f"{key} set; sampler {chat.sampler}, seed {_seed_text(chat.seed)}, "
-                  f"max-tokens {chat.max_tokens}")
+        self.sources[key if key in ("system", "seed", "max-tokens") else "sampler"] = "/set"
+        self.note(f"{key} {'cleared' if key == 'system' and not value else 'set'}; sampler "
+                  f"{chat.sampler}, seed {_seed_text(chat.seed)}, max-tokens "
+                  f"{chat.max_tokens}")
+
+    def _sampler_after(self, key: str, value: str) -> SamplerSpec:
+        """The sampler after ``/set KEY VALUE``, as the server maps the same fields:
+        temperature 0 is greedy (a later temperature above 0 brings back the sampler it
+        replaced), top_k and the others choose or modify the sampler; a new sampler keeps
+        an earlier /set temp unless its spec names a temperature."""
+        current = self.chat.sampler
+        if key == "sampler":
+            spec = parse_spec(value)
+            if (self.temp_set and spec.sampler.takes_temp
+                    and not _NAMES_TEMP.search(value)):
+                spec = spec.with_param("temp", self.temp_set)
+            self.before_greedy = None
+            return spec
+        if key == "temp":
+            if _is_zero(value):
+                if current.name != "greedy":
+                    self.before_greedy = current
+                self.temp_set = None
+                return spec_from_options(current, temperature=0)
+            base = self.before_greedy if current.name == "greedy" and self.before_greedy \
+                else current
+            if not base.sampler.takes_temp:
+                raise SpecError(f"{base.name} takes no temperature; /set sampler first")
+            spec = base.with_param("temp", value)  # validated by the sampler table
+            self.before_greedy, self.temp_set = None, spec.temp
+            return spec
+        try:
+            option = SET_OPTIONS[key](value)
+        except ValueError:
+            raise SpecError(f"`{key}` has to be a number, but is {value!r}") from None
+        return spec_from_options(current, **{key: option})
 
     def cmd_show(self, arg):
         chat = self.chat
@@ -346,9 +427,23 @@ class Repl:
             self.note("usage: /trace on|top|off")
             return
         self.trace = arg
-        self.note(f"trace {arg}")
+        if arg == "off":
+            self.note("trace off")
+            return
+        if self.interactive:
+            legend = "its colour: " + ", ".join(f"{k_colour(k)}{text}{RESET}"
+                                                for k, text in TRACE_LEGEND)
+        else:
+            legend = "[k] after it (1: sure; more than 20: hesitant)"
+        top = ("; then {k=K: the likeliest tokens and their probabilities}"
+               if arg == "top" else "")
+        self.note(f"trace {arg}: each token shows its candidate-set size k by {legend}{top}")
 
     def cmd_compare(self, arg):
+        if not arg:
+            self.note("usage: /compare SPEC, e.g. /compare top-p:p=0.9: your last message "
+                      "answered again with the same seed by that sampler (/help samplers)")
+            return
         window = self.chat.window
         if self.last is None or len(window) < 2 or window[-1]["role"] != "assistant":
             self.note("say something first: /compare answers your last message again")
@@ -437,6 +532,14 @@ class Repl:
         self.note(f"loaded {len(self.chat.messages)} messages; sampler {self.chat.sampler}, "
                   f"seed {_seed_text(self.chat.seed)}")
 
+    def recap(self, limit: int = RECAP_CHARS) -> None:
+        """The last exchange of a resumed chat, each message cut to ``limit`` characters."""
+        last = self.chat.messages[-2:]
+        for message in last:
+            text = message["content"]
+            text = text if len(text) <= limit else text[:limit].rstrip() + " ..."
+            self.note(f"{'>>> ' if message['role'] == 'user' else ''}{text}")
+
     def take_settings(self, given: dict, restored_from: str) -> None:
         """After a restore: the values given on the command line win over the saved ones,
         and /show says where each came from."""
@@ -457,6 +560,8 @@ class Repl:
 
 
 TRACE_ALTERNATIVES = 3  # tokens /trace top shows beside each one
+TRACE_LEGEND = ((1, "blue: k=1, sure"), (5, "green: 2-5"), (20, "yellow: 6-20"),
+                (21, "red: more than 20, hesitant"))
 
 MAX_TOKENS = Param("max-tokens", int, 256, "the longest reply, in tokens", low=1, high=INT32_MAX)
 
@@ -496,12 +601,28 @@ def _backend_text(engine) -> str:
     return f"{kernel.BACKEND} (adaptive and eta samplers)"
 
 
+def _is_zero(value: str) -> bool:
+    try:
+        return float(value) == 0
+    except ValueError:
+        return False  # the sampler table's check says what is wrong with it
+
+
+def _on_off(key: str, value: str) -> bool:
+    if value.lower() not in ("on", "off"):
+        raise ValueError(f"`{key}` has to be on or off, but is {value!r}")
+    return value.lower() == "on"
+
+
 def _seed_text(seed: int | None) -> str:
     return "random (a new one each reply)" if seed is None else str(seed)
 
 
 def format_stats(summary: dict) -> str:
     """A reply's :meth:`GenerationResult.summary` as two lines of text."""
+    if summary["completion_tokens"] == 0:
+        return (f"an empty reply: the model ended it at once (finish: "
+                f"{summary['finish_reason']}, seed {summary['seed']})")
     line = (f"{summary['completion_tokens']} tokens, {summary['decode_tokens_per_s']:.1f} "
             f"tokens/s, first token after {summary['time_to_first_token_s'] * 1000:.0f} ms, "
             f"finish: {summary['finish_reason']}, seed {summary['seed']}")
