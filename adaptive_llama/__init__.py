@@ -6,13 +6,13 @@ the parts that run llama.cpp (:class:`Engine`, :class:`Chat`, :class:`SamplerCha
 then.
 """
 
-from .runtime.models import ModelError
+from .runtime.models import ModelError, resolve_model
 from .samplers import SAMPLERS, SamplerSpec, SpecError, parse_spec
 
 __version__ = "0.1.0"
 __all__ = [
     "IMPL", "BACKEND", "AdaptiveStats", "adaptive_k", "adaptive_stats",
-    "SAMPLERS", "SamplerSpec", "SpecError", "parse_spec", "ModelError",
+    "SAMPLERS", "SamplerSpec", "SpecError", "parse_spec", "ModelError", "resolve_model",
     "Engine", "GenerationResult", "Stream", "ContextOverflow", "Chat", "SamplerChain",
     "use_sampler", "LLAMA_CPP_VERSION", "Request", "InvalidArgument", "json_grammar",
     "UnsupportedSchema",

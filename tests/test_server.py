@@ -41,14 +41,15 @@ def server_log(tmp_path_factory):
     return tmp_path_factory.mktemp("server") / "server.log"
 
 
-def serving(model_path, log_file, *options):
-    """Starts `adaptive-llama serve` (on ``model_path``; None: its default) on a free port with the test API key and a 512-token
-    context, yields the port once /health answers, and stops the server afterwards."""
+def serving(model_path, log_file, *options, api_key=API_KEY):
+    """Starts `adaptive-llama serve` (on ``model_path``; None: its default) on a free port
+    with ``api_key`` and a 512-token context, yields the port once /health answers, and
+    stops the server afterwards."""
     port = free_port()
     proc = subprocess.Popen(
         [sys.executable, "-m", "adaptive_llama.cli", "serve",
-         *([str(model_path)] if model_path else []), "--port",
-         str(port), "--api-key", API_KEY, "--ctx", "512", *options],
+         *([str(model_path)] if model_path else []), "--port", str(port),
+         *(["--api-key", api_key] if api_key else []), "--ctx", "512", *options],
         stdout=log_file.open("w"), stderr=subprocess.STDOUT, text=True)
     deadline = time.monotonic() + 60
     while time.monotonic() < deadline:
