@@ -1,5 +1,6 @@
-"""What the OpenAI and Ollama routes share: the server's state (:class:`Server`: the models
-it serves, :mod:`.pool`), the rules of a request (its body read and checked off
+"""What the OpenAI and Ollama routes share, and all they share: the server's state
+(:class:`Server`: the models it serves, :mod:`.pool`, whose names they import from here), the
+rules of a request (its body read and checked off
 the event loop, its messages, the sampler its options ask for, the room its prompt leaves),
 and the bounds on what one request may hold.
 
@@ -28,7 +29,7 @@ from ..runtime.embeddings import Embedder
 from ..runtime.engine import Engine, GenerationResult, InvalidArgument
 from ..samplers import SamplerSpec, SpecError, spec_from_options
 from .errors import APIError, too_large
-from .pool import ModelPool
+from .pool import FOREVER, LoadedModel, ModelPool, ServedModel, keep_alive_s  # noqa: F401
 from .scheduler import Job
 
 log = logging.getLogger("adaptive_llama.server")

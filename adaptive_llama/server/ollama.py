@@ -48,23 +48,26 @@ from ..runtime.engine import GenerationResult
 from ..samplers import SEED
 from .common import (
     FINISH_REASONS,
+    FOREVER,
     MAX_EMBED_INPUTS,
     MAX_MESSAGES,
     MAX_STOPS,
     STRICT,
     APIError,
     Job,
+    LoadedModel,
     Message,
     SamplingFields,
+    ServedModel,
     Server,
     chat_prompt,
     grammar_for,
+    keep_alive_s,
     parse_body,
     sampler_for,
     server_of,
     wait,
 )
-from .pool import FOREVER, LoadedModel, ServedModel, keep_alive_s
 
 router = APIRouter()
 NDJSON = "application/x-ndjson"

@@ -47,6 +47,7 @@ from .common import (
     STRICT,
     APIError,
     Job,
+    LoadedModel,
     Message,
     SamplingFields,
     chat_prompt,
@@ -56,7 +57,6 @@ from .common import (
     server_of,
     wait,
 )
-from .pool import LoadedModel
 
 router = APIRouter()
 _ids = itertools.count(1)  # of the responses, "chatcmpl-1", "cmpl-2", ...
