@@ -248,3 +248,22 @@ def test_serve_without_models_serves_those_config_toml_names(smollm2_path, tmp_p
         shown = raw("POST", port, "/api/show", {"model": "smollm2"})[2]
         assert shown["parameters"] == "sampler min-p:p=0.2"
     assert "not serving [models.elsewhere]" in log.read_text()
+
+
+def test_a_model_file_damaged_while_serving_is_a_500_and_the_others_serve_on(
+        smollm2_path, tmp_path):
+    spare = tmp_path / "spare.gguf"
+    shutil.copy(smollm2_path, spare)
+    for port in serving(smollm2_path, tmp_path / "server.log", "-m", f"spare={spare}"):
+        spare.write_bytes(smollm2_path.read_bytes()[:100_000])  # cut inside its header
+        assert [m["name"] for m in raw("GET", port, "/api/tags")[2]["models"]] == ["smollm2"]
+        status, _, body = raw("POST", port, "/api/show", {"model": "spare"})
+        assert status == 500 and "spare.gguf: the GGUF header is damaged" in body["error"]
+        status, _, body = raw("POST", port, "/api/generate",
+                              {"model": "spare", "prompt": "Hi", "stream": False})
+        assert status == 500 and "'spare' could not be loaded" in body["error"]
+        status, _, body = raw("POST", port, "/api/generate", {
+            "model": "smollm2", "prompt": "Hi", "stream": False,
+            "options": {"num_predict": 2}})
+        assert status == 200 and body["done"]
+    assert "Traceback" not in (tmp_path / "server.log").read_text()  # one line each

@@ -51,6 +51,7 @@ class GGUFHeader:
     metadata: dict  # key -> int, float, bool, str or a short list (long arrays left out)
     n_params: int
     size: int  # the file's bytes
+    modified: float  # its mtime, in seconds since the epoch
 
     @property
     def architecture(self) -> str:
@@ -84,13 +85,13 @@ def read_header(path: Path) -> GGUFHeader:
                 if value is not _SKIPPED:
                     metadata[key] = value
             n_params = sum(_tensor_elements(f) for _ in range(n_tensors))
-            size = Path(path).stat().st_size
+            stat = Path(path).stat()
     except OSError as exc:
         raise ModelError(f"{path}: cannot be read ({exc.strerror})") from None
     except (struct.error, UnicodeDecodeError, _Corrupt) as exc:
         raise ModelError(f"{path}: the GGUF header is damaged ({exc}); download the "
                          "file again") from None
-    return GGUFHeader(metadata, n_params, size)
+    return GGUFHeader(metadata, n_params, stat.st_size, stat.st_mtime)
 
 
 class _Corrupt(ValueError):

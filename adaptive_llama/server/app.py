@@ -18,6 +18,7 @@ from fastapi.middleware.cors import CORSMiddleware
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from ..runtime.embeddings import Embedder
+from ..runtime.models import ModelError
 from . import llamacpp, ollama, openai
 from .common import MAX_BODY, Server
 from .errors import APIError
@@ -64,6 +65,12 @@ def create_app(pool: ModelPool, *, api_key: str | None = None, max_body: int = M
     @app.exception_handler(APIError)
     async def api_error(request: Request, exc: APIError):
         return exc.response(request.url.path)
+
+    @app.exception_handler(ModelError)
+    async def model_error(request: Request, exc: ModelError):
+        # A served model's file that went missing or is damaged: the server keeps serving.
+        return APIError(500, str(exc), type="server_error",
+                        param="model").response(request.url.path)
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(request: Request, exc: StarletteHTTPException):

@@ -34,6 +34,7 @@ import asyncio
 import datetime
 import hashlib
 import json
+import logging
 import math
 import time
 from importlib import metadata
@@ -45,6 +46,7 @@ from pydantic import BaseModel, Field
 
 from ..llama.grammar import ANY_OBJECT
 from ..runtime.engine import GenerationResult
+from ..runtime.models import ModelError
 from ..samplers import SEED
 from .common import (
     FINISH_REASONS,
@@ -70,6 +72,7 @@ from .common import (
 )
 
 router = APIRouter()
+log = logging.getLogger("adaptive_llama.server")
 NDJSON = "application/x-ndjson"
 OLLAMA_API_VERSION = "0.9.0"  # /api/chat, /api/generate with format and options, as here
 
@@ -187,12 +190,12 @@ def _details(model: ServedModel) -> dict:
 
 def _listed(model: ServedModel) -> dict:
     """A model as ``/api/tags`` and ``/api/ps`` list it."""
-    stat = model.path.stat()
-    modified = datetime.datetime.fromtimestamp(stat.st_mtime, datetime.timezone.utc)
-    digest = hashlib.sha256(f"{model.path.resolve()}:{stat.st_size}".encode()).hexdigest()
+    header = model.header
+    modified = datetime.datetime.fromtimestamp(header.modified, datetime.timezone.utc)
+    digest = hashlib.sha256(f"{model.path.resolve()}:{header.size}".encode()).hexdigest()
     return {"name": model.name, "model": model.name,
             "modified_at": modified.isoformat().replace("+00:00", "Z"),
-            "size": stat.st_size, "digest": digest, "details": _details(model)}
+            "size": header.size, "digest": digest, "details": _details(model)}
 
 
 def _size_label(n_params: int) -> str:
@@ -313,8 +316,16 @@ async def version():
 
 @router.get("/api/tags")
 async def tags(request: Request):
+    def readable(model: ServedModel) -> dict | None:
+        try:
+            return _listed(model)
+        except ModelError as exc:  # one damaged file hides only itself
+            log.warning("not listing %s: %s", model.name, exc)
+            return None
+
     pool = server_of(request).pool
-    return {"models": await asyncio.to_thread(lambda: [_listed(m) for m in pool.models])}
+    listed = await asyncio.to_thread(lambda: [readable(m) for m in pool.models])
+    return {"models": [m for m in listed if m is not None]}
 
 
 @router.get("/api/ps")

@@ -77,7 +77,8 @@ def served_name(model: str, path: Path) -> str:
     model's short name, else the file's stem in lower case
     (``Llama-3.2-1B-Instruct-Q4_K_M.gguf`` -> ``llama-3.2-1b-instruct-q4_k_m``)."""
     for bundled in BUNDLED.values():
-        if model == bundled.name or (bundled.installed() and path == bundled.path()):
+        # planned_path: where a model shipped in parts is joined, without joining it now
+        if model == bundled.name or (bundled.installed() and path == bundled.planned_path()):
             return bundled.name
     return path.stem.lower()
 
@@ -133,6 +134,13 @@ class LoadedModel:
     @property
     def busy(self) -> bool:
         return self.holders > 0 or self.scheduler.accepted > 0
+
+    def hold(self) -> None:
+        self.holders += 1
+
+    def release(self) -> None:
+        self.holders -= 1
+        self._released = time.monotonic()
 
     def idle_since(self) -> float:
         """When its last request let go of it (monotonic clock)."""
@@ -238,14 +246,13 @@ class ModelPool:
         """The loaded model, held while the block runs (loaded first when it is not);
         ``keep_alive`` (seconds) replaces its idle time before unloading."""
         loaded = self._loaded.get(model.name) or await self._load(model)
-        loaded.holders += 1  # no await since the lookup: nothing unloaded it in between
+        loaded.hold()  # no await since the lookup: nothing unloaded it in between
         if keep_alive is not None:
             loaded.keep_alive = keep_alive
         try:
             yield loaded
         finally:
-            loaded.holders -= 1
-            loaded._released = time.monotonic()
+            loaded.release()
 
     async def _load(self, model: ServedModel) -> LoadedModel:
         async with self._room:
@@ -258,7 +265,7 @@ class ModelPool:
             try:
                 engine = await asyncio.to_thread(model.load)
             except Exception as exc:  # a damaged file, no memory: the server keeps serving
-                log.exception("could not load %s", model.name)
+                log.warning("could not load %s: %s", model.name, exc)
                 raise APIError(500, f"model {model.name!r} could not be loaded: {exc}",
                                type="server_error", param="model") from None
             loaded = LoadedModel(model, engine, self.max_queue, self.keep_alive)
