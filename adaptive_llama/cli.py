@@ -54,7 +54,8 @@ def _spec(ctx, param, value):
 # wins over the file, the file over the built-in default.
 CONFIG_PARAMS = {"sampler": "sampler", "system": "system", "ctx": "n_ctx",
                  "n_gpu_layers": "n_gpu_layers", "threads": "threads",
-                 "backend_sampling": "backend_sampling"}
+                 "backend_sampling": "backend_sampling", "markdown": "markdown",
+                 "wordwrap": "wordwrap"}
 GIVEN = (ParameterSource.COMMANDLINE, ParameterSource.ENVIRONMENT)
 
 
@@ -256,11 +257,15 @@ def generate(model, prompt, sampler, temperature, max_tokens, chat, stop, as_jso
               metavar="[NAME]", help="Continue the newest saved chat, or the one named "
               "(/chats lists them).")
 @click.option("--no-save", is_flag=True, help="Do not keep this chat in the saved chats.")
+@click.option("--markdown/--no-markdown", default=None,
+              help="Render markdown in replies (default: on a terminal; /set markdown).")
+@click.option("--wordwrap/--no-wordwrap", default=None,
+              help="Wrap replies at word boundaries (default: on a terminal; /set wordwrap).")
 @model_options
 @user_errors
 @configured
-def run(model, sampler, temperature, system, max_tokens, resume, no_save, n_gpu_layers,
-        n_ctx, threads, seed, backend_sampling, verbose):
+def run(model, sampler, temperature, system, max_tokens, resume, no_save, markdown, wordwrap,
+        n_gpu_layers, n_ctx, threads, seed, backend_sampling, verbose):
     """Chat with MODEL (default: the bundled SmolLM2-135M-Instruct). /help inside.
 
     Each chat is saved as it goes, in $XDG_STATE_HOME/adaptive-llama/chats (a reply cut off
@@ -295,7 +300,7 @@ def run(model, sampler, temperature, system, max_tokens, resume, no_save, n_gpu_
     ctx = click.get_current_context()
     repl = Repl(engine, sampler=sampler, system=system, max_tokens=max_tokens, seed=seed,
                 interactive=interactive, sources=ctx.meta["sources"], store=store,
-                chat_name=resume)
+                chat_name=resume, markdown=markdown, wordwrap=wordwrap)
     if resume is not None:
         try:
             repl.restore(check_saved_chat(saved, repl.chat))

@@ -88,7 +88,7 @@ def test_models_lists_each_setting_with_its_source(config_home):
 
 
 def test_the_repl_shows_where_each_value_came_from(config_home):
-    path = write(config_home, GOOD)
+    path = write(config_home, GOOD + "markdown = true\n")  # into [models.smollm2]
     out = subprocess.run(
         [sys.executable, "-m", "adaptive_llama.cli", "run", "--ctx", "768"],
         input="/show\n/set eps 0.001\n/set sampler adaptive\n/show\n",
@@ -99,6 +99,9 @@ def test_the_repl_shows_where_each_value_came_from(config_home):
     assert f"threads: {path} [defaults]" in first and "n_gpu_layers: built-in default" in first
     assert "sampler: /set" in second
     assert "system      Answer in one word." in out
+    # piped, markdown is off unless asked for: the file asked
+    assert f"markdown: {path} [models.smollm2]" in first and "wordwrap: built-in" in first
+    assert "display     verbose off, markdown on, wordwrap off" in out
 
 
 BAD_FILES = [
@@ -152,11 +155,12 @@ def test_load_names_the_file_the_line_and_what_is_wrong(tmp_path, text, needles)
 
 def test_every_key_accepts_its_bounds(tmp_path):
     path = write_file(tmp_path, "[defaults]\nctx = 0\nthreads = 512\nn_gpu_layers = -1\n"
-                      "backend_sampling = false\nsystem = \"\"\n[models.a]\nctx = 256\n"
+                      "backend_sampling = false\nsystem = \"\"\nmarkdown = true\n"
+                      "[models.a]\nctx = 256\n"
                       "threads = 1\n")
     assert config.load(path) == {
         "defaults": {"ctx": 0, "threads": 512, "n_gpu_layers": -1,
-                     "backend_sampling": False, "system": ""},
+                     "backend_sampling": False, "system": "", "markdown": True},
         "models.a": {"ctx": 256, "threads": 1}}
 
 

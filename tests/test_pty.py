@@ -2,11 +2,14 @@
 
 import io
 import os
+import re
 import signal
 import sys
 
 import pexpect
 import pytest
+
+ANSI = re.compile(r"\x1b\[[0-9;?]*[a-zA-Z]")
 
 
 def ignore_sigint():
@@ -14,11 +17,12 @@ def ignore_sigint():
     signal.signal(signal.SIGINT, signal.SIG_IGN)
 
 
-def spawn(tmp_path, started_with=None):
+def spawn(tmp_path, started_with=None, args=("--max-tokens", "400", "--sampler",
+                                            "adaptive:eps=0.0001"), columns=200):
     env = dict(os.environ, XDG_STATE_HOME=str(tmp_path), TERM="xterm")
-    child = pexpect.spawn(sys.executable, ["-m", "adaptive_llama.cli", "run", "--max-tokens",
-                                           "400", "--sampler", "adaptive:eps=0.0001"],
-                          env=env, encoding="utf-8", timeout=120, dimensions=(40, 200),
+    env.pop("COLUMNS", None)
+    child = pexpect.spawn(sys.executable, ["-m", "adaptive_llama.cli", "run", *args],
+                          env=env, encoding="utf-8", timeout=120, dimensions=(40, columns),
                           preexec_fn=started_with)
     child.logfile_read = io.StringIO()  # shown when an expectation fails
     return child
@@ -115,3 +119,31 @@ def test_a_terminal_reply_ends_with_its_footer_and_set_parameter_works(tmp_path)
         child.expect(pexpect.EOF)
 
     drive(spawn(tmp_path), script)
+
+
+def test_a_terminal_renders_markdown_wraps_at_words_and_set_markdown_off_shows_it_raw(tmp_path):
+    def script(child):
+        child.expect(">>>")
+        child.send("Write a Python function that adds two numbers, in a code block.\r")
+        child.expect(r"\x1b\[\?2004l")  # the reply starts
+        # the code block in the code colour, verbatim; the fence line dim
+        child.expect(re.escape("\033[2m```python"))
+        child.expect(re.escape("\033[36m    return num1 + num2"))
+        child.expect(r"tok/s")  # the footer
+        reply = ANSI.sub("", child.before.split("```", 1)[1])  # the prose after the code
+        assert "`" not in reply  # inline code shows without its backticks
+        lines = [line for line in reply.replace("\r", "").split("\n") if line.strip()]
+        assert len(lines) > 2 and all(len(line) <= 40 for line in lines), lines
+        child.expect(">>>")
+        child.send("/set markdown off\r")
+        child.expect("markdown off")
+        child.expect(">>>")
+        child.send("/regen\r")  # greedy: the same reply, as the model wrote it
+        child.expect(r"\x1b\[\?2004l")
+        child.expect("operator")
+        assert "```python" in child.before and "`+`" in child.before
+        child.expect(">>>")
+        child.send("/bye\r")
+        child.expect(pexpect.EOF)
+
+    drive(spawn(tmp_path, args=("--sampler", "greedy", "-n", "120"), columns=40), script)

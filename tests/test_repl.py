@@ -23,7 +23,7 @@ def chat(*lines, args=()):
 def show_block(out: str, index: int = -1) -> dict:
     """One /show block as {field: value}."""
     block = out.split("model       ")[index]
-    rows = [line.split(None, 1) for line in ("model " + block).splitlines()[:8]]
+    rows = [line.split(None, 1) for line in ("model " + block).splitlines()[:9]]
     return {row[0]: row[1] if len(row) > 1 else "" for row in rows}
 
 
@@ -309,3 +309,35 @@ def test_run_and_generate_take_temp_and_n():
     result = CliRunner().invoke(main, ["generate", "--prompt", "1, 2, 3,", "--temp", "0",
                                        "-n", "6"])
     assert result.exit_code == 0 and result.output.startswith(" 4, 5"), result.output
+
+
+def test_markdown_rendering_and_wrapping_of_a_real_reply():
+    ask = ("Write a Python function that adds two numbers, in a code block.", "/bye")
+    args = ("--sampler", "greedy", "--max-tokens", "120", "--no-save")
+    written = chat(*ask, args=args)  # piped: the reply as the model wrote it
+    assert "```python\ndef add_numbers(num1, num2):\n    return num1 + num2" in written
+    assert "`+`" in written  # the model's answer has a code block and inline code
+    result = CliRunner(env={"COLUMNS": "30"}).invoke(
+        main, ["run", *args, "--markdown", "--wordwrap"], input="\n".join(ask) + "\n")
+    assert result.exit_code == 0, result.output
+    shown = result.output
+    text = re.sub(r"\033\[[0-9;]*m", "", shown)
+    # The code block is verbatim (its indentation kept), in the code colour, fences dim;
+    assert "\n    return num1 + num2\n" in text
+    assert "\033[36m    return num1 + num2" in shown and "\033[2m```python" in shown
+    # inline code loses its backticks and takes the code colour;
+    assert "`+`" not in text and re.search(r"\033\[36m\+", shown)
+    # the prose after it wraps at words to 30 columns, every word kept.
+    prose = written.split("```\n", 1)[1].split()
+    after = text.split("```\n", 1)[1]
+    assert all(len(line) <= 30 for line in after.splitlines())
+    assert after.split() == [word.replace("`", "") for word in prose]
+    assert len(after.splitlines()) > len(written.split("```\n", 1)[1].splitlines())
+
+
+def test_display_switches_are_off_when_piped_and_set_on_by_set():
+    out = chat("/show", "/set markdown on", "/set wordwrap maybe", "/show", "/bye")
+    first, second = out.split("markdown on\n", 1)
+    assert "display     verbose off, markdown off, wordwrap off" in first
+    assert "`wordwrap` has to be on or off, but is 'maybe'" in second
+    assert "display     verbose off, markdown on, wordwrap off" in second

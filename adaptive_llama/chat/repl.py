@@ -12,6 +12,7 @@ import json
 import math
 import os
 import re
+import shutil
 import signal
 import sys
 from pathlib import Path
@@ -30,12 +31,14 @@ from ..samplers import (
     table,
 )
 from .conversation import Chat
+from .markdown import MarkdownStream
 from .saved import ChatStore, read_text_file, state_folder, write_user_file
 
 COMMANDS = {
     "/help": "this list; /help samplers: every sampler and its parameters",
     "/set": "/set eps|temp|max-tokens VALUE, /set seed N|random, /set sampler SPEC, "
-            "/set system [TEXT], /set verbose on|off; ollama's and llama.cpp's too: "
+            "/set system [TEXT], /set verbose|markdown|wordwrap on|off; ollama's and "
+            "llama.cpp's too: "
             "/set [parameter] temperature|top_k|top_p|min_p|repeat_penalty|num_predict VALUE",
     "/show": "model, sampler, parameters, context used",
     "/clear": "forget the conversation",
@@ -50,7 +53,10 @@ COMMANDS = {
     "/compare": "/compare SPEC: the last reply again, same seed, another sampler",
     "/bye": "quit (also Ctrl-D)",
 }
-SET_KEYS = ("eps", "temp", "seed", "max-tokens", "sampler", "system", "verbose")
+SET_KEYS = ("eps", "temp", "seed", "max-tokens", "sampler", "system", "verbose", "markdown",
+            "wordwrap")
+# on|off switches of how replies show: the footer, markdown rendering, wrapping at words
+DISPLAY_SWITCHES = ("verbose", "markdown", "wordwrap")
 # ollama's `/set parameter NAME VALUE` names (llama.cpp's too) -> ours
 SET_ALIASES = {"temperature": "temp", "num_predict": "max-tokens", "max_tokens": "max-tokens",
                "n_predict": "max-tokens", "epsilon": "eps"}
@@ -79,7 +85,8 @@ RESET = "\033[0m"
 class Repl:
     def __init__(self, engine: Engine, sampler="adaptive", system=None, max_tokens=256,
                  seed=None, interactive=False, out=None, read_line=None, sources=None,
-                 store: ChatStore | None = None, chat_name: str | None = None):
+                 store: ChatStore | None = None, chat_name: str | None = None,
+                 markdown: bool | None = None, wordwrap: bool | None = None):
         self.engine = engine
         # every message and command is saved as it happens (None: nothing is kept)
         self.store = store
@@ -93,6 +100,9 @@ class Repl:
         self.read_line = read_line or (self._terminal_reader() if interactive else _plain_reader)
         self.trace = "off"  # "on": each token's k; "top": and its likeliest alternatives
         self.verbose = interactive  # a footer after each reply (/set verbose)
+        # by default on a terminal only: piped, a reply comes out exactly as the model wrote it
+        self.markdown = interactive if markdown is None else markdown
+        self.wordwrap = interactive if wordwrap is None else wordwrap
         self.temp_set: float | None = None  # a /set temp that a new /set sampler keeps
         self.before_greedy: SamplerSpec | None = None  # what temperature 0 replaced
         self.interrupt_pending = False  # a Ctrl-C came with the Enter of the line just read
@@ -237,21 +247,32 @@ class Repl:
         self.warned_dropped = self.chat.dropped
 
     def show_stream(self, stream, keep=None) -> GenerationResult:
-        """Print the reply as it comes (``keep`` gets each piece just before it shows)."""
+        """Print the reply as it comes (``keep`` gets each piece just before it shows):
+        rendered and wrapped as /set markdown and wordwrap say, or each token marked with
+        its k under /trace."""
+        render = self._renderer()
         try:
             if self.interrupt_pending:  # it came with the Enter: stop before the first token
                 raise KeyboardInterrupt
             for piece in stream:
                 if keep is not None:  # kept before it shows: nothing shown can be lost
                     keep(piece)
-                self.say(piece if self.trace == "off" else self._traced(stream, piece), end="")
+                if self.trace != "off":
+                    piece = self._traced(stream, piece)
+                self.say(render.feed(piece) if render else piece, end="")
         except KeyboardInterrupt:
             stream.cancel()
-            self.say("")
+            self.say(render.finish() if render else "")
             self.note("[interrupted]")
         else:
-            self.say("")
+            self.say(render.finish() if render else "")
         return stream.result
+
+    def _renderer(self) -> MarkdownStream | None:
+        if self.trace != "off" or not (self.markdown or self.wordwrap):
+            return None  # a traced token keeps its colour and its [k] where it came
+        width = shutil.get_terminal_size().columns if self.wordwrap else None
+        return MarkdownStream(styles=self.markdown, width=width)
 
     def footer(self, result: GenerationResult) -> None:
         """How the reply went: a mark when it is empty or cut by max-tokens (always), and
@@ -326,9 +347,9 @@ class Repl:
             return
         chat = self.chat
         try:
-            if key == "verbose":
-                self.verbose = _on_off(key, value)
-                self.note(f"verbose {value.lower()}")
+            if key in DISPLAY_SWITCHES:
+                setattr(self, key, _on_off(key, value))
+                self.note(f"{key} {value.lower()}")
                 return
             if key == "system":
                 chat.system = value or None
@@ -383,12 +404,15 @@ class Repl:
     def cmd_show(self, arg):
         chat = self.chat
         outside = f", {chat.dropped} outside the window" if chat.dropped else ""
+        display = ", ".join(f"{key} {'on' if getattr(self, key) else 'off'}"
+                            for key in DISPLAY_SWITCHES)
         self.say(f"model       {self.engine.path}\n"
                  f"sampler     {chat.sampler}\n"
                  f"backend     {_backend_text(self.engine)}\n"
                  f"seed        {_seed_text(chat.seed)}\n"
                  f"max-tokens  {chat.max_tokens}\n"
                  f"system      {chat.system or '(none)'}\n"
+                 f"display     {display}\n"
                  f"threads     {self.engine.threads}"
                  f"{' (adapted to the load)' if self.engine.threads_adaptive else ''}\n"
                  f"context     {chat.context_used()} of {self.engine.n_ctx} tokens "

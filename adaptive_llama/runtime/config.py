@@ -11,11 +11,14 @@
     ctx = 4096
     n_gpu_layers = 0
     backend_sampling = false
+    markdown = false                # the REPL shows replies as written
+    wordwrap = true
 
 Keys: ``sampler`` (a spec), ``system`` (the REPL's system prompt), ``ctx``, ``n_gpu_layers``,
-``threads`` (1 to 512), ``backend_sampling``. ``run``, ``generate`` and ``serve`` use them;
-the command line wins over the file, a model's table over ``[defaults]``, and the file over
-the built-in defaults. Each value comes with where it came from, which ``/show`` and
+``threads`` (1 to 512), ``backend_sampling``, and the REPL's ``markdown`` and ``wordwrap``
+(rendering and wrapping replies; on a terminal by default). ``run``, ``generate`` and
+``serve`` use them; the command line wins over the file, a model's table over ``[defaults]``,
+and the file over the built-in defaults. Each value comes with where it came from, which ``/show`` and
 ``adaptive-llama models`` print. The whole file is checked before anything starts: a bad one
 is one error naming the file, the line and the key.
 """
@@ -87,6 +90,8 @@ KEYS = {
     "n_gpu_layers": _integer(-1),
     "threads": _integer(1, MAX_THREADS),
     "backend_sampling": _boolean,
+    "markdown": _boolean,
+    "wordwrap": _boolean,
 }
 
 
