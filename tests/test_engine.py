@@ -476,24 +476,37 @@ def test_threads_default_to_the_physical_cores_and_can_be_fixed(smollm2_path, en
 
 
 def test_thread_tuner_decodes_with_the_cores_others_leave(smollm2_path):
-    from adaptive_llama.runtime.threads import ThreadTuner
+    from adaptive_llama.runtime.threads import PROBE_S, STALE_S, ThreadTuner
 
-    clock, busy, own = [0.0], [0.0], [0.0]
+    clock, busy, own, load_now, slept, running = [0.0], [0.0], [0.0], [0.0], [], [3]
+
+    def sleep(seconds):  # others keep `load_now` cores busy while the tuner looks
+        slept.append(seconds)
+        clock[0] += seconds
+        busy[0] += load_now[0] * seconds
+
     engine = Engine(smollm2_path, n_ctx=256, n_threads=1)  # any real context will do
     try:
         tuner = ThreadTuner(engine.ctx, 4, True, busy_seconds=lambda cpus: busy[0],
-                            clock=lambda: clock[0], own_seconds=lambda: own[0])
+                            clock=lambda: clock[0], own_seconds=lambda: own[0], sleep=sleep,
+                            runnable=lambda: running[0])
         tuner.adaptive = True  # whatever this machine's cgroup says: the policy is tested
+        # A fresh engine's first decode (a prompt) beside 2 busy cores: it looks first.
+        load_now[0] = 2.0
+        tuner.observe()
+        assert slept == [PROBE_S] and tuner.threads == 2
+        load_now[0], slept[:] = 0.0, []
 
         def window(ours, foreign):
-            """Half a second in which we used `ours` and others `foreign` CPU seconds."""
-            clock[0] += 0.5
+            """A window (a hair over half a second: clock sums are not exact) in which we
+            used `ours` and others `foreign` CPU seconds."""
+            clock[0] += 0.501
             own[0] += ours
             busy[0] += ours + foreign
             tuner.observe()
             return tuner.threads
 
-        assert window(2.0, 0.0) == 4     # quiet: every core
+        assert window(2.0, 0.0) == 4     # quiet: back to every core
         assert window(1.5, 0.5) == 3     # one core's worth of foreign load: one fewer
         assert window(1.5, 1.0) == 2     # two cores' worth: two fewer
         assert window(1.0, 0.2) == 4     # it went away: back up
@@ -502,5 +515,25 @@ def test_thread_tuner_decodes_with_the_cores_others_leave(smollm2_path):
         busy[0] += 5.0
         assert tuner.observe() is None and tuner.threads == 4  # within a window: nothing
         assert window(1.0, 10.0) == 1    # never below one
+        assert slept == []               # while decoding it never waits
+        # A pause of 60 s, quiet but for its last moment, where others took 2 cores: the
+        # pause's average (0.03 cores) would say 4 threads; the fresh look says 2.
+        clock[0] += 60.0
+        busy[0] += 2.0
+        load_now[0] = 2.0
+        tuner.observe()
+        assert slept == [PROBE_S] and tuner.threads == 2
+        load_now[0] = 0.0  # within STALE_S it is no pause: the window's load counts
+        clock[0] += STALE_S - 0.1
+        busy[0] += 2.0 * (STALE_S - 0.1)
+        tuner.observe()
+        assert slept == [PROBE_S] and tuner.threads == 2
+        # A pause after which only this process is runnable: every core, without a look
+        # (what the pause's average would have said, 2 cores taken, does not count).
+        clock[0] += 60.0
+        busy[0] += 120.0
+        running[0] = 1
+        tuner.observe()
+        assert slept == [PROBE_S] and tuner.threads == 4
     finally:
         engine.close()

@@ -365,6 +365,7 @@ class Decoder:
                 if n > room:
                     return
                 chunk, last = generation.todo[:n], n == len(generation.todo)
+                self.tuner.observe()  # a prompt is where a thread too many costs most
                 self._evaluate_chunk(slot, chunk, last)
                 del generation.todo[:n]
                 room -= n

@@ -2,13 +2,18 @@
 
 The default is the physical cores this process may use (CPU affinity, no SMT siblings, a
 cgroup CPU quota), as llama.cpp's own tools choose. Measured on 2 cores with SmolLM2-135M
-(models.md): 2 threads decode 1.5x faster than 1 on a quiet machine, but beside one other
-busy process they collapse to 0.43x of 1 thread: llama.cpp's workers meet at a barrier after
+(docs/performance.md): 2 threads decode 1.6x faster than 1 on a quiet machine, but beside one
+other busy process 6 to 12 times slower than 1: llama.cpp's workers meet at a barrier after
 every operation, and one of them is always waiting for a time slice. So with the default
 (``n_threads=None``) a :class:`ThreadTuner` looks, twice a second while decoding, at how much
 of this process's CPUs other processes used (``/proc/stat`` for our CPUs, minus our own CPU
 time) and decodes with the cores they leave: one thread fewer for every core's worth of
-foreign load, back up when it goes. A thread count the user gives is kept.
+foreign load, back up when it goes. Prompt evaluation is covered too: the tuner looks before
+each prompt chunk, and in a fresh engine or after a pause (the user typing, the server idle)
+it looks afresh for 50 ms first, because the load averaged over the pause says nothing
+about now, and a prompt evaluated with one thread too many beside a busy process is where
+it costs the most (benchmarks/bench_threads.py). When no other task is runnable at that
+instant (``procs_running``), the look is skipped: every core is free. A thread count the user gives is kept.
 """
 
 from __future__ import annotations
@@ -22,6 +27,8 @@ from typing import Callable
 import llama_cpp
 
 WINDOW_S = 0.5  # how often the load is looked at (while decoding)
+STALE_S = 2.0   # a look older than this (a pause) says nothing about the load now
+PROBE_S = 0.05  # the fresh look then: a busy core reads 0.8 to 1.2 cores over 50 ms (2 cores)
 SHARE = 0.4     # a core counts as taken once others use more than 1 - SHARE of it
 
 
@@ -71,43 +78,78 @@ def _busy_seconds(cpus: list[int]) -> float | None:
     return ticks / os.sysconf("SC_CLK_TCK") if ticks else None
 
 
+def _runnable() -> int | None:
+    """Tasks runnable on the whole machine this instant, this one included (/proc/stat)."""
+    try:
+        with open("/proc/stat") as stat:
+            for line in stat:
+                if line.startswith("procs_running "):
+                    return int(line.split()[1])
+    except (OSError, ValueError):
+        pass
+    return None
+
+
 class ThreadTuner:
     """Keeps a llama.cpp context's thread count at the cores other processes leave free.
 
-    ``observe()`` after each decode step; every :data:`WINDOW_S` it measures the foreign
-    load ``others`` (in cores) on this process's CPUs and sets
-    ``threads = max_threads - floor(others + SHARE)`` (at least 1). Adaptation is off for a
-    fixed thread count, on one core, without /proc/stat, and under a cgroup CPU quota
-    (there the host's load says little about this process's share).
+    ``observe()`` between decodes (each prompt chunk, each token); every :data:`WINDOW_S` it
+    measures the foreign load ``others`` (in cores) on this process's CPUs and sets
+    ``threads = max_threads - floor(others + SHARE)`` (at least 1). When the last look is
+    older than :data:`STALE_S`, or there is none yet, it looks afresh for :data:`PROBE_S`
+    first, unless no other task is runnable at that instant. Adaptation is off for a fixed
+    thread count, on one core, without /proc/stat, and under a cgroup CPU quota (there the
+    host's load says little about this process's share).
     """
 
     def __init__(self, ctx, max_threads: int, adaptive: bool,
                  busy_seconds: Callable[[list[int]], float | None] = _busy_seconds,
                  clock: Callable[[], float] = time.monotonic,
-                 own_seconds: Callable[[], float] = time.process_time):
+                 own_seconds: Callable[[], float] = time.process_time,
+                 sleep: Callable[[float], None] = time.sleep,
+                 runnable: Callable[[], int | None] = _runnable):
         self._ctx = ctx
         self.max_threads = max_threads
         self.threads = max_threads
         self._cpus = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") \
             else list(range(os.cpu_count() or 1))
         self._busy, self._clock, self._own = busy_seconds, clock, own_seconds
+        self._sleep, self._runnable = sleep, runnable
         quota = _cgroup_cpus()
         self.adaptive = (adaptive and max_threads > 1 and (quota is None or quota >= len(
             self._cpus)) and busy_seconds(self._cpus) is not None)
         self._mark = self._sample()
+        self._looked = False  # no load looked at yet: the first decode looks first
         llama_cpp.llama_set_n_threads(ctx, max_threads, max_threads)
 
     def _sample(self) -> tuple[float, float, float]:
         return self._clock(), self._busy(self._cpus) or 0.0, self._own()
 
     def observe(self) -> None:
-        if not self.adaptive or self._clock() - self._mark[0] < WINDOW_S:
+        """Between decodes: the thread count for the load of the last window."""
+        if not self.adaptive:
             return
-        now = self._sample()
-        wall = now[0] - self._mark[0]
-        others = max(0.0, ((now[1] - self._mark[1]) - (now[2] - self._mark[2])) / wall)
-        self._mark = now
-        want = max(1, self.max_threads - math.floor(others + SHARE))
-        if want != self.threads:
-            self.threads = want
-            llama_cpp.llama_set_n_threads(self._ctx, want, want)
+        now = self._clock()
+        if not self._looked or now - self._mark[0] > STALE_S:
+            # A fresh engine or a pause (the user typing, the server idle): the next decode
+            # may be a whole prompt, and the load averaged over the pause says nothing about
+            # now. No other task runnable this instant: every core; else a fresh look.
+            running = self._runnable()
+            if running is not None and running <= 1:
+                self._mark, self._looked = self._sample(), True
+                self._use(self.max_threads)
+                return
+            self._mark = self._sample()
+            self._sleep(PROBE_S)
+        elif now - self._mark[0] < WINDOW_S:
+            return
+        sample = self._sample()
+        wall = sample[0] - self._mark[0]
+        others = max(0.0, ((sample[1] - self._mark[1]) - (sample[2] - self._mark[2])) / wall)
+        self._mark, self._looked = sample, True
+        self._use(max(1, self.max_threads - math.floor(others + SHARE)))
+
+    def _use(self, threads: int) -> None:
+        if threads != self.threads:
+            self.threads = threads
+            llama_cpp.llama_set_n_threads(self._ctx, threads, threads)
