@@ -136,7 +136,7 @@ def test_finish_shows_what_was_held_back():
 
 
 # Replies made of the pieces that change how a line or a word shows.
-replies = st.lists(st.sampled_from(list("ab *_`#->|1.\n\\中") + ["```", "**", "word ", "- "]),
+replies = st.lists(st.sampled_from(list("aX *_`#->|1.\n\\中") + ["```", "**", "word ", "- "]),
                    max_size=80).map("".join)
 
 
@@ -157,3 +157,25 @@ def test_prose_lines_fit_the_width_and_no_visible_character_is_lost(text, width)
             fence = not fence
         assert verbatim or columns(line) <= width, line
     assert re.sub(r"\s", "", shown) == re.sub(r"\s", "", text)
+
+
+def test_emphasis_over_several_words_and_inside_a_heading():
+    shown = render("*two words* then\n# A **bold** Xmas heading", width=None)
+    assert plain(shown) == "two words then\nA bold Xmas heading"
+    assert styled(shown, ITALIC, "two") and styled(shown, ITALIC, "words")
+    assert not styled(shown, ITALIC, "then")
+    assert styled(shown, BOLD, "bold") and styled(shown, BOLD + UNDERLINE, "Xmas")
+
+
+def test_a_line_that_only_might_have_been_markup_stays_text():
+    # "42", "-", "#" and "1." could each have grown into a list item, a rule or a heading.
+    assert plain(render("42\n-\n#\n1.\n***\n")) == "42\n-\n#\n1.\n" + "─" * 40 + "\n"
+
+
+def test_one_letter_emphasis_intraword_stars_cjk_at_once_and_a_rule_unwrapped():
+    shown = render("*a b* 5*3*2\n---", width=None)
+    assert plain(shown) == "a b 532\n" + "─" * 40
+    assert styled(shown, ITALIC, "b") and styled(shown, ITALIC, "3")
+    assert not styled(shown, ITALIC, "5") and not styled(shown, ITALIC, "2")
+    # wide characters are shown as they come: any two of them may break a line
+    assert plain(MarkdownStream(width=40).feed("中文")) == "中文"
