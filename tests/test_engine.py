@@ -535,5 +535,14 @@ def test_thread_tuner_decodes_with_the_cores_others_leave(smollm2_path):
         running[0] = 1
         tuner.observe()
         assert slept == [PROBE_S] and tuner.threads == 4
+        # One decode of 10 s (a big model) that kept 2 of our threads busy is no pause: the
+        # window's load counts (others took 1.5 cores of it), without a fresh look.
+        running[0] = 3
+        assert window(0.0, 0.0) == 4
+        clock[0] += 10.0
+        own[0] += 20.0
+        busy[0] += 20.0 + 15.0
+        tuner.observe()
+        assert slept == [PROBE_S] and tuner.threads == 3
     finally:
         engine.close()

@@ -36,7 +36,6 @@ _BULLET = re.compile(r"[-*+] ")
 _NUMBERED = re.compile(r"\d{1,9}[.)] ")
 _RULE_LINE = re.compile(r"([-*_])(?: *\1){2,} *")
 _FENCE_START = re.compile(r"`{1,2}|~{1,2}")
-_ANSI = re.compile(r"\033\[[0-9;]*m")
 
 
 def columns(text: str) -> int:
@@ -129,11 +128,8 @@ class MarkdownStream:
                                or (self.styles and _MAY_GROW.fullmatch(rest))):
             return
         fence = rest.startswith(FENCES)
-        if self.in_fence:
+        if self.in_fence or fence:  # a fence line opens or closes; between them, code
             self._begin("fence" if fence else "code", DIM if fence else CODE, out)
-            out.append(head)
-        elif fence:
-            self._begin("fence", DIM, out)
             out.append(head)
         elif rest.startswith("|"):  # a table row
             self._begin("verbatim", "", out)
@@ -148,8 +144,7 @@ class MarkdownStream:
             self._begin("prose", self.line_style, out)
             self._feed_prose(rest[match.end():], out)
         elif rest.startswith(">"):
-            self._prose(lead, f"{DIM}{QUOTE_BAR}{RESET}", rest[1:].lstrip(" "), out,
-                        hanging=f"{DIM}{QUOTE_BAR}{RESET}")
+            self._prose(lead, QUOTE_BAR, rest[1:].lstrip(" "), out, quote=True)
         elif match := _BULLET.match(rest) or _NUMBERED.match(rest):
             marker = BULLET + " " if match.re is _BULLET else match[0]
             self._prose(lead, marker, rest[match.end():], out)
@@ -163,16 +158,16 @@ class MarkdownStream:
             self.shown_style = None
 
     def _prose(self, lead: str, marker: str, text: str, out: list[str],
-               hanging: str | None = None) -> None:
-        """A prose line after its indentation and marker (a list item's, a quote's); a
-        wrapped line continues under the text, or after ``hanging``."""
+               quote: bool = False) -> None:
+        """A prose line after its indentation and marker (a list item's, a quote's): a
+        wrapped line continues under the text, or, in a quote, after the quote's bar."""
         self.kind = "prose"
+        self.column = columns(lead + marker)
+        if quote:  # (quotes are markdown: styles are on; the line starts unstyled)
+            marker = f"{DIM}{marker}{RESET}"
         out.append(lead + marker)
-        self.shown_style = None if marker.endswith(RESET) else self.shown_style
-        self.column = columns(_plain(lead + marker))
-        self.indent = lead + (hanging if hanging is not None else " " * (self.column
-                                                                          - len(lead)))
-        self.indent_columns = columns(_plain(self.indent))
+        self.indent = lead + (marker if quote else " " * (self.column - columns(lead)))
+        self.indent_columns = self.column
         self._feed_prose(text, out)
 
     def _feed_prose(self, text: str, out: list[str]) -> None:
@@ -269,7 +264,3 @@ def _toggles(word: str, start: int, end: int) -> bool:
     if word[start] == "_":
         return opens or closes
     return opens or closes or (0 < start and end < len(word))
-
-
-def _plain(text: str) -> str:
-    return _ANSI.sub("", text)

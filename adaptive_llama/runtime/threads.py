@@ -13,7 +13,8 @@ each prompt chunk, and in a fresh engine or after a pause (the user typing, the 
 it looks afresh for 50 ms first, because the load averaged over the pause says nothing
 about now, and a prompt evaluated with one thread too many beside a busy process is where
 it costs the most (benchmarks/bench_threads.py). When no other task is runnable at that
-instant (``procs_running``), the look is skipped: every core is free. A thread count the user gives is kept.
+instant (``procs_running``), the look is skipped: every core is free. A thread count the
+user gives is kept.
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ from typing import Callable
 import llama_cpp
 
 WINDOW_S = 0.5  # how often the load is looked at (while decoding)
-STALE_S = 2.0   # a look older than this (a pause) says nothing about the load now
+STALE_S = 2.0   # a look this old, spent mostly idle (a pause), says nothing about now
 PROBE_S = 0.05  # the fresh look then: a busy core reads 0.8 to 1.2 cores over 50 ms (2 cores)
 SHARE = 0.4     # a core counts as taken once others use more than 1 - SHARE of it
 
@@ -95,11 +96,12 @@ class ThreadTuner:
 
     ``observe()`` between decodes (each prompt chunk, each token); every :data:`WINDOW_S` it
     measures the foreign load ``others`` (in cores) on this process's CPUs and sets
-    ``threads = max_threads - floor(others + SHARE)`` (at least 1). When the last look is
-    older than :data:`STALE_S`, or there is none yet, it looks afresh for :data:`PROBE_S`
-    first, unless no other task is runnable at that instant. Adaptation is off for a fixed
-    thread count, on one core, without /proc/stat, and under a cgroup CPU quota (there the
-    host's load says little about this process's share).
+    ``threads = max_threads - floor(others + SHARE)`` (at least 1). When there is no look
+    yet, or the last is older than :data:`STALE_S` and this process spent most of the time
+    since idle (a pause, not one long decode of a big model), it looks afresh for
+    :data:`PROBE_S` first, unless no other task is runnable at that instant. Adaptation is
+    off for a fixed thread count, on one core, without /proc/stat, and under a cgroup CPU
+    quota (there the host's load says little about this process's share).
     """
 
     def __init__(self, ctx, max_threads: int, adaptive: bool,
@@ -129,8 +131,8 @@ class ThreadTuner:
         """Between decodes: the thread count for the load of the last window."""
         if not self.adaptive:
             return
-        now = self._clock()
-        if not self._looked or now - self._mark[0] > STALE_S:
+        since = self._clock() - self._mark[0]
+        if not self._looked or (since > STALE_S and self._own() - self._mark[2] < since / 2):
             # A fresh engine or a pause (the user typing, the server idle): the next decode
             # may be a whole prompt, and the load averaged over the pause says nothing about
             # now. No other task runnable this instant: every core; else a fresh look.
@@ -141,7 +143,7 @@ class ThreadTuner:
                 return
             self._mark = self._sample()
             self._sleep(PROBE_S)
-        elif now - self._mark[0] < WINDOW_S:
+        elif since < WINDOW_S:
             return
         sample = self._sample()
         wall = sample[0] - self._mark[0]
