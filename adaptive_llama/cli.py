@@ -55,7 +55,7 @@ def _spec(ctx, param, value):
 CONFIG_PARAMS = {"sampler": "sampler", "system": "system", "ctx": "n_ctx",
                  "n_gpu_layers": "n_gpu_layers", "threads": "threads",
                  "backend_sampling": "backend_sampling", "markdown": "markdown",
-                 "wordwrap": "wordwrap"}
+                 "wordwrap": "wordwrap", "chat_template": "chat_template"}
 GIVEN = (ParameterSource.COMMANDLINE, ParameterSource.ENVIRONMENT)
 
 
@@ -113,15 +113,32 @@ def model_options(fn):
         click.option("--backend-sampling", is_flag=True,
                      help="Sample inside llama.cpp's graph, on the device holding the output "
                      "layer (greedy, top-k, top-p, min-p, adaptive; no logprobs or grammar)."),
+        click.option("--chat-template", default=None, metavar="NAME|FILE",
+                     help="A Jinja chat template in place of the model's own: a file, or "
+                     "chatml-tools (ChatML with tool calls, for SmolLM2 and other ChatML "
+                     "models whose template has no tools)."),
         click.option("--verbose", is_flag=True, help="Show llama.cpp's own log."),
     ]):
         fn = option(fn)
     return fn
 
 
+def template_source(chat_template: str | None) -> str | None:
+    """The source of ``--chat-template`` (a built-in name or a file), or a one-line exit."""
+    if chat_template is None:
+        return None
+    from .runtime.chat_template import load_template
+
+    try:
+        return load_template(chat_template)
+    except ValueError as exc:
+        fail(f"--chat-template {exc}")
+
+
 def load_engine(model, n_gpu_layers, n_ctx, threads, seed, verbose, backend_sampling,
-                show_progress=False, parallel=1, sampler=None):
-    """The Engine; with ``sampler``, also one that engine can run (or a one-line exit)."""
+                show_progress=False, parallel=1, sampler=None, chat_template=None):
+    """The Engine; with ``sampler``, also one that engine can run (or a one-line exit);
+    ``chat_template``: the source of one in place of the model's own."""
     from .runtime.engine import Engine  # llama.cpp loads only for commands that need it
 
     if show_progress:
@@ -135,7 +152,8 @@ def load_engine(model, n_gpu_layers, n_ctx, threads, seed, verbose, backend_samp
                        "CUDA', says how to build it for a GPU).", err=True)
     engine = Engine(model, n_gpu_layers=n_gpu_layers, n_ctx=n_ctx, n_threads=threads,
                     parallel=parallel, seed=seed, verbose=verbose,
-                    backend_sampling=backend_sampling)
+                    backend_sampling=backend_sampling,
+                    chat_template=chat_template)
     if sampler is not None:
         try:
             engine.check_sampler(sampler)
@@ -222,7 +240,7 @@ def _with_temperature(sampler, temperature: float | None):
 @user_errors
 @configured
 def generate(model, prompt, sampler, temperature, max_tokens, chat, stop, as_json,
-             n_gpu_layers, n_ctx, threads, seed, backend_sampling, verbose):
+             n_gpu_layers, n_ctx, threads, seed, backend_sampling, chat_template, verbose):
     """Generate a continuation (or, with --chat, a reply) of a prompt, with MODEL (default:
     the bundled SmolLM2-135M-Instruct)."""
     sampler = _with_temperature(sampler, temperature)
@@ -230,7 +248,7 @@ def generate(model, prompt, sampler, temperature, max_tokens, chat, stop, as_jso
         # Bytes that are not UTF-8 become U+FFFD rather than a codec error.
         prompt = sys.stdin.buffer.read().decode("utf-8", "replace")
     engine = load_engine(model, n_gpu_layers, n_ctx, threads, seed, verbose, backend_sampling,
-                         sampler=sampler)
+                         sampler=sampler, chat_template=template_source(chat_template))
     stream = engine.stream(engine.prompt_tokens(prompt, chat=chat), sampler=sampler,
                            max_tokens=max_tokens, stop=list(stop))
     try:
@@ -265,7 +283,7 @@ def generate(model, prompt, sampler, temperature, max_tokens, chat, stop, as_jso
 @user_errors
 @configured
 def run(model, sampler, temperature, system, max_tokens, resume, no_save, markdown, wordwrap,
-        n_gpu_layers, n_ctx, threads, seed, backend_sampling, verbose):
+        n_gpu_layers, n_ctx, threads, seed, backend_sampling, chat_template, verbose):
     """Chat with MODEL (default: the bundled SmolLM2-135M-Instruct). /help inside.
 
     Each chat is saved as it goes, in $XDG_STATE_HOME/adaptive-llama/chats (a reply cut off
@@ -292,11 +310,12 @@ def run(model, sampler, temperature, system, max_tokens, resume, no_save, markdo
     interactive = sys.stdin.isatty() and sys.stdout.isatty()
     # The seed is the chat's (`/set seed` changes it), not the engine's.
     engine = load_engine(model, n_gpu_layers, n_ctx, threads, None, verbose,
-                         backend_sampling, show_progress=interactive, sampler=sampler)
+                         backend_sampling, show_progress=interactive, sampler=sampler,
+                         chat_template=template_source(chat_template))
     if not engine.has_chat_template:
         fail(f"{engine.name} is a base model (no chat template in its GGUF), so it cannot "
-             f"chat; continue text with it instead: adaptive-llama generate {model} "
-             "--prompt TEXT")
+             f"chat; continue text with it instead (adaptive-llama generate {model} "
+             "--prompt TEXT), or give it a template (--chat-template)")
     ctx = click.get_current_context()
     repl = Repl(engine, sampler=sampler, system=system, max_tokens=max_tokens, seed=seed,
                 interactive=interactive, sources=ctx.meta["sources"], store=store,
@@ -491,7 +510,8 @@ def _free_port(host: str, port: int) -> int:
 @user_errors
 def serve(models, more_models, max_loaded, keep_alive, host, port, allow_remote, api_key,
           allow_origins, allow_hosts, sampler, max_queue, max_body, read_timeout, parallel,
-          embedding_model, n_gpu_layers, n_ctx, threads, seed, backend_sampling, verbose):
+          embedding_model, n_gpu_layers, n_ctx, threads, seed, backend_sampling,
+          chat_template, verbose):
     """Serve one or several models over the OpenAI and Ollama APIs (/v1/chat/completions,
     /api/chat, ...); the first loads now, the others on their first request."""
     try:
@@ -518,7 +538,7 @@ def serve(models, more_models, max_loaded, keep_alive, host, port, allow_remote,
                    f"{'' if api_key else ' with no --api-key'}.", err=True)
     port = _free_port(host, port)
     options = dict(sampler=sampler, n_gpu_layers=n_gpu_layers, n_ctx=n_ctx, threads=threads,
-                   backend_sampling=backend_sampling)
+                   backend_sampling=backend_sampling, chat_template=chat_template)
     served = [_served(argument, options, parallel=parallel, seed=seed, verbose=verbose)
               for argument in (*models, *more_models) or _configured_models()]
     _warn_misspelt_tables()
@@ -576,13 +596,16 @@ def _served(argument: str | None, options: dict, *, parallel: int, seed: int | N
     name, model = split_named(argument) if argument else (None, None)
     path = resolve_model(model)
     settings, _ = _settings(model, options)
+    template = template_source(settings["chat_template"])  # read once, at the start
 
     def load():
         return load_engine(path, settings["n_gpu_layers"], settings["n_ctx"],
                            settings["threads"], seed, verbose, settings["backend_sampling"],
-                           parallel=parallel, sampler=settings["sampler"])
+                           parallel=parallel, sampler=settings["sampler"],
+                           chat_template=template)
 
-    return ServedModel(name or served_name(model or "", path), path, load, settings["sampler"])
+    return ServedModel(name or served_name(model or "", path), path, load, settings["sampler"],
+                       template)
 
 
 def _log_requests() -> None:

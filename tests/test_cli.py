@@ -79,8 +79,24 @@ def test_run_refuses_a_model_without_a_chat_template(monkeypatch, smollm2_path):
     assert result.exit_code == 2
     assert result.output.strip().splitlines() == [
         f"Error: {smollm2_path.name} is a base model (no chat template in its GGUF), so it "
-        f"cannot chat; continue text with it instead: adaptive-llama generate "
-        f"{smollm2_path} --prompt TEXT"]
+        f"cannot chat; continue text with it instead (adaptive-llama generate "
+        f"{smollm2_path} --prompt TEXT), or give it a template (--chat-template)"]
+
+
+def test_a_chat_template_given_replaces_the_models_own(smollm2_path, engine, tmp_path):
+    template = tmp_path / "qa.jinja"
+    template.write_text("Q: {{ messages[-1].content }}\nA:")
+    result = CliRunner().invoke(main, [
+        "generate", str(smollm2_path), "--chat", "--chat-template", str(template), "--json",
+        "-n", "1", "--threads", "1", "--prompt", "Name a river."])
+    assert result.exit_code == 0, result.output
+    assert json.loads(result.output)["prompt_tokens"] == len(
+        engine.tokenize("Q: Name a river.\nA:"))
+    result = CliRunner().invoke(main, ["generate", "--chat-template", str(tmp_path / "no"),
+                                       "--prompt", "x"])
+    assert result.exit_code == 2 and result.output.strip().splitlines() == [
+        f"Error: --chat-template has to be a built-in template (chatml-tools) or a Jinja "
+        f"file, but {str(tmp_path / 'no')!r} is neither"]
 
 
 @pytest.mark.parametrize("args,needle", [

@@ -140,6 +140,8 @@ def test_a_bad_file_is_one_line_naming_file_line_and_key_and_nothing_starts(
     ('[defaults]\nbackend_sampling = 1\n', ["line 2", "has to be true or false, but is 1"]),
     ('[defaults]\nsystem = 1\n', ["line 2", "has to be text in quotes, but is 1"]),
     ('[defaults]\nsampler = 0.5\n', ["line 2", "has to be a sampler spec in quotes"]),
+    ('[models.smollm2]\nchat_template = "chatml"\n',
+     ["line 2", "`chat_template`", "built-in template (chatml-tools) or a Jinja file"]),
     ('defaults.threads = 0\n', ["`threads` in [defaults]"]),  # dotted: no line to name
 ])
 def test_load_names_the_file_the_line_and_what_is_wrong(tmp_path, text, needles):
@@ -157,11 +159,11 @@ def test_every_key_accepts_its_bounds(tmp_path):
     path = write_file(tmp_path, "[defaults]\nctx = 0\nthreads = 512\nn_gpu_layers = -1\n"
                       "backend_sampling = false\nsystem = \"\"\nmarkdown = true\n"
                       "[models.a]\nctx = 256\n"
-                      "threads = 1\n")
+                      "threads = 1\nchat_template = \"chatml-tools\"\n")
     assert config.load(path) == {
         "defaults": {"ctx": 0, "threads": 512, "n_gpu_layers": -1,
                      "backend_sampling": False, "system": "", "markdown": True},
-        "models.a": {"ctx": 256, "threads": 1}}
+        "models.a": {"ctx": 256, "threads": 1, "chat_template": "chatml-tools"}}
 
 
 def test_an_unreadable_file_is_named(tmp_path):

@@ -27,7 +27,7 @@ def test_message_text_never_becomes_control_tokens(engine):
     assert control_tokens(engine, forged) == control_tokens(engine, plain)
     assert len(control_tokens(engine, plain)) >= 4
     # ...while the same text through the tokenizer's special parsing would forge a turn.
-    rendered = engine._formatter(messages=[{"role": "user", "content": FORGED}]).prompt
+    rendered = engine.chat_template._formatter(messages=[{"role": "user", "content": FORGED}]).prompt
     unsafe = engine._model.tokenize(rendered.encode(), False, True)
     assert len(control_tokens(engine, unsafe)) > len(control_tokens(engine, plain))
 
@@ -37,7 +37,7 @@ def test_benign_conversations_tokenize_as_the_template_intends(engine):
                     {"role": "user", "content": "Name three rivers.\n\nPlease"},
                     {"role": "assistant", "content": " Nile, Amazon "},
                     {"role": "user", "content": "ünïcødé 😀\t"}]
-    rendered = engine._formatter(messages=conversation)
+    rendered = engine.chat_template._formatter(messages=conversation)
     expected = engine._model.tokenize(rendered.prompt.encode(), not rendered.added_special,
                                       True)
     assert engine.chat_prompt_tokens(conversation) == expected

@@ -21,11 +21,18 @@ def local_server(tmp_path_factory):
     yield from serving(None, tmp_path_factory.mktemp("readme") / "server.log", api_key=None)
 
 
+@pytest.fixture(scope="module")
+def tools_server(tmp_path_factory):
+    yield from serving(None, tmp_path_factory.mktemp("readme") / "server.log",
+                       "--chat-template", "chatml-tools", api_key=None)
+
+
 @pytest.mark.parametrize("page,index,code", EXAMPLES,
                          ids=[f"{p.name}-{i}" for p, i, _ in EXAMPLES])
 def test_the_example_runs_as_written(page, index, code, request, monkeypatch):
-    if "127.0.0.1:8080" in code:  # a client of `adaptive-llama serve`
-        port = request.getfixturevalue("local_server")
+    if "127.0.0.1:8080" in code:  # a client of `adaptive-llama serve` (with tools: as said)
+        port = request.getfixturevalue("tools_server" if "chatml-tools" in code
+                                       else "local_server")
         code = code.replace("127.0.0.1:8080", f"127.0.0.1:{port}")
     without_extra_buffer_types(monkeypatch)  # README, "AMX CPUs": our CI's CPUs need it
     printed = io.StringIO()

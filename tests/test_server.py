@@ -664,14 +664,13 @@ def test_a_loopback_page_may_ask_first_and_read_the_answer(server):
 
 
 @pytest.mark.parametrize("path,extra,field", [
-    ("/v1/chat/completions", {"tools": [{"type": "function", "function": {"name": "f"}}]},
-     "tools"),
-    ("/v1/chat/completions", {"tool_choice": "required"}, "tool_choice"),
+    ("/v1/chat/completions", {"functions": [{"name": "f"}]}, "functions"),
+    ("/v1/chat/completions", {"function_call": {"name": "f"}}, "function_call"),
     ("/v1/chat/completions", {"logit_bias": {"42": 5}}, "logit_bias"),
     ("/v1/completions", {"echo": True}, "echo"),
     ("/v1/completions", {"suffix": "end"}, "suffix"),
     ("/v1/completions", {"best_of": 3}, "best_of"),
-    ("/api/chat", {"tools": [{"type": "function"}]}, "tools"),
+    ("/api/generate", {"tools": [{"type": "function"}]}, "tools"),
     ("/api/generate", {"images": ["aGk="]}, "images"),
     ("/api/generate", {"context": [1, 2, 3]}, "context"),
 ])

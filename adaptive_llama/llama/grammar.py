@@ -35,7 +35,33 @@ class UnsupportedSchema(ValueError):
 
 def json_grammar(schema: dict | None = None) -> LlamaGrammar:
     """The grammar of JSON that ``schema`` accepts; None: any JSON object (JSON mode)."""
-    schema = ANY_OBJECT if schema is None else schema
+    return LlamaGrammar.from_string(json_gbnf(ANY_OBJECT if schema is None else schema),
+                                    verbose=False)
+
+
+def framed_json_grammar(schema: dict, before: str, after: str,
+                        separator: str | None = None) -> LlamaGrammar:
+    """The grammar of ``before`` + JSON that ``schema`` accepts + ``after`` (literal texts);
+    with a ``separator``, one or more of these, separated by it."""
+    gbnf = json_gbnf(schema)
+    top = "framed"  # the converter names rules after property paths: take a free name
+    while re.search(f"^{top} ::= ", gbnf, re.M):
+        top += "-x"
+    one = f"{_literal(before)} root {_literal(after)}"
+    body = one if separator is None else f"{one} ({_literal(separator)} {one})*"
+    grammar = LlamaGrammar.from_string(f"{top} ::= {body}\n{gbnf}", verbose=False)
+    grammar._root = top  # the start rule llama_sampler_init_grammar is given (see .chain)
+    return grammar
+
+
+def _literal(text: str) -> str:
+    """``text`` as a GBNF string literal (whose escapes are JSON's)."""
+    return json.dumps(text)
+
+
+def json_gbnf(schema: dict) -> str:
+    """The GBNF (start rule ``root``) of JSON that ``schema`` accepts, once the schema is
+    checked (:func:`check_schema`)."""
     check_schema(schema)
     try:
         gbnf = json_schema_to_gbnf(json.dumps(schema))
@@ -48,7 +74,7 @@ def json_grammar(schema: dict | None = None) -> LlamaGrammar:
         raise RuntimeError("llama-cpp-python's JSON-schema converter writes another string "
                            "character rule than the one this release knows; update "
                            "adaptive_llama/llama/grammar.py")
-    return LlamaGrammar.from_string(gbnf.replace(_ANY_CHAR, _JSON_CHAR), verbose=False)
+    return gbnf.replace(_ANY_CHAR, _JSON_CHAR)
 
 
 def check_schema(schema, where: str = "") -> None:

@@ -13,10 +13,12 @@
     backend_sampling = false
     markdown = false                # the REPL shows replies as written
     wordwrap = true
+    chat_template = "chatml-tools"  # in place of the model's own: a built-in name or a file
 
 Keys: ``sampler`` (a spec), ``system`` (the REPL's system prompt), ``ctx``, ``n_gpu_layers``,
 ``threads`` (1 to 512), ``backend_sampling``, and the REPL's ``markdown`` and ``wordwrap``
-(rendering and wrapping replies; on a terminal by default). ``run``, ``generate`` and
+(rendering and wrapping replies; on a terminal by default), ``chat_template`` (a Jinja
+template in place of the model's own: ``chatml-tools``, or a file's path). ``run``, ``generate`` and
 ``serve`` use them; the command line wins over the file, a model's table over ``[defaults]``,
 and the file over the built-in defaults. Each value comes with where it came from, which ``/show`` and
 ``adaptive-llama models`` print. The whole file is checked before anything starts: a bad one
@@ -82,6 +84,17 @@ def _text(value):
     return value
 
 
+def _chat_template(value):
+    from .chat_template import load_template  # it imports llama.cpp's bindings
+
+    _text(value)
+    try:
+        load_template(value)
+    except ValueError as exc:
+        raise ValueError(str(exc)) from None
+    return value
+
+
 # key -> check (returns the value to use, raises ValueError with what is wrong)
 KEYS = {
     "sampler": _sampler,
@@ -92,6 +105,7 @@ KEYS = {
     "backend_sampling": _boolean,
     "markdown": _boolean,
     "wordwrap": _boolean,
+    "chat_template": _chat_template,
 }
 
 

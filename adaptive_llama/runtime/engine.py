@@ -23,7 +23,6 @@ from __future__ import annotations
 import ctypes
 import logging
 import re
-import secrets
 import sys
 import threading
 from collections import deque
@@ -32,11 +31,11 @@ from typing import Callable, Iterator
 
 import llama_cpp  # noqa: E402  (after .chain, which checks its version)
 from llama_cpp import _internals  # noqa: E402
-from llama_cpp.llama_chat_format import Jinja2ChatFormatter  # noqa: E402
 
 from ..llama.chain import SamplerChain, check_in_graph
 from ..samplers import SEED, SamplerSpec, SpecError, seed_or_fresh, spec_of
 from .batching import MAX_LOGPROBS, Decoder, Generation, GenerationResult, TokenLogprob  # noqa: F401
+from .chat_template import ChatTemplate
 from .embeddings import Embedder
 from .gguf_header import quantization_name
 from .limits import MAX_THREADS
@@ -155,6 +154,9 @@ class Engine:
             one-line error. Where the device cannot run an operation the chain needs, the
             engine logs one warning and samples on the CPU (``backend_sampling`` then reads
             False).
+        chat_template: a Jinja chat template in place of the model's own (the source;
+            :func:`adaptive_llama.runtime.chat_template.load_template` reads a built-in one,
+            such as ``chatml-tools``, or a file).
 
     Raises:
         ModelError: the file is missing, not GGUF, truncated or otherwise unloadable.
@@ -163,7 +165,8 @@ class Engine:
 
     def __init__(self, model=None, *, n_gpu_layers: int = 0, n_ctx: int = 2048,
                  n_threads: int | None = None, parallel: int = 1, seed: int | None = None,
-                 verbose: bool = False, backend_sampling: bool = False):
+                 verbose: bool = False, backend_sampling: bool = False,
+                 chat_template: str | None = None):
         check_int("n_gpu_layers", n_gpu_layers, low=-1)
         check_int("n_ctx", n_ctx, low=0)
         if 0 < n_ctx < CTX_STEP:
@@ -202,8 +205,8 @@ class Engine:
         if backend_sampling:
             self.backend_sampling = self._graph_can_sample()
         self.metadata = self._model.metadata()
-        self._formatter = self._chat_formatter()
-        self._specials: tuple[re.Pattern, dict[str, int]] | None = None
+        self._specials: tuple[re.Pattern | None, dict[str, int]] | None = None
+        self.chat_template = self._chat_template(chat_template)
 
     def _new_context(self, requested: int, threads: int, verbose: bool):
         params = llama_cpp.llama_context_default_params()
@@ -271,7 +274,7 @@ class Engine:
 
     @property
     def has_chat_template(self) -> bool:
-        return self._formatter is not None
+        return self.chat_template is not None
 
     @property
     def threads(self) -> int:
@@ -282,17 +285,16 @@ class Engine:
     def threads_adaptive(self) -> bool:
         return self.decoder.tuner.adaptive
 
-    def _chat_formatter(self) -> Jinja2ChatFormatter | None:
-        template = self.metadata.get("tokenizer.chat_template")
-        if not template:
+    def _chat_template(self, source: str | None) -> ChatTemplate | None:
+        """The template given, else the model's own; None if neither."""
+        source = source or self.metadata.get("tokenizer.chat_template")
+        if not source:
             return None
-        return Jinja2ChatFormatter(
-            template=template,
-            eos_token=self.piece(self._model.token_eos(), special=True).decode(
-                "utf-8", "replace"),
-            bos_token=self.piece(self._model.token_bos(), special=True).decode(
-                "utf-8", "replace"),
-        )
+        return ChatTemplate(
+            source,
+            eos=self.piece(self._model.token_eos(), special=True).decode("utf-8", "replace"),
+            bos=self.piece(self._model.token_bos(), special=True).decode("utf-8", "replace"),
+            specials=lambda: self._special_tokens()[0])
 
     def piece(self, token: int, special: bool = False) -> bytes:
         """The bytes a token stands for (a control token's text only with ``special``)."""
@@ -317,22 +319,24 @@ class Engine:
             return self.chat_prompt_tokens([{"role": "user", "content": text}])
         return self.tokenize(text)
 
-    def chat_prompt_tokens(self, messages: list[dict]) -> list[int]:
-        """Tokens of the conversation rendered with the model's own chat template.
+    def chat_prompt_tokens(self, messages: list[dict],
+                           tools: list[dict] | None = None) -> list[int]:
+        """Tokens of the conversation rendered with the chat template (the model's own, or
+        the one the engine was given), with ``tools`` (OpenAI's function definitions) for a
+        template that shows them (:attr:`ChatTemplate.writes_tools`).
 
         Only the template's own markup becomes control tokens: the messages' text is
         tokenized as text, so a message containing ``<|im_end|>`` cannot end its turn or
         forge another role's.
         """
-        if self._formatter is None:
+        if self.chat_template is None:
             raise ModelError(f"{self.name} has no chat template (tokenizer.chat_template): "
-                             "use plain completion (generate without --chat)")
-        nonce = secrets.token_hex(4)
-        rendered = self._formatter(messages=[{**m, "content": f"\ue000{nonce}:{i}\ue001"}
-                                             for i, m in enumerate(messages)])
-        tokens = [] if rendered.added_special else self.tokenize("", add_bos=True)
+                             "use plain completion (generate without --chat), or give one "
+                             "(--chat-template)")
+        parts, added_bos = self.chat_template.render(messages, tools)
+        tokens = [] if added_bos else self.tokenize("", add_bos=True)
         text: list[str] = []  # plain text gathered since the last control token
-        for part, is_content in _split_marks(rendered.prompt, messages, nonce):
+        for part, is_content in parts:
             if is_content:
                 text.append(part)
                 continue
@@ -347,19 +351,25 @@ class Engine:
 
     def _split_specials(self, markup: str) -> Iterator[tuple[str, int | None]]:
         """Markup split into plain text and control tokens (longest match first)."""
-        if self._specials is None:
-            by_text = self._control_tokens()
-            self._specials = (re.compile("|".join(
-                re.escape(t) for t in sorted(by_text, key=len, reverse=True))), by_text)
-        pattern, by_text = self._specials
+        pattern, by_text = self._special_tokens()
         pos = 0
-        for match in pattern.finditer(markup) if by_text else ():
+        for match in pattern.finditer(markup) if pattern else ():
             if match.start() > pos:
                 yield markup[pos:match.start()], None
             yield match.group(), by_text[match.group()]
             pos = match.end()
         if pos < len(markup):
             yield markup[pos:], None
+
+    def _special_tokens(self) -> tuple[re.Pattern | None, dict[str, int]]:
+        """The pattern of the control tokens' texts (longest first; None if there are
+        none) and their ids, read once, lazily."""
+        if self._specials is None:
+            by_text = self._control_tokens()
+            pattern = re.compile("|".join(re.escape(t) for t in sorted(
+                by_text, key=len, reverse=True))) if by_text else None
+            self._specials = (pattern, by_text)
+        return self._specials
 
     def _control_tokens(self) -> dict[str, int]:
         """The text of every control or user-defined token -> its id (read once, lazily)."""
@@ -587,14 +597,3 @@ class Engine:
         self._context.close()
         self._model.close()
 
-
-def _split_marks(rendered: str, messages: list[dict],
-                 nonce: str) -> Iterator[tuple[str, bool]]:
-    """The rendered template as (markup, False) and (message text, True) parts: each mark
-    ``\ue000NONCE:i\ue001`` stands for message i's content. One pass over the text."""
-    parts = re.split(f"\ue000{nonce}:(\\d+)\ue001", rendered)
-    for i, part in enumerate(parts):
-        if i % 2:
-            yield messages[int(part)]["content"], True
-        elif part:
-            yield part, False

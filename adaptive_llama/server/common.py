@@ -27,6 +27,7 @@ from starlette.requests import ClientDisconnect
 from ..llama.grammar import UnsupportedSchema, json_grammar
 from ..runtime.embeddings import Embedder
 from ..runtime.engine import Engine, GenerationResult, InvalidArgument
+from ..runtime.tools import calls_grammar
 from ..samplers import SamplerSpec, SpecError, spec_from_options
 from .errors import APIError, too_large
 from .pool import FOREVER, LoadedModel, ModelPool, ServedModel, keep_alive_s  # noqa: F401
@@ -47,6 +48,8 @@ MAX_PARTS = 256  # content parts of one message
 MAX_STOPS = 16  # OpenAI allows 4
 MAX_PROMPTS = 16  # a list of prompts: more than one is refused in words (one per request)
 MAX_EMBED_INPUTS = 256  # texts embedded in one request (OpenAI takes 2048)
+MAX_TOOLS = 128  # functions offered in one request (OpenAI's limit)
+MAX_CALLS = 64  # tool calls in one assistant message
 
 # Strict types, as OpenAI's: "5" is not a number and "yes" not a boolean. Unknown fields
 # (user, ...) are ignored, as most local servers do, so that clients sending their full
@@ -61,11 +64,45 @@ class ContentPart(BaseModel):
     text: str | None = None
 
 
+class FunctionDefinition(BaseModel):
+    model_config = STRICT
+    # OpenAI's rule for a function's name; it also keeps names out of the template's markup.
+    name: str = Field(pattern=r"^[a-zA-Z0-9_-]{1,64}$")
+    description: str | None = None
+    parameters: dict | None = None  # a JSON schema of the arguments; None: any object
+    strict: bool | None = None  # the grammar enforces the schema when a call is required
+
+
+class Tool(BaseModel):
+    model_config = STRICT
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class FunctionCall(BaseModel):
+    model_config = STRICT
+    name: str = Field(min_length=1, max_length=64)
+    arguments: str | dict = "{}"  # OpenAI's: JSON text; Ollama's: an object
+
+
+class ToolCallMessage(BaseModel):
+    """A call in an assistant message sent back: OpenAI's (with ``id`` and ``type``) or
+    Ollama's (only ``function``)."""
+    model_config = STRICT
+    id: str | None = None
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class Message(BaseModel):
     model_config = STRICT
-    role: Literal["system", "developer", "user", "assistant"]
+    role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | Annotated[list[ContentPart], Field(max_length=MAX_PARTS)] | None = None
     images: list | None = None  # Ollama's
+    tool_calls: Annotated[list[ToolCallMessage], Field(max_length=MAX_CALLS)] | None = None
+    tool_call_id: str | None = None  # OpenAI's, in a tool's result
+    name: str | None = None
+    tool_name: str | None = None  # Ollama's name of the tool in its result
 
     def as_template_message(self, index: int) -> dict:
         """The message for the chat template; 400 for a part the model cannot read."""
@@ -85,18 +122,58 @@ class Message(BaseModel):
             content = "".join(part.text for part in content)
         # Chat templates know "system"; OpenAI's newer "developer" role means the same.
         role = "system" if self.role == "developer" else self.role
-        return {"role": role, "content": content}
+        message = {"role": role, "content": content}
+        if self.tool_calls:
+            message["tool_calls"] = [_template_call(call, f"{where}.tool_calls.{i}")
+                                     for i, call in enumerate(self.tool_calls)]
+        if self.role == "tool":
+            message.update(tool_call_id=self.tool_call_id, name=self.name or self.tool_name)
+        return message
 
 
-async def chat_prompt(engine: Engine, messages: list[Message]) -> list[int]:
+def _template_call(call: ToolCallMessage, where: str) -> dict:
+    """A call sent back, as chat templates take it: the arguments an object (Hugging Face's
+    convention), not OpenAI's JSON text."""
+    arguments = call.function.arguments
+    if isinstance(arguments, str):
+        try:
+            arguments = json.loads(arguments or "{}")
+        except ValueError:
+            arguments = None
+        if not isinstance(arguments, dict):
+            raise APIError(400, f"`{where}.function.arguments` has to be a JSON object (as "
+                           "text)", param=f"{where}.function.arguments")
+    return {"id": call.id, "type": "function",
+            "function": {"name": call.function.name, "arguments": arguments}}
+
+
+async def chat_prompt(engine: Engine, messages: list[Message],
+                      tools: list[Tool] | None = None) -> list[int]:
     """The conversation's tokens in the model's chat template, rendered off the event loop
-    (a long conversation must not stall other requests); a 400 on ``messages`` when the
-    model has no template or its template rejects the roles given."""
+    (a long conversation must not stall other requests), with ``tools`` shown to the model;
+    a 400 on ``messages`` when the model has no template or its template rejects the roles
+    given."""
     rendered = [m.as_template_message(i) for i, m in enumerate(messages)]
+    offered = [t.model_dump(exclude_none=True) for t in tools] if tools else None
     try:
-        return await asyncio.to_thread(engine.chat_prompt_tokens, rendered)
+        return await asyncio.to_thread(engine.chat_prompt_tokens, rendered, offered)
     except Exception as exc:  # the template's own error, whatever its kind
         raise APIError(400, f"messages: {exc}", param="messages") from None
+
+
+def check_tools(model: LoadedModel, tools: list[Tool]) -> list[str]:
+    """The names of the functions offered; a 400 when the model's template cannot show
+    tools or ask for calls this server reads, or when two functions share a name."""
+    if not model.served.calls_tools:
+        raise APIError(400, f"`tools`: the chat template of {model.name} has no tool support "
+                       "(or writes calls in a format other than Hermes's <tool_call> JSON); "
+                       "serve it with a template that has, e.g. --chat-template chatml-tools "
+                       "for a ChatML model", param="tools", code="unsupported_field")
+    names = [t.function.name for t in tools]
+    twice = sorted({n for n in names if names.count(n) > 1})
+    if twice:
+        raise APIError(400, f"`tools`: two functions are named {twice[0]!r}", param="tools")
+    return names
 
 
 class SamplingFields(BaseModel):
@@ -217,8 +294,19 @@ async def grammar_for(schema: dict | None, field: str):
     event loop; a 400 naming ``field`` for a schema it cannot enforce."""
     if schema is None:
         return None
+    return await _grammar(json_grammar, field, schema)
+
+
+async def calls_grammar_for(tools: list[Tool], *, parallel: bool):
+    """The grammar of a reply made of calls to ``tools`` (one, or with ``parallel`` one or
+    more), built off the event loop; a 400 on ``tools`` for parameters it cannot enforce."""
+    functions = [(t.function.name, t.function.parameters) for t in tools]
+    return await _grammar(calls_grammar, "tools", functions, parallel=parallel)
+
+
+async def _grammar(build, field: str, *args, **kwargs):
     try:
-        return await asyncio.to_thread(json_grammar, schema)
+        return await asyncio.to_thread(build, *args, **kwargs)
     except UnsupportedSchema as exc:
         raise APIError(400, f"`{field}`: {exc}", param=field,
                        code="unsupported_schema") from None

@@ -47,6 +47,7 @@ from pydantic import BaseModel, Field
 from ..llama.grammar import ANY_OBJECT
 from ..runtime.engine import GenerationResult
 from ..runtime.models import ModelError
+from ..runtime.tools import ToolCall, ToolCallReader, parse_reply
 from ..samplers import SEED
 from .common import (
     FINISH_REASONS,
@@ -54,6 +55,7 @@ from .common import (
     MAX_EMBED_INPUTS,
     MAX_MESSAGES,
     MAX_STOPS,
+    MAX_TOOLS,
     STRICT,
     APIError,
     Job,
@@ -62,7 +64,9 @@ from .common import (
     SamplingFields,
     ServedModel,
     Server,
+    Tool,
     chat_prompt,
+    check_tools,
     grammar_for,
     keep_alive_s,
     parse_body,
@@ -93,7 +97,7 @@ class _Body(BaseModel):
     # As the OpenAI bodies: strict types, unknown fields ignored, fields that would change
     # the reply and are not done here refused.
     model_config = STRICT
-    UNSUPPORTED: ClassVar[dict[str, tuple]] = {"tools": (None, [])}
+    UNSUPPORTED: ClassVar[dict[str, tuple]] = {}
 
     model: str = Field(min_length=1)
     stream: bool = True
@@ -119,11 +123,13 @@ class _Body(BaseModel):
 
 class ChatBody(_Body):
     messages: list[Message] = Field(default_factory=list, max_length=MAX_MESSAGES)
+    tools: Annotated[list[Tool], Field(max_length=MAX_TOOLS)] | None = None
 
 
 class GenerateBody(_Body):
     UNSUPPORTED: ClassVar[dict[str, tuple]] = {
-        **_Body.UNSUPPORTED, "images": (None, []), "context": (None, []), "suffix": (None, "")}
+        **_Body.UNSUPPORTED, "images": (None, []), "context": (None, []), "suffix": (None, ""),
+        "tools": (None, [])}
 
     prompt: str = ""
     system: str | None = None
@@ -267,41 +273,64 @@ async def _job(model: LoadedModel, tokens: list[int], body: _Body, prompt_field:
                       format_field="format", prompt_field=prompt_field, route=route)
 
 
-async def _respond(model: LoadedModel, request: Request, job: Job, body: _Body, kind: str):
+async def _respond(model: LoadedModel, request: Request, job: Job, body: _Body, kind: str,
+                   functions: list[str] = ()):
+    """Queue the job; answer with NDJSON lines or one object. ``functions``: the names of
+    the tools whose calls are read out of the reply."""
     model.submit(job)
     head = {"model": body.model}
 
-    def piece(text: str) -> dict:
+    def piece(text: str, calls: list[ToolCall] = ()) -> dict:
         if kind == "chat":
-            return {**head, "created_at": _now(),
-                    "message": {"role": "assistant", "content": text}, "done": False}
+            message = {"role": "assistant", "content": text}
+            if calls:
+                message["tool_calls"] = [_call(call) for call in calls]
+            return {**head, "created_at": _now(), "message": message, "done": False}
         return {**head, "created_at": _now(), "response": text, "done": False}
 
-    def last(result: GenerationResult, text: str) -> dict:
-        out = piece(text)
+    def last(result: GenerationResult, text: str, calls: list[ToolCall] = ()) -> dict:
+        out = piece(text, calls)
         out.update(done=True, **_final_fields(result))
         return out
 
     if not body.stream:
         result = await wait(request, job)
+        if functions:
+            return last(result, *parse_reply(result.text, functions))
         return last(result, result.text)
+
+    reader = ToolCallReader(functions) if functions else None
+
+    def lines_of(text: str) -> list[bytes]:
+        if reader is None:
+            return [_line(piece(text))]
+        return [_line(piece("", [part]) if isinstance(part, ToolCall) else piece(part))
+                for part in reader.feed(text)]
 
     async def lines():
         try:
             while True:
                 what, value = await job.events.get()
                 if what == "piece":
-                    yield _line(piece(value[0]))
+                    for line in lines_of(value[0]):
+                        yield line
                 elif what == "error":
                     yield _line({"error": f"generation failed: {value}"})
                     return
                 else:
+                    for rest in reader.finish() if reader else ():
+                        yield _line(piece(rest))
                     yield _line(last(value, ""))
                     return
         finally:
             job.cancelled.set()  # a client that left stops the generation
 
     return StreamingResponse(lines(), media_type=NDJSON)
+
+
+def _call(call: ToolCall) -> dict:
+    """A call as Ollama writes it: the arguments an object."""
+    return {"function": {"name": call.name, "arguments": call.arguments}}
 
 
 # ---- the routes ----
@@ -344,11 +373,12 @@ async def show(request: Request):
     server = server_of(request)
     body = await parse_body(request, ShowBody)
     model = server.pool.find(body.model)
-    await asyncio.to_thread(lambda: model.header)  # read once, off the event loop
-    template = model.header.chat_template
+    await asyncio.to_thread(lambda: model.calls_tools)  # reads the header once, off the loop
+    template = model.template_source
     return {"modelfile": "", "parameters": f"sampler {model.sampler}", "template": template,
             "details": _details(model), "model_info": _model_info(model),
-            "capabilities": ["completion"], "modified_at": _now()}
+            "capabilities": ["completion", *(["tools"] if model.calls_tools else [])],
+            "modified_at": _now()}
 
 
 async def _load_or_unload(server: Server, body: _Body, kind: str) -> dict:
@@ -377,10 +407,12 @@ async def chat(request: Request):
     body = await parse_body(request, ChatBody)
     if not body.messages:  # Ollama's way to load (or unload) a model
         return await _load_or_unload(server, body, "chat")
+    offered = body.tools or []
     async with server.model(body.model, keep_alive=body.keep_alive_wanted()) as model:
-        tokens = await chat_prompt(model.engine, body.messages)
+        functions = check_tools(model, offered) if offered else []
+        tokens = await chat_prompt(model.engine, body.messages, offered)
         job = await _job(model, tokens, body, "messages", request.url.path)
-        return await _respond(model, request, job, body, "chat")
+        return await _respond(model, request, job, body, "chat", functions)
 
 
 @router.post("/api/generate")

@@ -37,6 +37,7 @@ from sse_starlette.sse import EventSourceResponse
 
 from ..llama.grammar import ANY_OBJECT
 from ..runtime.engine import MAX_LOGPROBS, GenerationResult, TokenLogprob
+from ..runtime.tools import ToolCall, ToolCallReader, parse_reply
 from ..samplers import DRY_SEQUENCE_BREAKERS, SEED
 from .common import (
     FINISH_REASONS,
@@ -44,13 +45,17 @@ from .common import (
     MAX_MESSAGES,
     MAX_PROMPTS,
     MAX_STOPS,
+    MAX_TOOLS,
     STRICT,
     APIError,
     Job,
     LoadedModel,
     Message,
     SamplingFields,
+    Tool,
+    calls_grammar_for,
     chat_prompt,
+    check_tools,
     grammar_for,
     parse_body,
     sampler_for,
@@ -87,6 +92,17 @@ class ResponseFormat(BaseModel):
         return self.json_schema.schema_ or ANY_OBJECT
 
 
+class _FunctionName(BaseModel):
+    model_config = STRICT
+    name: str
+
+
+class NamedToolChoice(BaseModel):
+    model_config = STRICT
+    type: Literal["function"]
+    function: _FunctionName
+
+
 class _Body(SamplingFields):
     model_config = STRICT
     # DRY runs with llama.cpp's sequence breakers; clients that send them (SillyTavern
@@ -106,16 +122,41 @@ class _Body(SamplingFields):
     sampler: str | None = None
     response_format: ResponseFormat | None = None
 
+    def schema_wanted(self) -> dict | None:
+        return self.response_format.schema_wanted() if self.response_format else None
+
 
 class ChatBody(_Body):
+    # The legacy functions API: clients send `tools` now.
     UNSUPPORTED: ClassVar[dict[str, tuple]] = {
-        **_Body.UNSUPPORTED, "tools": (None, []), "tool_choice": (None, "none", "auto"), "functions": (None, []),
-        "function_call": (None, "none", "auto")}
+        **_Body.UNSUPPORTED, "functions": (None, []), "function_call": (None, "none", "auto")}
 
     messages: list[Message] = Field(min_length=1, max_length=MAX_MESSAGES)
     max_completion_tokens: int | None = Field(None, ge=1)
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    tools: Annotated[list[Tool], Field(max_length=MAX_TOOLS)] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool = True
+
+    def tools_offered(self) -> list[Tool]:
+        """The tools the model may call: none without ``tools`` or with ``tool_choice``
+        "none" (then they are not shown to it either)."""
+        if self.tool_choice not in (None, "none", "auto") and not self.tools:
+            raise APIError(400, "`tool_choice` needs `tools`", param="tool_choice")
+        return [] if self.tool_choice == "none" else list(self.tools or [])
+
+    def tools_required(self, offered: list[Tool]) -> list[Tool]:
+        """The tools the reply has to call one of: every one offered for ``tool_choice``
+        "required", the one named, or none (the model chooses)."""
+        choice = self.tool_choice
+        if isinstance(choice, NamedToolChoice):
+            named = [t for t in offered if t.function.name == choice.function.name]
+            if not named:
+                raise APIError(400, f"`tool_choice` names {choice.function.name!r}, which "
+                               "`tools` does not offer", param="tool_choice")
+            return named
+        return offered if choice == "required" else []
 
     def logprobs_wanted(self) -> int | None:
         if self.top_logprobs is not None and not self.logprobs:
@@ -160,36 +201,58 @@ def _encoded(vector: np.ndarray, encoding: str) -> list[float] | str:
 
 
 async def _job(model: LoadedModel, tokens: list[int], body: _Body, max_tokens: int | None,
-               prompt_field: str, route: str) -> Job:
+               prompt_field: str, route: str, grammar, grammar_field: str) -> Job:
+    """The generation a body asks for; ``grammar_field``: the field that asked for the
+    grammar (named when it cannot run here)."""
     sampler = sampler_for(model.sampler, sampler=body.sampler, temperature=body.temperature,
                           top_p=body.top_p, **body.sampling_options())
-    schema = body.response_format.schema_wanted() if body.response_format else None
     return model.job(tokens, sampler=sampler, max_tokens=max_tokens, seed=body.seed,
                       stop=[body.stop] if isinstance(body.stop, str) else list(body.stop or []),
-                      stream=body.stream, logprobs=body.logprobs_wanted(),
-                      grammar=await grammar_for(schema, "response_format"),
-                      format_field="response_format", prompt_field=prompt_field,
+                      stream=body.stream, logprobs=body.logprobs_wanted(), grammar=grammar,
+                      format_field=grammar_field, prompt_field=prompt_field,
                       route=route)
 
 
-async def _respond(model: LoadedModel, request: Request, job: Job, body: _Body, kind: str):
-    """Queue the job; answer with an SSE stream or one JSON object."""
+async def _chat_grammar(body: ChatBody, offered: list[Tool]) -> tuple[object, str]:
+    """The grammar of a reply that has to call a tool, or else of ``response_format``, and
+    the field that asks for it."""
+    required = body.tools_required(offered)
+    if not required:
+        return await grammar_for(body.schema_wanted(), "response_format"), "response_format"
+    if body.schema_wanted() is not None:
+        raise APIError(400, "`response_format` and a `tool_choice` that requires a call "
+                       "cannot both shape the reply; drop one", param="response_format")
+    parallel = body.parallel_tool_calls and not isinstance(body.tool_choice, NamedToolChoice)
+    return await calls_grammar_for(required, parallel=parallel), "tool_choice"
+
+
+async def _respond(model: LoadedModel, request: Request, job: Job, body: _Body, kind: str,
+                   functions: list[str] = ()):
+    """Queue the job; answer with an SSE stream or one JSON object. ``functions``: the
+    names of the tools whose calls are read out of the reply."""
     model.submit(job)
     head = {"id": f"{'chatcmpl' if kind == 'chat' else 'cmpl'}-{next(_ids)}",
             "created": int(time.time()), "model": model.name}
     if body.stream:
         usage = bool((body.stream_options or {}).get("include_usage"))
-        return EventSourceResponse(_events(job, head, kind, usage),
+        return EventSourceResponse(_events(job, head, kind, usage, functions),
                                    ping=15, sep="\n")
-    return _final(await wait(request, job), head, kind, job.request.logprobs is not None)
+    return _final(await wait(request, job), head, kind, job.request.logprobs is not None,
+                  functions)
 
 
-def _final(result: GenerationResult, head: dict, kind: str, logprobs: bool) -> dict:
+def _final(result: GenerationResult, head: dict, kind: str, logprobs: bool,
+           functions: list[str]) -> dict:
     reason = FINISH_REASONS[result.finish_reason]
     if kind == "chat":
-        choice = {"index": 0, "message": {"role": "assistant", "content": result.text},
+        content, calls = (parse_reply(result.text, functions) if functions
+                          else (result.text, []))
+        message = {"role": "assistant", "content": content if content or not calls else None}
+        if calls:
+            message["tool_calls"] = [_call(call) for call in calls]
+        choice = {"index": 0, "message": message,
                   "logprobs": _chat_logprobs(result.logprobs) if logprobs else None,
-                  "finish_reason": reason}
+                  "finish_reason": _finish_reason(reason, calls)}
         obj = "chat.completion"
     else:
         choice = {"index": 0, "text": result.text,
@@ -200,24 +263,50 @@ def _final(result: GenerationResult, head: dict, kind: str, logprobs: bool) -> d
     return {**head, "object": obj, "choices": [choice], "usage": _usage(result),
             "sampler_stats": result.summary()}
 
-async def _events(job: Job, head: dict, kind: str, include_usage: bool):
+def _call(call: ToolCall) -> dict:
+    """A call as OpenAI writes it: the arguments as JSON text."""
+    return {"id": call.id, "type": "function", "function": {
+        "name": call.name, "arguments": json.dumps(call.arguments, ensure_ascii=False)}}
+
+
+def _finish_reason(reason: str, calls: list) -> str:
+    return "tool_calls" if calls and reason == "stop" else reason
+
+
+async def _events(job: Job, head: dict, kind: str, include_usage: bool,
+                  functions: list[str]):
     obj = "chat.completion.chunk" if kind == "chat" else "text_completion"
     completion_logprobs = _CompletionLogprobs()
+    reader = ToolCallReader(functions) if functions else None
+    calls = 0  # tool calls streamed so far
+    held = []  # log-probabilities of tokens whose text the reader holds back
 
     def chunk(delta_text: str | None, reason: str | None = None, entries=(),
-              **extra) -> str:
+              delta: dict | None = None, **extra) -> str:
         logprobs = None
-        if job.request.logprobs is not None and delta_text is not None:
+        if job.request.logprobs is not None and (delta_text is not None or delta):
             logprobs = (_chat_logprobs(entries) if kind == "chat"
                         else completion_logprobs(entries))
         if kind == "chat":
-            delta = {} if delta_text is None else {"content": delta_text}
+            if delta is None:
+                delta = {} if delta_text is None else {"content": delta_text}
             choice = {"index": 0, "delta": delta, "logprobs": logprobs,
                       "finish_reason": reason}
         else:
             choice = {"index": 0, "text": delta_text or "", "logprobs": logprobs,
                       "finish_reason": reason}
         return _json({**head, "object": obj, "choices": [choice], **extra})
+
+    def call_chunks(call: ToolCall, entries) -> list[str]:
+        """A call as OpenAI streams one: its id and name, then its arguments."""
+        nonlocal calls
+        whole = _call(call)
+        first = {"index": calls, "id": call.id, "type": "function",
+                 "function": {"name": call.name, "arguments": ""}}
+        arguments = {"index": calls, "function": {"arguments": whole["function"]["arguments"]}}
+        calls += 1
+        return [chunk(None, delta={"tool_calls": [first]}, entries=entries),
+                chunk(None, delta={"tool_calls": [arguments]})]
 
     try:
         if kind == "chat":
@@ -226,16 +315,27 @@ async def _events(job: Job, head: dict, kind: str, include_usage: bool):
                 "logprobs": None, "finish_reason": None}]})
         while True:
             what, value = await job.events.get()
-            if what == "piece":
+            if what == "piece" and reader is None:
                 text, entries = value
                 yield chunk(text, entries=entries)
+            elif what == "piece":
+                text, entries = value
+                held += entries
+                for part in reader.feed(text):
+                    for event in (call_chunks(part, held) if isinstance(part, ToolCall)
+                                  else [chunk(part, entries=held)]):
+                        yield event
+                    held = []
             elif what == "error":
                 yield _json({"error": {"message": f"generation failed: {value}",
                                        "type": "server_error", "param": None,
                                        "code": None}})
                 break
             else:
-                yield chunk(None, FINISH_REASONS[value.finish_reason],
+                for part in reader.finish() if reader else ():
+                    yield chunk(part, entries=held)
+                    held = []
+                yield chunk(None, _finish_reason(FINISH_REASONS[value.finish_reason], calls),
                             sampler_stats=value.summary())
                 if include_usage:
                     yield _json({**head, "object": obj, "choices": [],
@@ -309,11 +409,13 @@ async def models(request: Request):
 async def chat_completions(request: Request):
     server = server_of(request)
     body = await parse_body(request, ChatBody)
+    offered = body.tools_offered()
     async with server.model(body.model, any_name_for_one=True) as model:
-        tokens = await chat_prompt(model.engine, body.messages)
+        functions = check_tools(model, offered) if offered else []
+        tokens = await chat_prompt(model.engine, body.messages, offered)
         job = await _job(model, tokens, body, body.max_completion_tokens or body.max_tokens,
-                         "messages", request.url.path)
-        return await _respond(model, request, job, body, "chat")
+                         "messages", request.url.path, *await _chat_grammar(body, offered))
+        return await _respond(model, request, job, body, "chat", functions)
 
 
 @router.post("/v1/completions")
@@ -333,7 +435,9 @@ async def completions(request: Request):
         tokens = await asyncio.to_thread(model.engine.tokenize, prompt, True, True)
         # OpenAI's completions endpoint defaults to 16 tokens.
         job = await _job(model, tokens, body, body.max_tokens or 16, "prompt",
-                         request.url.path)
+                         request.url.path,
+                         await grammar_for(body.schema_wanted(), "response_format"),
+                         "response_format")
         return await _respond(model, request, job, body, "completion")
 
 

@@ -26,6 +26,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+from ..runtime.chat_template import ChatTemplate
 from ..runtime.engine import ContextOverflow, Engine, InvalidArgument
 from ..runtime.gguf_header import GGUFHeader, read_header
 from ..runtime.models import BUNDLED
@@ -97,17 +98,31 @@ def split_named(argument: str) -> tuple[str | None, str]:
 
 @dataclass(frozen=True, eq=False)
 class ServedModel:
-    """A model the server may serve: its name, its file, how to load it, its sampler."""
+    """A model the server may serve: its name, its file, how to load it, its sampler, and
+    the chat template it is served with in place of its own (None: its own)."""
 
     name: str
     path: Path
     load: Callable[[], Engine]
     sampler: SamplerSpec
+    chat_template: str | None = None
 
     @functools.cached_property
     def header(self) -> GGUFHeader:
         """The GGUF's header (its metadata and size), read once, without loading it."""
         return read_header(self.path)
+
+    @property
+    def template_source(self) -> str:
+        """The chat template it is served with ("" if none)."""
+        return self.chat_template or self.header.chat_template
+
+    @functools.cached_property
+    def calls_tools(self) -> bool:
+        """Whether its template shows tools and asks for calls this server reads back."""
+        source = self.template_source
+        return bool(source) and ChatTemplate(source, bos="", eos="",
+                                             specials=lambda: None).tool_calls_hermes
 
     def answers_to(self, name: str) -> bool:
         """Whether a request naming ``name`` means this model: its name (with ollama's
