@@ -72,6 +72,7 @@ def joined(parts):
     # text that only looks like the start of a tag, and trailing white space, are text
     ("a <tool and\n", ["a <tool and\n"]),
     ("no calls at all", ["no calls at all"]),
+    ("<tool_call></tool_call> x", ["<tool_call></tool_call> x"]),  # an empty block
 ])
 def test_a_reply_reads_as_its_text_and_calls(reply, expected):
     assert joined(parts_of([reply])) == joined(expected)
@@ -92,6 +93,10 @@ def test_text_is_passed_on_at_once_except_what_may_start_a_call():
     assert call.name == "get_time" and call.id.startswith("call_") and len(call.id) == 29
     assert after == " ok" and reader.feed(" <tool_call>{") == [] and reader.finish() == [
         " <tool_call>{"]
+    assert reader.finish() == []  # nothing is given twice
+    # an empty block is text at once, not held until the end
+    assert reader.feed("<tool_call></tool_call> y") == ["<tool_call></tool_call>", " y"]
+    assert reader.feed("x<") == ["x"] and reader.feed("b") == ["<b"]  # one character too
 
 
 def test_each_call_has_its_own_id():
@@ -128,8 +133,11 @@ def test_the_calls_grammar_frames_a_json_call_per_function(engine):
     # each function's definitions move to the whole schema's, under a name of their own
     assert "f0-unit" in gbnf and '"\\"get_time\\""' in gbnf
     one = calls_grammar([("get_time", None)], parallel=False)
-    assert one._grammar.splitlines()[0] == 'framed ::= "<tool_call>\\n" root "\\n</tool_call>"'
+    lines = one._grammar.splitlines()
+    assert lines[0] == 'framed ::= "<tool_call>\\n" root "\\n</tool_call>"'
     assert one._root == "framed"
+    # the name, then the arguments, both required
+    assert 'root ::= "{" space name-kv "," space arguments-kv "}" space' in lines
 
 
 def test_parameters_the_grammar_cannot_enforce_are_refused_by_function():
