@@ -19,6 +19,8 @@ server sets them when it starts.
 
 ``format``: ``"json"`` (any JSON object) or a JSON schema constrains the reply with a grammar
 (:mod:`adaptive_llama.llama.grammar`); a schema keyword it cannot enforce is a 400 naming it.
+``tools`` (chat) are shown to the model in its chat template, and the calls it writes come back
+in ``message.tool_calls``, arguments as an object (:mod:`adaptive_llama.runtime.tools`).
 
 Models (:mod:`.pool`): ``model`` names one the server serves (``/api/tags`` lists them,
 ``/api/ps`` the loaded ones, with when each will be unloaded); an unknown name gets 404. The

@@ -15,6 +15,11 @@ Structured output: ``response_format`` ``{"type": "json_object"}`` (any JSON obj
 with a grammar (:mod:`adaptive_llama.llama.grammar`), on both routes; the sampler chooses
 among the tokens it allows. A schema keyword the grammar cannot enforce is a 400 naming it.
 
+Tool calls (chat): ``tools`` are shown to the model in its chat template, and the calls it
+writes (:mod:`adaptive_llama.runtime.tools`) come back as ``tool_calls``, streamed as OpenAI
+streams them; ``tool_choice`` "required" or a named function constrains the reply to calls
+with a grammar, "none" shows no tools. A template without tools is a 400 on ``tools``.
+
 Errors follow OpenAI's shape, ``{"error": {"message", "type", "param", "code"}}``: malformed
 JSON, an unknown spec, a bad field, a prompt longer than the context are 400s, and the server
 keeps serving.
