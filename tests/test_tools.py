@@ -106,9 +106,11 @@ def test_each_call_has_its_own_id():
 
 def test_read_call_takes_only_objects_naming_an_offered_function():
     assert read_call('{"name": "get_time", "arguments": {"a": 1}}', NAMES).arguments == {"a": 1}
+    # a name that is no string (unhashable even) is no call, not a crash
     for block in ('{"name": "get_time", "arguments": "[1]"}', '["get_time"]', "",
-                  '{"arguments": {}}', '{"name": "get_time", "arguments": "{"}'):
-        assert read_call(block, NAMES) is None
+                  '{"arguments": {}}', '{"name": "get_time", "arguments": "{"}',
+                  '{"name": ["get_time"], "arguments": {}}', '{"name": {}}'):
+        assert read_call(block, frozenset(NAMES)) is None
 
 
 @given(cuts=st.lists(st.integers(0, 200), max_size=12),

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import json
 import secrets
-from collections.abc import Iterable
+from collections.abc import Collection, Iterable
 from dataclasses import dataclass, field
 
 from ..llama.grammar import UnsupportedSchema, check_schema, framed_json_grammar
@@ -44,13 +44,14 @@ class ToolCall:
     id: str = field(default_factory=_call_id)
 
 
-def read_call(block: str, names: Iterable[str]) -> ToolCall | None:
+def read_call(block: str, names: Collection[str]) -> ToolCall | None:
     """The call a block's text holds, or None if it holds none of the functions ``names``."""
     try:
         value = json.loads(block)
     except ValueError:
         return None
-    if not isinstance(value, dict) or value.get("name") not in set(names):
+    if not (isinstance(value, dict) and isinstance(value.get("name"), str)
+            and value["name"] in names):
         return None
     arguments = value.get("arguments", {})
     if isinstance(arguments, str):  # some models write the arguments as a JSON string
