@@ -190,26 +190,30 @@ static float max_f32(const float *x, size_t n) {
         }                                                                                    \
         return s;                                                                            \
     }                                                                                        \
-    /* As weights_, and *wd = sum w_i (x_i - m), so H = ln S - wd / S. */                   \
+    /* As weights_, and *wd = sum w_i (x_i - m), so H = ln S - wd / S: one more float32     \
+     * multiply-add per token in the same loop, summed per GROUP and then in float64 like   \
+     * S, so that the statistics cost next to nothing (a float64 product per token halved  \
+     * the loop's vector width). */                                                         \
     static double weights_entropy_##SUFFIX(const T *x, size_t n, T m, al_workspace *ws,     \
                                            double *wd) {                                     \
         float *w = ws->w;                                                                    \
         double s = 0.0, sd = 0.0;                                                            \
         for (size_t g = 0, b = 0; b < n; g++, b += GROUP) {                                  \
             const size_t end = b + GROUP < n ? b + GROUP : n;                                \
-            float group_sum = 0.0f, group_max = 0.0f;                                        \
+            float group_sum = 0.0f, group_max = 0.0f, group_wd = 0.0f;                       \
             for (size_t i = b; i < end; i++) {                                               \
-                T d = x[i] - m;                                                              \
-                float v = exp_weight((float)d);                                              \
+                float d = (float)(x[i] - m);                                                 \
+                float v = exp_weight(d);                                                     \
                 w[i] = v;                                                                    \
                 group_sum += v;                                                              \
                 group_max = v > group_max ? v : group_max;                                   \
-                d = d < (T)EXP_ARG_MIN ? (T)EXP_ARG_MIN : d; /* 0 * -inf would be NaN */    \
-                sd += (double)v * (double)d;                                                 \
+                d = d < EXP_ARG_MIN ? EXP_ARG_MIN : d; /* 0 * -inf would be NaN */           \
+                group_wd += v * d;                                                           \
             }                                                                                \
             ws->gsum[g] = group_sum;                                                         \
             ws->gmax[g] = group_max;                                                         \
             s += (double)group_sum;                                                          \
+            sd += (double)group_wd;                                                          \
         }                                                                                    \
         *wd = sd;                                                                            \
         return s;                                                                            \
@@ -562,6 +566,26 @@ DEFINE_MAX_SUM(double, f64)
 DEFINE_ARRAY_API(float, f32)
 DEFINE_ARRAY_API(double, f64)
 
+/* llama.cpp's greedy loop, whose answer on a row with NaN depends on where the NaN is
+ * (compiled without -ffast-math, which may assume there is none). */
+__attribute__((optimize("no-fast-math")))
+static int32_t greedy_loop(const float *logits, size_t n) {
+    size_t best = 0;
+    for (size_t i = 1; i < n; i++)
+        if (logits[i] > logits[best]) best = i;
+    return (int32_t)best;
+}
+
+/* llama.cpp's greedy sampler on a row of logits: the first token with the highest logit,
+ * found by a vectorised max and a search for it; llama.cpp's loop when the row holds a NaN
+ * (then the sum is NaN). */
+AL_EXPORT int32_t al_greedy_row(const float *logits, size_t n) {
+    double total;
+    const float m = max_sum_f32(logits, n, &total);
+    if (is_nan(total)) return greedy_loop(logits, n);
+    return (int32_t)index_of_max_f32(logits, n, m, 0);
+}
+
 /* ---- samplers ---- */
 
 static al_sampler_init_fn sampler_init; /* llama_sampler_init from libllama, set once */
@@ -654,6 +678,50 @@ static void choose_argmax(al_adaptive_ctx *c, al_token_data_array *cur) {
     s->n_fallbacks++;
 }
 
+/*
+ * The sampler's decision on the contiguous row x[0..n) (n >= 2, its max m): k*, the draw
+ * inside the kept set, and the record in c->last but for the token and the count, which the
+ * caller sets once the choice stands.
+ * Returns the position of the choice among the sorted candidates ws->cand (whose idx is the
+ * token's position in x) and the kept weight in *kept_w; -1 when a buffer could not grow.
+ * Both ways in run it: the llama.cpp array (adaptive_apply) and the logits row
+ * (al_adaptive_sample_row), so that they choose alike.
+ */
+static int32_t decide(al_adaptive_ctx *c, const float *x, size_t n, float m, double *kept_w) {
+    al_workspace *ws = c->ws;
+    double wd = 0.0;
+    double S = c->record ? weights_entropy_f32(x, n, m, ws, &wd) : weights_f32(x, n, m, ws);
+    size_t nc;
+    double kept_mass;
+    int32_t k = select_f32(x, n, m, S, c->eps, ws, &nc, &kept_mass);
+    if (k < 1) return -1;
+
+    double kept = 0.0;
+    for (int32_t j = 0; j < k; j++) kept += ws->cand[j].w;
+    double u = next_uniform(&c->rng);
+    int32_t chosen = 0;
+    if (c->uniform) {
+        chosen = (int32_t)(u * k);
+        if (chosen >= k) chosen = k - 1;
+    } else {
+        double target = u * kept, acc = 0.0;
+        for (chosen = 0; chosen < k - 1; chosen++) {
+            acc += ws->cand[chosen].w;
+            if (acc > target) break;
+        }
+    }
+    al_stats *s = &c->last;
+    s->k = k;
+    s->kept_mass = kept_mass;
+    s->p_chosen = ws->cand[chosen].w * kept_mass / kept;
+    if (c->record) {
+        s->entropy = log(S) - wd / S;
+        s->conf = 1.0 - s->entropy / log((double)n);
+    }
+    *kept_w = kept;
+    return chosen;
+}
+
 static void adaptive_apply(struct llama_sampler *smpl, al_token_data_array *cur) {
     al_adaptive_ctx *c = smpl->ctx;
     al_workspace *ws = c->ws;
@@ -666,45 +734,73 @@ static void adaptive_apply(struct llama_sampler *smpl, al_token_data_array *cur)
     }
     const float *x = gather_logits(ws, cur);
     if (!x || !reserve(ws, n)) return choose_argmax(c, cur);
-    float m = max_f32(x, n);
-    double wd = 0.0;
-    double S = c->record ? weights_entropy_f32(x, n, m, ws, &wd) : weights_f32(x, n, m, ws);
-    size_t nc;
-    double kept_mass;
-    int32_t k = select_f32(x, n, m, S, c->eps, ws, &nc, &kept_mass);
-    if (k < 1 || !move_to_front(ws, cur->data, ws->cand, (size_t)k)) return choose_argmax(c, cur);
-
-    double kept_w = 0.0;
-    for (int32_t j = 0; j < k; j++) kept_w += ws->cand[j].w;
+    double kept_w;
+    int32_t chosen = decide(c, x, n, max_f32(x, n), &kept_w);
+    int32_t k = c->last.k;
+    if (chosen < 0 || !move_to_front(ws, cur->data, ws->cand, (size_t)k))
+        return choose_argmax(c, cur);
     for (int32_t j = 0; j < k; j++)
         cur->data[j].p = c->uniform ? (float)(1.0 / k) : (float)(ws->cand[j].w / kept_w);
     cur->size = (size_t)k;
     cur->sorted = true;
-
-    double u = next_uniform(&c->rng);
-    int32_t chosen = 0;
-    if (c->uniform) {
-        chosen = (int32_t)(u * k);
-        if (chosen >= k) chosen = k - 1;
-    } else {
-        double target = u * kept_w, acc = 0.0;
-        for (chosen = 0; chosen < k - 1; chosen++) {
-            acc += ws->cand[chosen].w;
-            if (acc > target) break;
-        }
-    }
     cur->selected = chosen;
+    c->last.token = cur->data[chosen].id;
+    c->last.n_tokens++;
+}
 
+/*
+ * x_i = logits_i / temp into ws->x: llama.cpp's temperature sampler, bit for bit. A true
+ * division: under -ffast-math GCC would multiply by 1/temp, which rounds some quotients
+ * differently (and a max in this loop would keep the loop from vectorising without it).
+ */
+__attribute__((optimize("no-fast-math")))
+static void scale_row(const float *logits, size_t n, float temp, float *x) {
+    for (size_t i = 0; i < n; i++) x[i] = logits[i] / temp;
+}
+
+/* choose_argmax on the row: the first token with the highest logit / temp (true
+ * divisions: two logits can round to one quotient), and the same record. */
+__attribute__((optimize("no-fast-math")))
+static int32_t choose_argmax_row(al_adaptive_ctx *c, const float *logits, size_t n,
+                                 float temp) {
+    size_t best = 0;
+    for (size_t i = 1; i < n; i++)
+        if (logits[i] / temp > logits[best] / temp) best = i;
     al_stats *s = &c->last;
-    s->k = k;
-    s->token = cur->data[chosen].id;
-    s->kept_mass = kept_mass;
-    s->p_chosen = ws->cand[chosen].w * kept_mass / kept_w;
-    if (c->record) {
-        s->entropy = log(S) - wd / S;
-        s->conf = 1.0 - s->entropy / log((double)n);
-    }
+    s->k = 1;
+    s->token = (int32_t)best;
+    s->kept_mass = s->p_chosen = s->entropy = s->conf = NAN; /* not computed */
     s->n_tokens++;
+    s->n_fallbacks++;
+    return s->token;
+}
+
+/*
+ * The chain temp(temp) -> adaptive, run straight on a row of n logits (token i's logit at
+ * logits[i], as llama_get_logits_ith gives it): the token that llama_sampler_sample would
+ * choose, from the same random stream, with the same record, without the n-entry
+ * llama_token_data array it fills and the chain's passes over it. temp 1: no temperature
+ * sampler, and no copy of the row. The caller accepts the token into the chain.
+ */
+AL_EXPORT int32_t al_adaptive_sample_row(struct llama_sampler *smpl, const float *logits,
+                                         size_t n, float temp) {
+    al_adaptive_ctx *c = smpl->ctx;
+    al_workspace *ws = c->ws;
+    if (n == 1) {
+        record_certain(c, 0);
+        return 0;
+    }
+    const int scaled = temp != 1.0f;
+    if (!reserve(ws, n) || (scaled && !grow((void **)&ws->x, &ws->cap_x, n, sizeof(float))))
+        return choose_argmax_row(c, logits, n, temp);
+    if (scaled) scale_row(logits, n, temp, ws->x);
+    const float *x = scaled ? ws->x : logits;
+    const float m = max_f32(x, n); /* the max of the quotients, found among them */
+    double kept_w;
+    const int32_t chosen = decide(c, x, n, m, &kept_w);
+    if (chosen < 0) return choose_argmax_row(c, logits, n, temp);
+    c->last.n_tokens++;
+    return c->last.token = ws->cand[chosen].idx;
 }
 
 static void adaptive_reset(struct llama_sampler *smpl) {

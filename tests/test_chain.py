@@ -183,18 +183,34 @@ def test_nan_logits_do_not_crash_the_sampler(backend):
     assert 1 <= len(kept) <= 1000 and chosen in range(1000)
 
 
+def assert_same_record(mine, theirs, backend):
+    """Two adaptive records of one choice: equal, bit for bit. numba's entropy is a fastmath
+    sum whose order each compiled caller may choose: to the last digits there."""
+    assert (mine.k, mine.token, mine.kept_mass, mine.p_chosen) == (
+        theirs.k, theirs.token, theirs.kept_mass, theirs.p_chosen)
+    if backend == "c":
+        assert (mine.entropy, mine.conf) == (theirs.entropy, theirs.conf)
+    else:
+        assert mine.entropy == pytest.approx(theirs.entropy, rel=1e-6)
+
+
 @pytest.mark.parametrize("spec", [
     "greedy", "top-k:k=40", "top-p:p=0.95,temp=1.5", "typical:p=0.5", "min-p:p=0.05",
     "mirostat:tau=3,eta=0.1", "mirostat1:tau=5,eta=0.1", "eta:eps=0.0009,temp=0.7",
     "adaptive:eps=0.0005", "adaptive:eps=0.001,mode=uniform,temp=2",
+    "adaptive:eps=0.0005,temp=0.7", "adaptive:eps=0.005,temp=0.37",
     "top-k:k=40+penalties:repeat=1.3+xtc:probability=0.5,threshold=0.05",
     "adaptive:eps=0.001+top-n-sigma:n=1.5+xtc:probability=0.5,threshold=0.05"])
-def test_sampling_from_fetched_logits_is_llama_sampler_sample(engine, backend, spec):
-    """sample_from, which the decoder runs in threads, takes llama_sampler_sample's steps:
-    two chains with one seed choose the same tokens, and their states (random numbers,
-    mirostat's mu) move the same way, over rows of real logits."""
-    by_context = SamplerChain(spec, seed=5, n_vocab=engine.n_vocab)
-    by_rows = SamplerChain(spec, seed=5, n_vocab=engine.n_vocab)
+def test_every_way_of_sampling_chooses_as_llama_sampler_sample(engine, backend, spec):
+    """Three chains with one seed, over rows of real logits: llama.cpp's own
+    llama_sampler_sample, SamplerChain.sample (from the context) and sample_from (a fetched
+    row, as the decoder's threads run it). They choose the same tokens, their states (random
+    numbers, mirostat's mu) move the same way. For temperature -> adaptive and greedy both of
+    ours choose straight from the row, and the adaptive record is llama.cpp's chain's too."""
+    chains = [SamplerChain(spec, seed=5, n_vocab=engine.n_vocab, record_stats=True)
+              for _ in range(3)]
+    llama, by_context, by_rows = chains
+    assert by_context.from_row == (spec.startswith(("greedy", "adaptive")) and "+" not in spec)
     tokens = engine.tokenize("The old lighthouse keeper climbed the stairs and")
     chosen = []
     try:
@@ -202,15 +218,102 @@ def test_sampling_from_fetched_logits_is_llama_sampler_sample(engine, backend, s
             engine.decoder.evaluate(tokens)
             address = ctypes.addressof(llama_cpp.llama_get_logits_ith(engine.ctx, -1).contents)
             for _ in range(3):  # the same row again: only the chains' states differ
-                token = by_context.sample(engine.ctx, -1)
+                token = llama_cpp.llama_sampler_sample(llama.pointer, engine.ctx, -1)
+                assert by_context.sample(engine.ctx, -1) == token
                 assert by_rows.sample_from(address) == token
+                if by_context.from_row and spec != "greedy":
+                    assert_same_record(by_context.last_stats(), llama.last_stats(), backend)
+                    assert_same_record(by_rows.last_stats(), llama.last_stats(), backend)
                 chosen.append(token)
             tokens = tokens + [token]
     finally:
-        by_context.close()
-        by_rows.close()
+        for chain in chains:
+            chain.close()
     if spec != "greedy":
         assert len(set(chosen)) > 1  # the comparison saw more than one choice
+
+
+@pytest.mark.parametrize("spec,from_row", [
+    ("adaptive", True), ("adaptive:eps=0.001,mode=uniform,temp=1.7", True), ("greedy", True),
+    ("adaptive+penalties", False), ("penalties+greedy", False), ("adaptive+xtc", False),
+    ("top-k", False), ("min-p", False), ("eta", False), ("dist", False)])
+def test_only_chains_that_need_no_candidate_array_choose_from_the_row(spec, from_row):
+    with SamplerChain(spec, seed=1, n_vocab=100) as chain:
+        assert chain.from_row == from_row
+
+
+def test_a_grammar_keeps_the_chain(engine):
+    grammar = llama_cpp.LlamaGrammar.from_string('root ::= "yes" | "no"', verbose=False)
+    with SamplerChain("adaptive", seed=1, n_vocab=engine.n_vocab, grammar=grammar,
+                      vocab_model=engine._model) as chain:
+        assert not chain.from_row
+
+
+def through_the_chain(chain, logits):
+    """llama_sampler_sample's steps on a numpy row: every token a candidate, the chain
+    applied, its choice accepted. The yardstick of the row samplers."""
+    chosen = apply_to(chain, logits)[1]
+    llama_cpp.llama_sampler_accept(chain.pointer, chosen)
+    return chosen
+
+
+def hard_rows():
+    """Rows where a shortcut would show: masked tokens, a tie at the top, logits one ulp
+    apart that a temperature rounds to one quotient, a vocabulary of Gemma-3's size."""
+    rng = np.random.default_rng(3)
+    masked = rng.normal(0, 2, 5000).astype(np.float32)
+    masked[rng.choice(5000, 4000, replace=False)] = -np.inf
+    tied = rng.normal(0, 1, 3000).astype(np.float32)
+    tied[[17, 900, 2999]] = tied.max() + 2
+    close = rng.normal(0, 0.3, 3000).astype(np.float32)
+    close[5] = np.float32(1.45)
+    close[6] = np.nextafter(np.float32(1.45), np.float32(2))  # / 0.7: the same quotient
+    large = rng.normal(0, 3, 262_144).astype(np.float32)
+    return {"masked": masked, "tied": tied, "close": close, "large": large}
+
+
+@pytest.mark.parametrize("temp", [1.0, 0.7, 3.0, 0.37])
+@pytest.mark.parametrize("row", ["masked", "tied", "close", "large"])
+def test_row_samplers_choose_as_the_chain_on_hard_rows(backend, row, temp):
+    logits = hard_rows()[row]
+    n = logits.shape[0]
+    for spec in (f"adaptive:eps=0.0005,temp={temp}", f"adaptive:eps=0.05,temp={temp}",
+                 f"adaptive:eps=0.001,mode=uniform,temp={temp}", "greedy"):
+        with (SamplerChain(spec, seed=9, n_vocab=n, record_stats=True) as mine,
+              SamplerChain(spec, seed=9, n_vocab=n, record_stats=True) as theirs):
+            assert mine.from_row
+            for _ in range(4):
+                assert mine.sample_from(logits.ctypes.data) == through_the_chain(theirs, logits)
+                if spec != "greedy":
+                    assert_same_record(mine.last_stats(), theirs.last_stats(), backend)
+    if row == "close" and temp == 0.7:  # a case the row sampler's true division is for
+        assert logits[5] < logits[6] and logits[5] / np.float32(0.7) == logits[6] / np.float32(
+            0.7) == logits.max() / np.float32(0.7)
+
+
+@pytest.mark.parametrize("nan_at", [0, 1, 500, 999])
+def test_greedy_from_the_row_follows_llama_cpp_on_nan(backend, nan_at):
+    """llama.cpp's greedy loop on a row with NaN answers by where the NaN is; so does the
+    row's (a vectorised max would not)."""
+    logits = np.random.default_rng(nan_at).normal(0, 1, 1000).astype(np.float32)
+    logits[nan_at] = np.nan
+    with (SamplerChain("greedy", seed=1, n_vocab=1000) as mine,
+          SamplerChain("greedy", seed=1, n_vocab=1000) as theirs):
+        assert mine.sample_from(logits.ctypes.data) == through_the_chain(theirs, logits)
+
+
+def test_engine_replies_are_llama_sampler_samples_choices(engine, backend):
+    """A reply from the engine (its chains choosing from the row) token by token against
+    llama.cpp's llama_sampler_sample on the same logits with a chain of the same seed."""
+    spec = "adaptive:eps=0.0005,temp=1.3"
+    prompt = engine.tokenize("The old lighthouse keeper climbed the stairs and")
+    reply = engine.generate("The old lighthouse keeper climbed the stairs and", sampler=spec,
+                            seed=21, max_tokens=16).tokens
+    assert len(reply) == 16
+    with SamplerChain(spec, seed=21, n_vocab=engine.n_vocab) as theirs:
+        for i, token in enumerate(reply):
+            engine.prefill(prompt + reply[:i], generated=i)
+            assert llama_cpp.llama_sampler_sample(theirs.pointer, engine.ctx, -1) == token
 
 
 def test_token_data_rows_have_llama_cpps_layout():
@@ -318,6 +421,30 @@ def test_out_of_memory_keeps_the_arg_max_and_counts_it(monkeypatch):
         assert kept == [1, 3, 2] and chain.fallbacks == 1
 
 
+@pytest.mark.parametrize("temp", [1.0, 0.7])
+def test_out_of_memory_on_the_row_keeps_the_first_arg_max_of_the_quotients(monkeypatch, temp):
+    from adaptive_llama.llama.chain import native_samplers
+
+    monkeypatch.setattr(kernel, "BACKEND", "c")
+    chain_module.in_chain_samplers.cache_clear()
+    # Token 1 is one ulp below token 3; divided by 0.7 the two are equal.
+    logits = np.array([0.2, 1.45, 0.9, np.nextafter(np.float32(1.45), np.float32(2))],
+                      dtype=np.float32)
+    expected = 3 if temp == 1.0 else 1
+    spec = f"adaptive:eps=0.01,temp={temp}"
+    with (SamplerChain(spec, seed=1, n_vocab=4, record_stats=True) as mine,
+          SamplerChain(spec, seed=1, n_vocab=4, record_stats=True) as theirs):
+        native_samplers().al_test_fail_allocations(1)  # the next buffer cannot grow
+        assert mine.sample_from(logits.ctypes.data) == expected and mine.fallbacks == 1
+        assert mine.last_stats().k == 1 and mine.last_stats().token == expected
+        native_samplers().al_test_fail_allocations(1)
+        assert through_the_chain(theirs, logits) == expected and theirs.fallbacks == 1
+        for _ in range(3):  # memory is back: both choose in the real kept set, alike
+            assert mine.sample_from(logits.ctypes.data) == through_the_chain(theirs, logits)
+            assert_same_record(mine.last_stats(), theirs.last_stats(), "c")
+        assert mine.last_stats().k > 1 and mine.fallbacks == 1
+
+
 def test_one_candidate_records_its_own_stats(backend):
     with SamplerChain("adaptive:eps=0.01", seed=1, n_vocab=4, record_stats=True) as chain:
         apply_to(chain, np.log(np.array([0.1, 0.4, 0.2, 0.3])))
@@ -359,6 +486,13 @@ def test_numba_sampler_without_room_keeps_the_arg_max_and_counts_it(monkeypatch)
         assert chain.last_stats().k == 1 and chain.last_stats().token == 1
     with SamplerChain("eta:eps=0.1", seed=1, n_vocab=3) as chain:
         assert apply_to(chain, logits)[1] in range(4)  # no truncation, dist samples
+    from adaptive_llama.llama import numba_samplers
+
+    row = logits.astype(np.float32)
+    with SamplerChain("adaptive:eps=0.01", seed=1, n_vocab=3, record_stats=True) as chain:
+        # the row sampler, on a row longer than its buffers
+        assert numba_samplers.adaptive_sample_row(chain._adaptive, row.ctypes.data, 4, 1) == 1
+        assert chain.fallbacks == 1 and chain.last_stats().k == 1
 
 
 @pytest.mark.parametrize("spec", ["adaptive:eps=0.0005", "adaptive:eps=0.001,mode=uniform",

@@ -48,6 +48,10 @@ from . import graph  # noqa: E402
 # llama.cpp's llama_token_data, one candidate token of a chain
 TOKEN_DATA = np.dtype([("id", np.int32), ("logit", np.float32), ("p", np.float32)])
 _FLOAT_P = ctypes.POINTER(ctypes.c_float)
+# llama_get_logits_ith returning the row's address as an int (NULL: None), without the
+# float pointer object llama-cpp-python's declaration builds on every call.
+_logits_ith = ctypes.CFUNCTYPE(ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int32)(
+    ctypes.cast(llama_cpp.llama_cpp._lib.llama_get_logits_ith, ctypes.c_void_p).value)
 XTC_SEED_OFFSET = 0x9E3779B9
 
 
@@ -114,6 +118,14 @@ class _CSamplers:
     def eta(self, eps, n_vocab) -> int:
         return self.lib.al_eta_sampler_new(eps)
 
+    @property
+    def adaptive_row(self):
+        return self.lib.al_adaptive_sample_row
+
+    @property
+    def greedy_row(self):
+        return self.lib.al_greedy_row
+
 
 class _NumbaSamplers:
     """The samplers of numba_samplers (compiled, or read from numba's cache, on first use)."""
@@ -126,6 +138,8 @@ class _NumbaSamplers:
         self.adaptive = numba_samplers.adaptive_sampler_new
         self.stats = numba_samplers.adaptive_sampler_stats
         self.eta = numba_samplers.eta_sampler_new
+        self.adaptive_row = numba_samplers.adaptive_sample_row
+        self.greedy_row = numba_samplers.greedy_row
 
 
 @functools.cache
@@ -192,6 +206,27 @@ class SamplerChain:
         self._chosen_later = bool(after) and sampler.chooses_token
         if not sampler.chooses_token or after:
             self._chain.add_dist(self.seed)
+        self._on_row = self._row_sampler(grammar)
+
+    def _row_sampler(self, grammar):
+        """The chain's choice straight from a row of logits (its address), or None.
+
+        A chain that is only temperature -> adaptive (the default) or greedy needs none of
+        the vocabulary-sized candidate array that ``llama_sampler_sample`` fills before any
+        sampler runs: the backend's row sampler chooses the token the chain would, from the
+        same random stream and with the same record, in fewer passes over the row. Any
+        other sampler, a modifier or a grammar: the chain itself."""
+        if self.in_graph or grammar is not None or self.spec.modifiers:
+            return None
+        n, name = self._n_vocab, self.spec.sampler.name
+        if name == "adaptive":
+            row, adaptive = in_chain_samplers().adaptive_row, self._adaptive
+            temp = ctypes.c_float(self.spec.temp)
+            return lambda logits: row(adaptive, logits, n, temp)
+        if name == "greedy":
+            row = in_chain_samplers().greedy_row
+            return lambda logits: row(logits, n)
+        return None
 
     def _add_grammar(self, vocab_model, grammar) -> None:
         # llama-cpp-python's add_grammar would put a NULL sampler in the chain for a grammar
@@ -274,6 +309,12 @@ class SamplerChain:
                 llama_cpp.llama_sampler_accept(sampler, token)
 
     @property
+    def from_row(self) -> bool:
+        """Whether the chain chooses straight from the logits row (temperature -> adaptive,
+        or greedy), without llama.cpp's candidate array: the same tokens either way."""
+        return self._on_row is not None
+
+    @property
     def backend(self) -> str:
         """Which implementation runs the adaptive and eta samplers: "c" or "numba" on the
         CPU, "graph" inside llama.cpp's graph."""
@@ -320,6 +361,11 @@ class SamplerChain:
     def sample(self, ctx, idx: int = -1) -> int:
         """Sample the next token from the logits of ``ctx`` (a ``llama_context *``); in the
         graph: take the token the graph chose, and read the adaptive sampler's figures."""
+        if self._on_row is not None:
+            logits = _logits_ith(ctx, idx)
+            if not logits:
+                raise RuntimeError(f"llama.cpp has no logits at batch index {idx}")
+            return self._accept(self._on_row(logits))
         token = self._last_token = llama_cpp.llama_sampler_sample(self.pointer, ctx, idx)
         if self.in_graph and self._adaptive is not None:
             k, kept_mass, p_chosen = graph.read_back(ctx, idx, token, self._uniform)
@@ -334,6 +380,8 @@ class SamplerChain:
         several sequences can run at once in threads: ctypes lets go of the GIL around each
         llama.cpp call, and every sampler in a chain is machine code. Not for chains in the
         graph, which read what the graph chose from the context."""
+        if self._on_row is not None:
+            return self._accept(self._on_row(logits))
         n = self._n_vocab
         if self._candidates is None:
             self._candidates = np.empty(n, dtype=TOKEN_DATA)
@@ -348,7 +396,11 @@ class SamplerChain:
             raise RuntimeError(f"the sampler chain {self.names()} chose no token")
         # xtc drops the top rows by moving the array's start: selected counts from there.
         first = (ctypes.addressof(rows.data.contents) - cur.ctypes.data) // TOKEN_DATA.itemsize
-        token = self._last_token = int(cur["id"][first + rows.selected])
+        return self._accept(int(cur["id"][first + rows.selected]))
+
+    def _accept(self, token: int) -> int:
+        """The chosen token into the chain's state, as llama_sampler_sample ends."""
+        self._last_token = token
         llama_cpp.llama_sampler_accept(self.pointer, token)
         return token
 

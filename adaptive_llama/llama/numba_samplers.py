@@ -103,6 +103,16 @@ def _move_to_front(rows, pos, k, kept, mark):
     rows[:k] = kept[:k]
 
 
+@njit(inline="always", error_model="numpy")
+def _record_fallback(s, token):
+    """The record of a token chosen by arg-max because the buffers were too small."""
+    s.k = 1
+    s.token = token
+    s.kept_mass = s.p_chosen = s.entropy = s.conf = math.nan
+    s.n_tokens += 1
+    s.n_fallbacks += 1
+
+
 @njit(cache=True, error_model="numpy")
 def _choose_argmax(s, rows, logits, cur):
     """Out of room: the most likely token alone (llama.cpp aborts on no selection)."""
@@ -116,36 +126,27 @@ def _choose_argmax(s, rows, logits, cur):
     logits[0, 2] = 1.0
     cur[1] = 1
     cur[2] = 0
+    _record_fallback(s, rows[0, 0])
+
+
+@njit(inline="always", error_model="numpy")
+def _record_certain(s, token):
+    """A choice with nothing left to decide: k = 1, all the mass on ``token``."""
     s.k = 1
-    s.token = rows[0, 0]
-    s.kept_mass = s.p_chosen = s.entropy = s.conf = math.nan
+    s.token = token
+    s.kept_mass = s.p_chosen = 1.0
+    s.entropy = 0.0 if s.record else math.nan
+    s.conf = math.nan  # 1 - H / ln V is undefined for V = 1
     s.n_tokens += 1
-    s.n_fallbacks += 1
 
 
-@cfunc(types.void(types.voidptr, types.voidptr), cache=True, error_model="numpy")
-def _adaptive_apply(smpl, cur_p):
-    s = _state_of(smpl)[0]
-    cur = carray(cur_p, 3, np.int64)  # data, size, selected
-    n = cur[1]
-    if n == 0:
-        return
-    rows = carray(_pointer(cur[0]), (n, 3), np.int32)
-    logits = carray(_pointer(cur[0]), (n, 3), np.float32)
-    if n == 1:  # one candidate: it is the choice
-        cur[2] = 0
-        s.k = 1
-        s.token = rows[0, 0]
-        s.kept_mass = s.p_chosen = 1.0
-        s.entropy = 0.0 if s.record else math.nan
-        s.conf = math.nan
-        s.n_tokens += 1
-        return
-    if n > s.cap:
-        _choose_argmax(s, rows, logits, cur)
-        return
-    x = carray(_pointer(s.x), n, np.float32)
-    m = _gather(logits, x)
+@njit(cache=True, error_model="numpy")
+def _decide(s, x, m):
+    """The sampler's decision on the contiguous row x (n >= 2 tokens, max m), as
+    native/adaptive.c decide: k*, the draw inside the kept set, and the record but for the
+    token and the count. Returns (the choice's position among the sorted candidates, whose
+    ``cand`` entry is its position in x; the kept weight)."""
+    n = x.shape[0]
     w = carray(_pointer(s.w), n, np.float32)
     cand = carray(_pointer(s.cand), n, np.int64)
     exact = carray(_pointer(s.exact), n, np.float64)
@@ -153,16 +154,9 @@ def _adaptive_apply(smpl, cur_p):
     flags = carray(_pointer(s.flags), n, np.uint8)
     S, wd = weights(x, m, w, s.record != 0)
     k, kept_mass, nc = decide(x, w, m, S, s.eps, cand, exact, tail, flags)
-    _move_to_front(rows, cand, k, carray(_pointer(s.kept), (n, 3), np.int32), flags)
-
     kept_w = 0.0
     for j in range(k):
         kept_w += exact[j]
-    for j in range(k):
-        logits[j, 2] = np.float32(1.0 / k) if s.uniform else np.float32(exact[j] / kept_w)
-    cur[1] = k
-    carray(cur_p, 32, np.uint8)[_SORTED_OFFSET] = 1
-
     u, rng = _next_uniform(s.rng)
     s.rng = rng
     if s.uniform:
@@ -176,15 +170,108 @@ def _adaptive_apply(smpl, cur_p):
             if acc > target:
                 break
             chosen += 1
-    cur[2] = chosen
     s.k = k
-    s.token = rows[chosen, 0]
     s.kept_mass = kept_mass
     s.p_chosen = exact[chosen] * kept_mass / kept_w
     if s.record:
         s.entropy = math.log(S) - wd / S
         s.conf = 1.0 - s.entropy / math.log(n)
+    return chosen, kept_w
+
+
+@cfunc(types.void(types.voidptr, types.voidptr), cache=True, error_model="numpy")
+def _adaptive_apply(smpl, cur_p):
+    s = _state_of(smpl)[0]
+    cur = carray(cur_p, 3, np.int64)  # data, size, selected
+    n = cur[1]
+    if n == 0:
+        return
+    rows = carray(_pointer(cur[0]), (n, 3), np.int32)
+    logits = carray(_pointer(cur[0]), (n, 3), np.float32)
+    if n == 1:  # one candidate: it is the choice
+        cur[2] = 0
+        _record_certain(s, rows[0, 0])
+        return
+    if n > s.cap:
+        _choose_argmax(s, rows, logits, cur)
+        return
+    x = carray(_pointer(s.x), n, np.float32)
+    chosen, kept_w = _decide(s, x, _gather(logits, x))
+    k = s.k
+    exact = carray(_pointer(s.exact), n, np.float64)
+    _move_to_front(rows, carray(_pointer(s.cand), n, np.int64), k,
+                   carray(_pointer(s.kept), (n, 3), np.int32),
+                   carray(_pointer(s.flags), n, np.uint8))
+    for j in range(k):
+        logits[j, 2] = np.float32(1.0 / k) if s.uniform else np.float32(exact[j] / kept_w)
+    cur[1] = k
+    carray(cur_p, 32, np.uint8)[_SORTED_OFFSET] = 1
+    cur[2] = chosen
+    s.token = rows[chosen, 0]
     s.n_tokens += 1
+
+
+@njit(cache=True, error_model="numpy")
+def _scale_row(row, temp, x):
+    """x_i = row_i / temp: llama.cpp's temperature sampler, bit for bit (true divisions:
+    no fastmath, which would multiply by 1 / temp)."""
+    for i in range(row.shape[0]):
+        x[i] = row[i] / temp
+
+
+@njit(cache=True, fastmath=True, error_model="numpy")
+def _max_of(x):
+    m = x[0]
+    for i in range(x.shape[0]):
+        m = x[i] if x[i] > m else m
+    return m
+
+
+@njit(cache=True, error_model="numpy")
+def _argmax_of_quotients(row, temp):
+    """The first token with the highest row_i / temp (two logits can round to one)."""
+    best = 0
+    for i in range(1, row.shape[0]):
+        if row[i] / temp > row[best] / temp:
+            best = i
+    return best
+
+
+@cfunc(types.int32(types.voidptr, types.int64, types.int64, types.float32), cache=True,
+       error_model="numpy")
+def _adaptive_sample_row(smpl, logits, n, temp):
+    """The chain temp(temp) -> adaptive on a row of logits, as native/adaptive.c
+    al_adaptive_sample_row: the chain's token and record, without its candidate array."""
+    s = _state_of(smpl)[0]
+    if n == 1:
+        _record_certain(s, 0)
+        return 0
+    # Typed as the sampler's own buffers are, so that _decide runs the same machine code
+    # on it: fastmath lets each compilation sum in its own order.
+    row = carray(_pointer(logits), n, np.float32)
+    if n > s.cap:
+        token = _argmax_of_quotients(row, temp)
+        _record_fallback(s, token)
+        return token
+    x = row
+    if temp != 1.0:
+        x = carray(_pointer(s.x), n, np.float32)
+        _scale_row(row, temp, x)
+    chosen, _ = _decide(s, x, _max_of(x))
+    s.token = carray(_pointer(s.cand), n, np.int64)[chosen]
+    s.n_tokens += 1
+    return s.token
+
+
+@cfunc(types.int32(types.voidptr, types.int64), cache=True, error_model="numpy")
+def _greedy_row(logits_p, n):
+    """llama.cpp's greedy sampler on a row of logits: the first token with the highest."""
+    row = carray(logits_p, n, np.float32)
+    best = 0
+    for i in range(1, n):
+        if row[i] > row[best]:
+            best = i
+    return best
 
 
 @cfunc(types.void(types.voidptr), cache=True, error_model="numpy")
@@ -245,10 +332,20 @@ def _ctx_of(smpl: int) -> int:
     return ctypes.c_void_p.from_address(smpl + ctypes.sizeof(ctypes.c_void_p)).value
 
 
+def _page_aligned(shape, dtype) -> np.ndarray:
+    """An empty array starting on a 4 KiB boundary. numpy's own placement put the weights
+    16 bytes after a multiple of 4 KiB from the logits copy: every load of the pass then
+    waited on a recent store to the same address bits (4K aliasing), 3.7 times slower."""
+    size = int(np.prod(shape)) * np.dtype(dtype).itemsize
+    raw = np.empty(size + 4096, np.uint8)
+    start = -raw.ctypes.data % 4096
+    return raw[start:start + size].view(dtype).reshape(shape)
+
+
 def _new_state(n_vocab: int, **fields) -> np.ndarray:
     state = np.zeros(1, STATE)
     buffers = {
-        "x": np.empty(n_vocab, np.float32), "w": np.empty(n_vocab, np.float32),
+        "x": _page_aligned(n_vocab, np.float32), "w": _page_aligned(n_vocab, np.float32),
         "cand": np.empty(n_vocab, np.int64), "exact": np.empty(n_vocab),
         "tail": np.empty(n_vocab + 1), "flags": np.empty(n_vocab, np.uint8),
         "kept": np.empty((n_vocab, 3), np.int32),
@@ -335,3 +432,11 @@ def adaptive_sampler_stats(smpl: int) -> native.Stats:
 
 def eta_sampler_new(eps: float, n_vocab: int) -> int:
     return _kind("eta").create(_new_state(n_vocab, eps=eps))
+
+
+# The row samplers as ctypes calls, which let go of the GIL as the C library's do.
+adaptive_sample_row = ctypes.CFUNCTYPE(
+    ctypes.c_int32, ctypes.c_void_p, ctypes.c_int64, ctypes.c_size_t, ctypes.c_float)(
+    _adaptive_sample_row.address)
+greedy_row = ctypes.CFUNCTYPE(ctypes.c_int32, ctypes.c_void_p, ctypes.c_size_t)(
+    _greedy_row.address)
