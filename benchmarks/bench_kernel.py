@@ -1,7 +1,7 @@
 """Kernel speed on every distribution shape: adaptive_k (C and numba) against one numpy softmax.
 
 Prints one JSON object: per shape and vocabulary size the median microseconds per call of each
-method through the public API (``kernel.adaptive_k(x, eps, backend=...)``), the wrapper's own
+method through the public API (``kernel.adaptive_k(x, eps, impl=...)``), the wrapper's own
 overhead (public API minus the C kernel called directly, paired A B B A), the ratios to one numpy
 softmax of the same logits measured in the same run, k*, and whether the targets hold
 (C <= 0.5x softmax, numba <= 1.0x, wrapper <= 10 us). Methods are interleaved round by round
@@ -161,8 +161,8 @@ def main():
     eps = args.eps
     methods = {
         "softmax": softmax,
-        "c": lambda x: kernel.adaptive_k(x, eps, backend="c"),
-        "numba": lambda x: kernel.adaptive_k(x, eps, backend="numba"),
+        "c": lambda x: kernel.adaptive_k(x, eps, impl="c"),
+        "numba": lambda x: kernel.adaptive_k(x, eps, impl="numba"),
     }
     c_direct = lambda x: native.adaptive_native(x, eps, False)  # noqa: E731
     cases = []  # (shape, V, rows)

@@ -32,6 +32,8 @@ for parallel in 1 8; do
     python benchmarks/bench_graph.py --n-gpu-layers -1 --rounds 7 --tokens 256 \
         --parallel "$parallel" --model qwen2.5-coder-1.5b > "$OUT/bench_graph_qwen_p$parallel.json"
 done
+# The host's share of a token: greedy through llama.cpp's chain against choosing from the row.
+python benchmarks/bench_row.py --rounds 9 > "$OUT/bench_row.json"
 python - <<'PY'
 import json, pathlib
 for f in sorted(pathlib.Path("benchmarks/results/gpu").glob("bench_graph*.json")):
