@@ -29,21 +29,14 @@ import sys
 import time
 
 import llama_cpp
+from bench_backends import BACKENDS, use_backend  # this folder: the script's own
 
-from adaptive_llama import Engine, kernel
+from adaptive_llama import Engine
 from adaptive_llama.eval.timing import PROMPT
-from adaptive_llama.llama import chain
 from adaptive_llama.llama.chain import SamplerChain
 from adaptive_llama.runtime.models import BUNDLED
 
 MODELS = ("smollm2", "qwen2.5-coder-1.5b", "gemma3-270m")
-BACKENDS = ("c", "numba")
-
-
-def use_backend(name: str) -> None:
-    """Let the next chains hold this backend's samplers (as ADAPTIVE_LLAMA_IMPL would)."""
-    kernel.BACKEND = name
-    chain.in_chain_samplers.cache_clear()
 
 
 def ways(n_vocab: int) -> dict:

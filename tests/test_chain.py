@@ -181,6 +181,10 @@ def test_nan_logits_do_not_crash_the_sampler(backend):
     with SamplerChain("adaptive:eps=0.001", seed=1, n_vocab=1000) as chain:
         kept, chosen = apply_to(chain, logits)
     assert 1 <= len(kept) <= 1000 and chosen in range(1000)
+    row = logits.astype(np.float32)
+    for spec in ("adaptive:eps=0.001", "adaptive:eps=0.001,temp=0.7"):  # from the row
+        with SamplerChain(spec, seed=1, n_vocab=1000) as chain:
+            assert chain.from_row and chain.sample_from(row.ctypes.data) in range(1000)
 
 
 def assert_same_record(mine, theirs, backend):
