@@ -378,6 +378,9 @@ def _continue(repl, store, name: str) -> None:
 @click.option("--gsm8k-max-tokens", type=click.IntRange(min=1), default=None,
               help="Tokens per GSM8K answer (default 160; --full 512). A chain of thought cut "
                    "short scores as wrong, so give a larger model room.")
+@click.option("--gsm8k-sampler", "gsm8k_samplers", multiple=True, metavar="SPEC",
+              help="A sampler GSM8K runs besides greedy and top-p, min-p and adaptive at T = "
+                   "0.7, 1 and 1.5 (repeatable; e.g. adaptive:eps=0.005,temp=1.5).")
 @click.option("--full", is_flag=True,
               help="The paper's sizes (1,000 test prefixes x 5 samples of 256 tokens, 200 dev; "
                    "many hours on a CPU) instead of 200 test and 64 dev texts of 64 tokens; "
@@ -390,7 +393,7 @@ def _continue(repl, store, name: str) -> None:
               help="CPU threads (default: the physical cores, adapted to the load).")
 @user_errors
 def evaluate(model, tasks, methods, temperatures, batch, prompts_file, n_dev, n_test, samples,
-             max_tokens, gsm8k_n, gsm8k_max_tokens, full, out, seed, threads):
+             max_tokens, gsm8k_n, gsm8k_max_tokens, gsm8k_samplers, full, out, seed, threads):
     """Score every sampler as the paper does: rep-n, diversity, MAUVE, coherence, k, GSM8K."""
     from .eval.data import load_prompts_file
     from .eval.run import EvalConfig, Evaluator, require_extras
@@ -413,6 +416,7 @@ def evaluate(model, tasks, methods, temperatures, batch, prompts_file, n_dev, n_
             fail(f"--temperatures: {temperatures!r} is not a list of numbers like 0.7,1.0,1.5")
     make = EvalConfig.paper_sizes if full else EvalConfig
     config = make(model=model, tasks=_listed(tasks, "--tasks"), batch=batch,
+                  gsm8k_samplers=gsm8k_samplers,
                   prompts_file=prompts_file, out=out, seed=seed, n_threads=threads,
                   command=" ".join(["adaptive-llama eval", *sys.argv[2:]]), **sizes)
     evaluator = Evaluator(config)

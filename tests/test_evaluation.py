@@ -266,8 +266,9 @@ def test_gsm8k_pairs_adaptive_with_each_sampler_at_its_temperature_problem_by_pr
         "adaptive:eps=0.0005": [True] * 10 + [False] * 30,
     }
     paired = tasks.gsm8k_paired(correct_of, seed=0)
-    assert set(paired) == {"0.7", "1"}
-    hot = paired["0.7"]["against"]
+    assert set(paired) == {"adaptive:eps=0.0005,temp=0.7", "adaptive:eps=0.0005"}
+    assert paired["adaptive:eps=0.0005,temp=0.7"]["temperature"] == 0.7
+    hot = paired["adaptive:eps=0.0005,temp=0.7"]["against"]
     # compared only with greedy and the samplers at its own temperature
     assert set(hot) == {"greedy", "top-p:p=0.95,temp=0.7", "min-p:p=0.1,temp=0.7"}
     assert hot["top-p:p=0.95,temp=0.7"]["diff"] == pytest.approx(0.5)
@@ -277,18 +278,121 @@ def test_gsm8k_pairs_adaptive_with_each_sampler_at_its_temperature_problem_by_pr
     # one problem in 40 is no evidence, and Holm multiplies the smallest p by 3
     assert hot["greedy"]["diff"] == pytest.approx(0.025)
     assert hot["greedy"]["verdict"] == "not distinguishable"
-    at_one = paired["1"]["against"]
+    at_one = paired["adaptive:eps=0.0005"]["against"]
     assert set(at_one) == {"greedy", "top-p:p=0.95"}
     assert at_one["greedy"]["diff"] == pytest.approx(10 / 40 - 39 / 40)
     assert at_one["greedy"]["verdict"] == "worse" and at_one["top-p:p=0.95"]["verdict"] == "better"
     lines = report.gsm8k_paired_section(paired)
-    assert "| 0.7 | `top-p:p=0.95,temp=0.7` | +50.0 [" in "\n".join(lines)
+    assert ("| 0.7 | `adaptive:eps=0.0005,temp=0.7` | `top-p:p=0.95,temp=0.7` | +50.0 ["
+            in "\n".join(lines))
     assert ("At T = 1, adaptive (`adaptive:eps=0.0005`) scores lower than `greedy`; scores "
             "higher than `top-p:p=0.95`.") in lines
     # the accuracy table leaves the paired section out
     results = {"prompt": "", "n": n, "max_tokens": 8, "paired": paired,
                "greedy": {"accuracy": (0.975, 0.05), "cut_off": 0.0, "temperature": 1.0}}
     assert len(report.gsm8k_table(results)) == 3
+
+
+class _ScoredRows:
+    """A Runner's scoring for the paired statistics: every text metric of a row is its
+    "v", and paired MAUVE is a fixed cell (its calls recorded)."""
+
+    def __init__(self, mauve_p):
+        self.config = run.EvalConfig(seed=0)
+        self.mauve_p, self.mauve_calls = mauve_p, []
+
+    def text_metrics(self, rows, prompts):
+        return {m: [r["v"] for r in rows] for m in ("rep2", "rep3", "rep4", "diversity",
+                                                    "coherence")}
+
+    def paired_mauve(self, a_texts, b_texts, references):
+        self.mauve_calls.append((a_texts, b_texts))
+        return {"diff": 0.1, "ci": [0.0, 0.2], "p": self.mauve_p}
+
+
+def test_temperature_comparisons_are_paired_per_prefix_with_holm_over_every_temperature():
+    from adaptive_llama.eval.data import Prompt
+
+    test = [Prompt(id=f"p{i}", prefix="x", reference="y") for i in range(30)]
+
+    def rows(spec, v):
+        return [{"prompt_id": p.id, "sample": 0, "spec": spec, "text": f"{spec} {p.id}",
+                 "v": v} for p in test]
+
+    # At T 0.7 top-p's texts score 1 on every metric and adaptive's 0: a difference of -1
+    # on every prefix, p = 1/2001 (the bootstrap's floor). Every other pair differs by 0,
+    # p = 1. One family per metric over 2 temperatures x 2 methods: Holm multiplies the
+    # smallest p by 4, not by the 2 comparisons at its temperature.
+    rows_at = {0.7: {"top-p": rows("top-p:p=0.95,temp=0.7", 1.0),
+                     "min-p": rows("min-p:p=0.1,temp=0.7", 0.0),
+                     "adaptive": rows("adaptive:eps=0.0005,temp=0.7", 0.0)},
+               1.5: {"top-p": rows("top-p:p=0.95,temp=1.5", 0.5),
+                     "min-p": rows("min-p:p=0.1,temp=1.5", 0.5),
+                     "adaptive": rows("adaptive:eps=0.0005,temp=1.5", 0.5)}}
+    ev = _ScoredRows(mauve_p=0.011)
+    paired = tasks.temperature_paired(ev, rows_at, test)
+    by_temp = paired["by_temperature"]
+    assert list(by_temp) == ["0.7", "1.5"] and paired["n_prefixes"] == 30
+    assert by_temp["1.5"]["adaptive"] == "adaptive:eps=0.0005,temp=1.5"
+    hot = by_temp["0.7"]["against"]
+    assert list(hot) == ["top-p", "min-p"] and hot["top-p"]["spec"] == "top-p:p=0.95,temp=0.7"
+    cell = hot["top-p"]["rep2"]
+    assert cell["diff"] == pytest.approx(-1.0) and cell["p"] == pytest.approx(1 / 2001)
+    assert cell["p_holm"] == pytest.approx(4 / 2001)
+    assert cell["verdict"] == "better"  # lower rep-2 is better
+    assert hot["top-p"]["diversity"]["verdict"] == "worse"  # higher diversity is better
+    assert by_temp["1.5"]["against"]["min-p"]["rep2"]["verdict"] == "not distinguishable"
+    # MAUVE: four cells at p 0.011, Holm gives 0.044 to each (better at 0.05); per
+    # temperature it would have been 0.022, so this also fails if the family is smaller
+    assert all(at["against"][m]["mauve"]["p_holm"] == pytest.approx(0.044)
+               for at in by_temp.values() for m in ("top-p", "min-p"))
+    # each pair's first samples, adaptive's first, in the order of the test prefixes
+    assert ev.mauve_calls[0] == ([f"adaptive:eps=0.0005,temp=0.7 {p.id}" for p in test],
+                                 [f"top-p:p=0.95,temp=0.7 {p.id}" for p in test])
+    assert len(ev.mauve_calls) == 4
+    lines = report.temperature_paired_section(paired)
+    text = "\n".join(lines)
+    assert "| 0.7 | top-p | -1.000 [-1.000, -1.000] p=0.002 **better** |" in text
+    assert ("At T = 0.7 (adaptive: `adaptive:eps=0.0005,temp=0.7`): Against top-p "
+            "(`top-p:p=0.95,temp=0.7`), adaptive is better on rep-2, rep-3, rep-4, MAUVE; "
+            "worse on diversity, coherence.") in text
+    assert "Holm-adjusted across every method and temperature" in text
+    ev.mauve_p = 0.02  # 4 x 0.02 = 0.08: no longer better
+    again = tasks.temperature_paired(ev, rows_at, test)["by_temperature"]
+    assert again["0.7"]["against"]["min-p"]["mauve"]["verdict"] == "not distinguishable"
+
+
+def test_gsm8k_runs_extra_samplers_and_pairs_them_with_the_usual_adaptive():
+    extra = ("adaptive:eps=0.005,temp=1.5", "adaptive:temp=1.5,eps=0.001",
+             "min-p:p=0.1,temp=1.5")  # the last is one of GSM8K's own: not run twice
+    specs = tasks.gsm8k_specs(extra)
+    assert specs[:10] == tasks.gsm8k_specs()
+    assert specs[10:] == ["adaptive:eps=0.005,mode=multinomial,temp=1.5",
+                          "adaptive:eps=0.001,mode=multinomial,temp=1.5"]
+    n = 40
+    correct_of = {
+        "greedy": [True] * n,
+        "top-p:p=0.95,temp=1.5": [False] * n,
+        "adaptive:eps=0.0005,temp=1.5": [True] * 20 + [False] * 20,
+        "adaptive:eps=0.005,temp=1.5": [True] * 30 + [False] * 10,  # +10 of 40 over usual
+        "adaptive:eps=0.001,temp=1.5": [True] * 20 + [False] * 20,
+        "top-p:p=0.95": [True] * n,
+    }
+    paired = tasks.gsm8k_paired(correct_of, seed=0)
+    # the usual adaptive is compared with greedy and the others at T 1.5, not with the
+    # extra adaptive samplers; each extra one with those and with the usual one
+    assert set(paired["adaptive:eps=0.0005,temp=1.5"]["against"]) == {
+        "greedy", "top-p:p=0.95,temp=1.5"}
+    larger = paired["adaptive:eps=0.005,temp=1.5"]["against"]
+    assert set(larger) == {"greedy", "top-p:p=0.95,temp=1.5", "adaptive:eps=0.0005,temp=1.5"}
+    assert larger["adaptive:eps=0.0005,temp=1.5"]["diff"] == pytest.approx(0.25)
+    assert larger["adaptive:eps=0.0005,temp=1.5"]["verdict"] == "better"
+    lines = report.gsm8k_paired_section(paired)
+    assert ("At T = 1.5, adaptive (`adaptive:eps=0.005,temp=1.5`) scores lower than `greedy`; "
+            "scores higher than `top-p:p=0.95,temp=1.5`, `adaptive:eps=0.0005,temp=1.5`."
+            ) in lines
+    with pytest.raises(ValueError, match="--gsm8k-sampler 'adaptive:eps=2': "):
+        run.EvalConfig(gsm8k_samplers=("adaptive:eps=2",))
 
 
 def test_missing_optional_dependency_names_the_extra(monkeypatch):
@@ -349,12 +453,23 @@ def test_eval_end_to_end_on_the_bundled_model_and_resume(tmp_path, smollm2_path)
             assert cell["ci"][0] <= cell["diff"] <= cell["ci"][1] and cell["p"] <= cell["p_holm"]
             assert cell["verdict"] in ("better", "worse", "not distinguishable")
     markdown = (out / "results.md").read_text()
-    assert markdown.count("Against ") == 7 and "adaptive is" in markdown
+    # 7 sentences at T = 1, 3 at each of the 3 temperatures
+    assert markdown.count("Against ") == 7 + 3 * 3 and "adaptive is" in markdown
     study = report["open_ended"]["file"]["temperatures"]
     assert set(study) == {"top-p", "min-p", "eta", "adaptive"}
     assert set(study["adaptive"]) == {"0.7", "1.0", "1.5"}
     assert "temp=1.5" in study["adaptive"]["1.5"]["spec"]
     assert study["adaptive"]["1.0"]["spec"] == methods["adaptive"]["spec"]
+    # and adaptive against each of them at each temperature, on the same prefixes
+    by_temp = report["open_ended"]["file"]["temperature_paired"]["by_temperature"]
+    assert list(by_temp) == ["0.7", "1.0", "1.5"]
+    for temp, at in by_temp.items():
+        assert at["adaptive"] == study["adaptive"][temp]["spec"]
+        assert {m: row["spec"] for m, row in at["against"].items()} == {
+            m: study[m][temp]["spec"] for m in ("top-p", "min-p", "eta")}
+        for row in at["against"].values():
+            assert set(row) - {"spec"} == set(tasks.PAIRED_METRICS)
+    assert markdown.count("At T = ") == 3
     # 7 sampling methods x 3 prompts x 2 samples + greedy x 3 + ablation 8 x 3
     # + 4 methods x 2 temperatures x 3 prompts (T = 1 is the tuned texts: none generated)
     cache = out / "generations.jsonl"
@@ -400,6 +515,8 @@ def test_eval_with_a_malformed_prompts_file_loses_nothing(tmp_path):
     (["--methods", ","], "--methods: give at least one"),
     (["--temperatures", "0.7,hot"], "--temperatures: '0.7,hot' is not a list of numbers"),
     (["--temperatures", "-1"], "`temperature` has to be in"),
+    (["--gsm8k-sampler", "adaptive:eps=2"], "--gsm8k-sampler 'adaptive:eps=2': "),
+    (["--gsm8k-sampler", "nucleus"], "--gsm8k-sampler 'nucleus': "),
 ])
 def test_bad_eval_options_are_one_line_errors(tmp_path, args, needle):
     result = eval_cli(*args, "--out", str(tmp_path))
@@ -444,7 +561,8 @@ def test_gsm8k_sizes_come_from_the_command_line(tmp_path, smollm2_path):
     # 6 tokens do not finish a worked answer: the report says the limit cut them off
     assert gsm["greedy"]["cut_off"] == 1.0
     # adaptive against the others, problem by problem, at each temperature
-    assert set(gsm["paired"]) == {f"{t:g}" for t in tasks.GSM8K_TEMPERATURES}
+    assert [row["temperature"] for row in gsm["paired"].values()] == list(
+        tasks.GSM8K_TEMPERATURES)
     markdown = (out / "results.md").read_text()
     assert "problem by problem" in markdown
     # no open-ended task ran: neither its settings in the report nor plots, and the log says

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ..samplers import TEMP
+from ..samplers import TEMP, SpecError, parse_spec
 
 # Each method's dev grid: four values for every truncation method (the same tuning budget
 # for all, picked by MAUVE on the same dev texts). The first value is each method's usual
@@ -43,6 +43,8 @@ class EvalConfig:
     prefix_tokens: int = 32
     gsm8k_n: int = 10
     gsm8k_max_tokens: int = 160
+    # samplers GSM8K runs besides its own (each spec at the temperature it names)
+    gsm8k_samplers: tuple[str, ...] = ()
     mauve_seeds: int = 5
     mauve_bootstrap: int = 40
     full: bool = False
@@ -78,6 +80,11 @@ class EvalConfig:
                              f"valid: {', '.join(GRIDS)}")
         for temp in self.temperatures:
             TEMP.validate(temp, name="temperature")
+        for spec in self.gsm8k_samplers:
+            try:
+                parse_spec(spec)
+            except SpecError as exc:
+                raise ValueError(f"--gsm8k-sampler {spec!r}: {exc}") from None
         # the prefix and its continuation fit in one sequence, and so do a GSM8K question
         # in the chat template (up to about 256 tokens) and its answer
         longest = max(self.prefix_tokens + self.max_tokens + 64, 256 + self.gsm8k_max_tokens)

@@ -72,6 +72,8 @@ def markdown(report: dict) -> str:
             lines += [""] + paired_section(result["paired"])
         if "temperatures" in result:
             lines += [""] + temperature_section(result["temperatures"])
+        if "temperature_paired" in result:
+            lines += [""] + temperature_paired_section(result["temperature_paired"])
         lines.append("")
     if "ablation" in report:
         lines += ["## Threshold ablation (adaptive)", "",
@@ -140,26 +142,29 @@ GSM8K_VERDICTS = {"better": "scores higher than", "worse": "scores lower than",
 
 
 def gsm8k_paired_section(paired: dict) -> list[str]:
-    """Adaptive against each sampler at its temperature: a table of paired accuracy
-    differences, then one sentence per temperature."""
+    """Each adaptive sampler against each sampler at its temperature: a table of paired
+    accuracy differences, then one sentence per adaptive sampler."""
     lines = ["### Adaptive against each sampler, problem by problem", "",
              "Adaptive minus the sampler at the same temperature (greedy at every one): the "
              "difference in accuracy in points, its 95% bootstrap interval over problems, the "
-             "p-value Holm-adjusted across the samplers compared at that temperature.", "",
-             "| T | against | adaptive minus it (points) | verdict |", "|---|---|---|---|"]
-    for temp, row in paired.items():
+             "p-value Holm-adjusted across the samplers that adaptive sampler is compared "
+             "with.", "",
+             "| T | adaptive | against | adaptive minus it (points) | verdict |",
+             "|---|---|---|---|---|"]
+    for adaptive, row in paired.items():
         for spec, cell in row["against"].items():
             low, high = (100 * x for x in cell["ci"])
-            lines.append(f"| {temp} | `{spec}` | {100 * cell['diff']:+.1f} [{low:+.1f}, "
-                         f"{high:+.1f}] p={cell['p_holm']:.3f} | {cell['verdict']} |")
+            lines.append(f"| {row['temperature']:g} | `{adaptive}` | `{spec}` | "
+                         f"{100 * cell['diff']:+.1f} [{low:+.1f}, {high:+.1f}] "
+                         f"p={cell['p_holm']:.3f} | {cell['verdict']} |")
     lines.append("")
-    for temp, row in paired.items():
+    for adaptive, row in paired.items():
         by = {}
         for spec, cell in row["against"].items():
             by.setdefault(cell["verdict"], []).append(f"`{spec}`")
         parts = [f"{GSM8K_VERDICTS[verdict]} {', '.join(specs)}"
                  for verdict, specs in by.items()]
-        lines.append(f"At T = {temp}, adaptive (`{row['adaptive']}`) "
+        lines.append(f"At T = {row['temperature']:g}, adaptive (`{adaptive}`) "
                      + "; ".join(parts) + ".")
     return lines
 
@@ -191,15 +196,22 @@ def sentence(method: str, row: dict) -> str:
     return f"Against {method} (`{row['spec']}`), adaptive is {'; '.join(parts)}{tail}."
 
 
+def _statistics(paired: dict, family: str) -> str:
+    return ("Adaptive minus the method: mean difference, 95% bootstrap interval over prefixes "
+            "(MAUVE: a paired permutation test and a half-sampling interval, "
+            f"{paired['mauve_bootstrap']} resamples each), p-value Holm-adjusted across "
+            f"{family}. Lower rep-n is better; higher diversity, coherence and MAUVE are "
+            "better.")
+
+
+def _metrics_in(rows) -> list[str]:
+    return [m for m in METRIC_NAMES if any(m in r for r in rows)]
+
+
 def paired_section(paired: dict) -> list[str]:
-    metrics = [m for m in METRIC_NAMES if any(m in r for r in paired["against"].values())]
+    metrics = _metrics_in(paired["against"].values())
     lines = [f"### Adaptive against each method, prefix by prefix ({paired['n_prefixes']} "
-             "prefixes)", "",
-             "Adaptive minus the method: mean difference, 95% bootstrap interval over prefixes "
-             f"(MAUVE: a paired permutation test and a half-sampling interval, "
-             f"{paired['mauve_bootstrap']} resamples each), p-value Holm-adjusted across the "
-             "methods. Lower "
-             "rep-n is better; higher diversity, coherence and MAUVE are better.", "",
+             "prefixes)", "", _statistics(paired, "the methods"), "",
              "| against | " + " | ".join(METRIC_NAMES[m] for m in metrics) + " |",
              "|---" * (len(metrics) + 1) + "|"]
     for method, row in paired["against"].items():
@@ -208,6 +220,27 @@ def paired_section(paired: dict) -> list[str]:
     lines.append("")
     lines += [sentence(method, row) for method, row in paired["against"].items()]
     return lines
+
+
+def temperature_paired_section(paired: dict) -> list[str]:
+    """Adaptive against each temperature method at each temperature: a table, then one
+    paragraph of plain sentences per temperature."""
+    by_temp = paired["by_temperature"]
+    metrics = _metrics_in(row for t in by_temp.values() for row in t["against"].values())
+    lines = [f"### Adaptive against each method at each temperature, prefix by prefix "
+             f"({paired['n_prefixes']} prefixes)", "",
+             _statistics(paired, "every method and temperature, metric by metric"), "",
+             "| T | against | " + " | ".join(METRIC_NAMES[m] for m in metrics) + " |",
+             "|---|---" + "|---" * len(metrics) + "|"]
+    for temp, at in by_temp.items():
+        for method, row in at["against"].items():
+            lines.append(f"| {temp} | {method} | " + " | ".join(
+                _diff(row[m]) if m in row else "-" for m in metrics) + " |")
+    lines.append("")
+    for temp, at in by_temp.items():
+        lines += [f"At T = {temp} (adaptive: `{at['adaptive']}`): " + " ".join(
+            sentence(method, row) for method, row in at["against"].items()), ""]
+    return lines[:-1]
 
 
 def temperature_section(study: dict) -> list[str]:

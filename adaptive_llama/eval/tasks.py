@@ -107,7 +107,10 @@ def open_ended(ev: Runner, task: str) -> dict:
     if "adaptive" in rows_of and len(rows_of) > 1 and len(test) > 1:
         out["paired"] = paired(ev, rows_of, test)
     if c.temperatures:
-        out["temperatures"] = temperature_study(ev, task, chosen, test)
+        out["temperatures"], rows_at = temperature_study(ev, task, chosen, test)
+        compared = [m for m in TEMPERATURE_METHODS if m in chosen and m != "adaptive"]
+        if "adaptive" in chosen and compared and len(test) > 1:
+            out["temperature_paired"] = temperature_paired(ev, rows_at, test)
     return out
 
 
@@ -124,34 +127,61 @@ def _per_prefix(ev: Runner, rows: list[dict], test: list[Prompt]) -> dict[str, n
 
 
 def paired(ev: Runner, rows_of: dict[str, list[dict]], test: list[Prompt]) -> dict:
-    """Adaptive minus each other method, per prefix: the mean difference of each metric, its
-    95% bootstrap interval over prefixes, p-values Holm-adjusted across the methods, and a
-    verdict (better, worse, not distinguishable at 0.05) that knows which way is better."""
-    per = {m: _per_prefix(ev, rows, test) for m, rows in rows_of.items()}
-    first = {m: _first_sample_texts(rows, test) for m, rows in rows_of.items()}
-    references = [p.reference for p in test] if all(p.reference for p in test) else None
+    """Adaptive minus each other method, per prefix (:func:`compare`, Holm across the
+    methods)."""
     others = [m for m in rows_of if m != "adaptive"]
-    table: dict[str, dict] = {m: {} for m in others}
-    for metric in PAIRED_METRICS:
-        for m in others:
-            if metric == "mauve":
-                if references is None:
-                    continue
-                table[m][metric] = ev.paired_mauve(first["adaptive"], first[m], references)
-            else:
-                table[m][metric] = metrics.paired_bootstrap(
-                    per["adaptive"][metric] - per[m][metric], seed=ev.config.seed)
-        judge({m: table[m][metric] for m in others if metric in table[m]},
-              PAIRED_METRICS[metric])
+    table = compare(ev, {m: (rows_of["adaptive"], rows_of[m]) for m in others}, test)
     return {"n_prefixes": len(test), "mauve_bootstrap": ev.config.mauve_bootstrap,
             "against": {m: {"spec": rows_of[m][0]["spec"], **table[m]} for m in others}}
 
 
-def judge(family: dict[str, dict], more_is_better: bool) -> None:
-    """Holm-adjust one family of paired differences (adaptive minus each method, keyed by
-    method) and give each a verdict: better, worse, or not distinguishable at 0.05."""
-    for m, p_holm in metrics.holm({m: cell["p"] for m, cell in family.items()}).items():
-        cell = family[m]
+def temperature_paired(ev: Runner, rows_at: dict[float, dict[str, list[dict]]],
+                       test: list[Prompt]) -> dict:
+    """Adaptive minus each other temperature method at the same temperature, per prefix
+    (:func:`compare`): one family per metric across every method and temperature, so that
+    Holm's adjustment covers all the comparisons the temperature study makes."""
+    pairs = {(temp, m): (rows["adaptive"], rows[m])
+             for temp, rows in rows_at.items() for m in rows if m != "adaptive"}
+    table = compare(ev, pairs, test)
+    by_temp = {}
+    for temp, rows in rows_at.items():
+        against = {m: {"spec": rows[m][0]["spec"], **table[temp, m]}
+                   for m in rows if m != "adaptive"}
+        by_temp[str(temp)] = {"adaptive": rows["adaptive"][0]["spec"], "against": against}
+    return {"n_prefixes": len(test), "mauve_bootstrap": ev.config.mauve_bootstrap,
+            "by_temperature": by_temp}
+
+
+def compare(ev: Runner, pairs: dict, test: list[Prompt]) -> dict:
+    """For each pair of row lists (adaptive's texts, another sampler's; keyed as the caller
+    likes), adaptive minus the other per prefix: the mean difference of each metric, its 95%
+    bootstrap interval over prefixes (MAUVE: :meth:`Runner.paired_mauve`), p-values
+    Holm-adjusted across the pairs, metric by metric, and a verdict (better, worse, not
+    distinguishable at 0.05) that knows which way is better."""
+    per, first = {}, {}
+    for rows in (rows for pair in pairs.values() for rows in pair):
+        if id(rows) not in per:  # adaptive's rows recur in every pair at its temperature
+            per[id(rows)] = _per_prefix(ev, rows, test)
+            first[id(rows)] = _first_sample_texts(rows, test)
+    references = [p.reference for p in test] if all(p.reference for p in test) else None
+    table: dict = {key: {} for key in pairs}
+    for metric, more_is_better in PAIRED_METRICS.items():
+        for key, (a, b) in pairs.items():
+            if metric != "mauve":
+                table[key][metric] = metrics.paired_bootstrap(
+                    per[id(a)][metric] - per[id(b)][metric], seed=ev.config.seed)
+            elif references is not None:
+                table[key][metric] = ev.paired_mauve(first[id(a)], first[id(b)], references)
+        judge({key: table[key][metric] for key in pairs if metric in table[key]},
+              more_is_better)
+    return table
+
+
+def judge(family: dict, more_is_better: bool) -> None:
+    """Holm-adjust one family of paired differences (adaptive minus each other sampler) and
+    give each a verdict: better, worse, or not distinguishable at 0.05."""
+    for key, p_holm in metrics.holm({key: cell["p"] for key, cell in family.items()}).items():
+        cell = family[key]
         cell["p_holm"] = p_holm
         cell["verdict"] = ("not distinguishable" if p_holm >= 0.05 else
                            "better" if (cell["diff"] > 0) == more_is_better else "worse")
@@ -164,10 +194,13 @@ def _first_sample_texts(rows: list[dict], test: list[Prompt]) -> list[str]:
     return [first[p.id] for p in test]
 
 
-def temperature_study(ev: Runner, task: str, chosen: dict, test: list[Prompt]) -> dict:
+def temperature_study(ev: Runner, task: str, chosen: dict,
+                      test: list[Prompt]) -> tuple[dict, dict]:
     """Diversity, coherence and MAUVE of the temperature methods at their tuned values, with
-    the temperature applied before truncation (as every chain here does)."""
-    out = {}
+    the temperature applied before truncation (as every chain here does); and the texts,
+    keyed by temperature, then method."""
+    study: dict = {}
+    rows_at: dict = {temp: {} for temp in ev.config.temperatures}
     for method in TEMPERATURE_METHODS:
         if method not in chosen:
             continue
@@ -178,12 +211,13 @@ def temperature_study(ev: Runner, task: str, chosen: dict, test: list[Prompt]) -
                         else str(tuned.with_param("temp", temp)))
                  for temp in ev.config.temperatures}
         rows = ev.generate_specs(task, "test", list(specs.values()), test, 1)
-        out[method] = {}
+        study[method] = {}
         for temp, spec in specs.items():
+            rows_at[temp][method] = rows[spec]
             scored = ev.score(rows[spec], test)
-            out[method][str(temp)] = {"spec": spec, **{k: scored[k] for k in
-                                                       ("diversity", "coherence", "mauve")}}
-    return out
+            study[method][str(temp)] = {"spec": spec, **{k: scored[k] for k in
+                                                         ("diversity", "coherence", "mauve")}}
+    return study, rows_at
 
 
 def ablation(ev: Runner, prompts: list[Prompt]) -> list[dict]:
@@ -251,7 +285,7 @@ def gsm8k(ev: Runner) -> dict:
     prompts = [Prompt(id=p.id, prefix=GSM8K_PROMPT.format(question=p.question))
                for p in problems]
     out = {"prompt": GSM8K_PROMPT, "n": len(problems), "max_tokens": c.gsm8k_max_tokens}
-    rows_of = ev.generate_specs("gsm8k", "test", gsm8k_specs(), prompts, 1,
+    rows_of = ev.generate_specs("gsm8k", "test", gsm8k_specs(c.gsm8k_samplers), prompts, 1,
                                 c.gsm8k_max_tokens, chat=True)
     correct_of = {}
     for spec, spec_rows in rows_of.items():
@@ -269,38 +303,48 @@ def gsm8k(ev: Runner) -> dict:
 
 
 def gsm8k_paired(correct_of: dict[str, list[bool]], seed: int) -> dict:
-    """Adaptive minus each other sampler at the same temperature (and greedy at every one),
-    problem by problem: the accuracy difference, its 95% bootstrap interval over problems,
-    p-values Holm-adjusted across the samplers it is compared with at that temperature.
+    """Each adaptive sampler minus greedy and minus each other sampler at its temperature
+    (an adaptive sampler other than GSM8K_SPECS' is compared with that one too, not with
+    the rest), problem by problem: the accuracy difference, its 95% bootstrap interval over
+    problems, p-values Holm-adjusted across the samplers it is compared with. Keyed by the
+    adaptive sampler's spec.
 
     Pairing by problem is what separates samplers here: 200 problems give each accuracy a
     Wilson interval of about 7 points either way, but two samplers mostly fail the same
     problems, and the differences vary far less than the accuracies.
     """
+    usual = next(s for s in map(parse_spec, GSM8K_SPECS) if s.name == "adaptive")
+    parsed = {spec: parse_spec(spec) for spec in correct_of}
     out = {}
-    for spec, correct in correct_of.items():
-        adaptive = parse_spec(spec)
+    for spec, adaptive in parsed.items():
         if adaptive.name != "adaptive":
             continue
-        others = [o for o in correct_of if o != spec and
-                  (parse_spec(o).name == "greedy" or parse_spec(o).temp == adaptive.temp)]
-        family = {o: metrics.paired_bootstrap(np.asarray(correct, dtype=float)
+        baseline = str(usual.with_param("temp", adaptive.temp))
+
+        def compared(o):
+            other = parsed[o]
+            return o != spec and (other.name == "greedy" or other.temp == adaptive.temp and (
+                other.name != "adaptive" or str(other) == baseline))
+
+        family = {o: metrics.paired_bootstrap(np.asarray(correct_of[spec], dtype=float)
                                               - np.asarray(correct_of[o], dtype=float),
-                                              seed=seed) for o in others}
+                                              seed=seed)
+                  for o in filter(compared, correct_of)}
         judge(family, more_is_better=True)
-        out[f"{adaptive.temp:g}"] = {"adaptive": spec, "against": family}
+        out[spec] = {"temperature": adaptive.temp, "against": family}
     return out
 
 
-def gsm8k_specs() -> list[str]:
-    """greedy, then each sampling method of GSM8K_SPECS at each of GSM8K_TEMPERATURES."""
+def gsm8k_specs(extra: tuple[str, ...] = ()) -> list[str]:
+    """greedy, then each sampling method of GSM8K_SPECS at each of GSM8K_TEMPERATURES, then
+    the ``extra`` samplers (canonical text; repeats dropped)."""
     specs = []
     for base in map(parse_spec, GSM8K_SPECS):
         if base.name == "greedy":
             specs.append(str(base))
         else:
             specs += [str(base.with_param("temp", t)) for t in GSM8K_TEMPERATURES]
-    return specs
+    return list(dict.fromkeys(specs + [str(parse_spec(s)) for s in extra]))
 
 
 GSM8K_PROMPT = ("Solve this math word problem. Think step by step, then end with "
