@@ -423,7 +423,7 @@ def evaluate(model, tasks, methods, temperatures, batch, prompts_file, n_dev, n_
     try:
         evaluator.run()
     except KeyboardInterrupt:
-        fail(f"interrupted; every finished generation is in {out}/generations.jsonl and "
+        fail(f"interrupted; every finished generation is in {evaluator.cache.path} and "
              "the same command resumes from there")
     finally:
         evaluator.close()

@@ -99,6 +99,84 @@ def test_an_interrupted_repair_never_empties_the_cache(tmp_path):
     assert path.read_bytes() == whole
 
 
+def _rows(n, start=0):
+    return [{"key": f"k{i}", "text": f"text {i} " + "ü" * (i % 7)} for i in range(start, n)]
+
+
+def test_a_large_cache_is_compressed_on_open_and_read_and_appended_as_before(tmp_path):
+    import gzip
+
+    path = tmp_path / "generations.jsonl"
+    lines = [json.dumps(r, ensure_ascii=False) + "\n" for r in _rows(50)]
+    path.write_text("".join(lines) + '{"key": "cut', encoding="utf-8")
+    small = JsonLinesCache(path, compress_above=path.stat().st_size)  # not past the limit
+    assert small.path == path and len(small.rows) == 50
+    small.close()
+    cache = JsonLinesCache(path, compress_above=100)
+    packed = tmp_path / "generations.jsonl.gz"
+    assert cache.path == packed and not path.exists() and len(cache.rows) == 50
+    for row in _rows(53, start=50):
+        cache.add(row)
+    cache.close()
+    # an ordinary gzip file: every whole line, the cut one left out, the added ones after
+    assert gzip.decompress(packed.read_bytes()).decode() == "".join(
+        json.dumps(r, ensure_ascii=False) + "\n" for r in _rows(53))
+    again = JsonLinesCache(path)
+    assert again.path == packed and again.get("k52")["text"] == "text 52 üüü"
+    assert len(again.rows) == 53 and again.skipped == 0
+    again.close()
+    assert not path.exists()  # reading made no plain file beside it
+
+
+def test_a_killed_run_leaves_a_compressed_cache_readable_to_its_last_whole_row(tmp_path):
+    import gzip
+
+    packed = tmp_path / "generations.jsonl.gz"
+    (tmp_path / "generations.jsonl").write_text(
+        "".join(json.dumps(r) + "\n" for r in _rows(5)))
+    JsonLinesCache(tmp_path / "generations.jsonl", compress_above=0).close()
+    finished = packed.read_bytes()  # one finished member
+    cache = JsonLinesCache(tmp_path / "generations.jsonl")
+    for row in _rows(9, start=5):
+        cache.add(row)
+    flushed = packed.read_bytes()  # a second member, flushed row by row, never finished
+    cache.add(_rows(10, start=9)[0])
+    cut = packed.read_bytes()[:len(flushed) + 3]  # killed while writing k9
+    cache.close()
+    for damaged, kept in ((cut, 9), (finished + b"\0garbage", 5), (finished[:-4], 5)):
+        packed.write_bytes(damaged)
+        cache = JsonLinesCache(tmp_path / "generations.jsonl")
+        assert set(cache.rows) == {f"k{i}" for i in range(kept)}
+        cache.add({"key": "new", "text": "after the repair"})
+        cache.close()
+        text = gzip.decompress(packed.read_bytes()).decode()  # finished members only
+        assert text.splitlines()[-1] == '{"key": "new", "text": "after the repair"}'
+        assert len(text.splitlines()) == kept + 1
+
+
+def test_a_compressed_cache_survives_sigkill_while_rows_are_added(tmp_path):
+    path = tmp_path / "generations.jsonl"
+    code = ("import sys, itertools; from pathlib import Path; "
+            "from adaptive_llama.eval.cache import JsonLinesCache; "
+            "c = JsonLinesCache(Path(sys.argv[1]), compress_above=0); "
+            "[c.add({'key': f'k{i}', 'text': 'x' * (i % 500)}) for i in itertools.count()]")
+    path.write_text('{"key": "first", "text": "made before"}\n')
+    proc = subprocess.Popen([sys.executable, "-c", code, str(path)])
+    packed = tmp_path / "generations.jsonl.gz"
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline and not (packed.exists() and
+                                               packed.stat().st_size > 200_000):
+        time.sleep(0.01)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait(timeout=60)
+    cache = JsonLinesCache(path)
+    n = len(cache.rows) - 1
+    assert n > 1000 and cache.get("first")["text"] == "made before" and cache.skipped == 0
+    assert all(cache.get(f"k{i}")["text"] == "x" * (i % 500) for i in range(n))
+    cache.close()
+    assert len(JsonLinesCache(path).rows) == n + 1  # the repair is kept
+
+
 def test_score_cache_computes_once_per_inputs_and_package_versions(tmp_path):
     path, calls = tmp_path / "scores.jsonl", []
 

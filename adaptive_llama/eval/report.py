@@ -25,7 +25,8 @@ def open_ended_settings(report: dict) -> str:
 def generation_speed(report: dict) -> str:
     """How many texts this run made and how fast; a rerun over a full cache made none."""
     if not report.get("generated_texts"):
-        return "every text came from generations.jsonl, made by earlier runs of the command."
+        return (f"every text came from {report.get('cache', 'generations.jsonl')}, made by "
+                "earlier runs of the command.")
     return (f"{report['generated_texts']} texts generated at {report['texts_per_s']:.2f} "
             f"texts/s, {report['config']['batch']} at a time (cached texts of earlier runs "
             "not counted).")

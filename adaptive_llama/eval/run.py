@@ -9,8 +9,8 @@ split. Also: the threshold ablation (k, kept mass and Conf for several epsilons,
 and uniform sampling in the kept set), a sampler-latency table at each vocabulary size, and
 GSM8K accuracy of greedy, top-p and adaptive with an instruct model.
 
-Every generation is appended to ``generations.jsonl`` in the output folder as soon as it
-exists, so an interrupted run resumes where it stopped, and every MAUVE figure to
+Every generation is appended to ``generations.jsonl`` (``.jsonl.gz`` once it is large) in
+the output folder as soon as it exists, so an interrupted run resumes where it stopped, and every MAUVE figure to
 ``scores.jsonl``, so it is not computed twice; results go to ``results.json``,
 ``results.md`` and two PNG plots, with the command that produced them.
 """
@@ -184,6 +184,7 @@ class Evaluator:
         c = self.config
         started = time.perf_counter()
         report = {"command": c.command, "model": self.engine.name,
+                  "cache": self.cache.path.name,
                   "n_vocab": self.engine.n_vocab, "embedder": EMBEDDER,
                   "config": {k: v for k, v in asdict(self.config).items() if k != "command"}}
         open_tasks = ["file"] if c.prompts_file else [t for t in c.tasks
