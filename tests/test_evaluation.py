@@ -383,7 +383,8 @@ class _ScoredRows:
         return {m: [r["v"] for r in rows] for m in ("rep2", "rep3", "rep4", "diversity",
                                                     "coherence")}
 
-    def paired_mauve(self, a_texts, b_texts, references):
+    def paired_mauve(self, a_texts, b_texts, references, comparisons):
+        assert comparisons == 4  # the whole family: 2 temperatures x 2 methods
         self.mauve_calls.append((a_texts, b_texts))
         return {"diff": 0.1, "ci": [0.0, 0.2], "p": self.mauve_p}
 
@@ -411,6 +412,7 @@ def test_temperature_comparisons_are_paired_per_prefix_with_holm_over_every_temp
     paired = tasks.temperature_paired(ev, rows_at, test)
     by_temp = paired["by_temperature"]
     assert list(by_temp) == ["0.7", "1.5"] and paired["n_prefixes"] == 30
+    assert paired["mauve_permutations"] == 200  # 50 for each of the 4 comparisons
     assert by_temp["1.5"]["adaptive"] == "adaptive:eps=0.0005,temp=1.5"
     hot = by_temp["0.7"]["against"]
     assert list(hot) == ["top-p", "min-p"] and hot["top-p"]["spec"] == "top-p:p=0.95,temp=0.7"

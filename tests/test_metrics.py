@@ -102,7 +102,19 @@ def test_paired_mauve_of_a_method_with_itself_is_zero():
     apart = metrics.paired_mauve(a, far, q, resamples=19)
     # every permutation mixes the far texts into both sides: none is as extreme (p = 1/20)
     assert apart["diff"] > 0.3 and apart["ci"][0] > 0 and apart["p"] == pytest.approx(1 / 20)
+    more = metrics.paired_mauve(a, far, q, resamples=5, permutations=59)
+    assert more["p"] == pytest.approx(1 / 60) and more["diff"] == apart["diff"]
     assert apart["ci"][0] < apart["diff"] < apart["ci"][1]  # centred on its estimate
+
+
+@pytest.mark.parametrize("comparisons", [1, 2, 7, 12, 30])
+def test_a_family_of_paired_mauve_tests_can_reach_significance_after_holm(comparisons):
+    # the permutation p-value's floor, 1 / (permutations + 1), for every comparison: Holm
+    # must still leave each below 0.05 (40 permutations in all left 7 x 1/41 = 0.17)
+    n = metrics.permutations(40, comparisons)
+    assert n >= 40
+    floor = {i: 1 / (n + 1) for i in range(comparisons)}
+    assert max(metrics.holm(floor).values()) < 0.05
 
 
 def test_paired_mauve_of_two_alike_methods_is_not_distinguishable():

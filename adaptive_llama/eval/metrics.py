@@ -117,14 +117,16 @@ def paired_bootstrap(diffs, n_boot: int = 2000, seed: int = 0) -> dict:
 
 
 def paired_mauve(a_features, b_features, q_features, resamples: int = 40,
-                 seed: int = 0) -> dict:
+                 seed: int = 0, permutations: int | None = None) -> dict:
     """MAUVE(a) - MAUVE(b) against the same human texts (row i of a, b and q belong to
     prefix i), with a p-value and a 95% interval.
 
     - p-value: a paired permutation test. Under "the two methods' texts are exchangeable",
       swapping a_i and b_i for a random half of the prefixes gives a difference as likely
-      as the one observed; p = (1 + #{|permuted| >= |observed|}) / (resamples + 1), exact at
-      any n.
+      as the one observed; p = (1 + #{|permuted| >= |observed|}) / (permutations + 1)
+      (``permutations`` defaults to ``resamples``), exact at any n. It is never below
+      1 / (permutations + 1), so a family of m comparisons adjusted by Holm needs more than
+      m / 0.05 permutations before any of them can be significant.
     - interval: half-sampling. MAUVE quantises the features by k-means, so a bootstrap
       sample's duplicated texts make tight clusters that shift the score: a percentile
       bootstrap need not even contain its own estimate (seen: +0.139 outside
@@ -144,7 +146,8 @@ def paired_mauve(a_features, b_features, q_features, resamples: int = 40,
 
     estimate = difference(a, b)
     extreme = 0
-    for _ in range(resamples):
+    permutations = resamples if permutations is None else permutations
+    for _ in range(permutations):
         swap = rng.random(n) < 0.5
         permuted = difference(np.where(swap[:, None], b, a), np.where(swap[:, None], a, b))
         extreme += abs(permuted) >= abs(estimate) - 1e-12
@@ -152,7 +155,18 @@ def paired_mauve(a_features, b_features, q_features, resamples: int = 40,
               for _ in range(resamples)]
     half_width = 1.96 * float(np.std(halves, ddof=1))
     return {"diff": estimate, "ci": [estimate - half_width, estimate + half_width],
-            "p": (1 + extreme) / (resamples + 1)}
+            "p": (1 + extreme) / (permutations + 1)}
+
+
+# A permutation p-value is at least 1 / (permutations + 1), and Holm multiplies the smallest
+# of m by m: 50 per comparison puts that floor at m / (50 m + 1) < 0.02, so a difference no
+# permutation reaches is significant in any family (with 40 in all, none of 7 ever was).
+PERMUTATIONS_PER_COMPARISON = 50
+
+
+def permutations(resamples: int, comparisons: int) -> int:
+    """Permutations of a paired MAUVE test in a family of ``comparisons``."""
+    return max(resamples, PERMUTATIONS_PER_COMPARISON * comparisons)
 
 
 def holm(p_values: dict) -> dict:

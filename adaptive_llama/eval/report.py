@@ -198,11 +198,12 @@ def sentence(method: str, row: dict) -> str:
 
 
 def _statistics(paired: dict, family: str) -> str:
+    permutations = paired.get("mauve_permutations", paired["mauve_bootstrap"])
     return ("Adaptive minus the method: mean difference, 95% bootstrap interval over prefixes "
-            "(MAUVE: a paired permutation test and a half-sampling interval, "
-            f"{paired['mauve_bootstrap']} resamples each), p-value Holm-adjusted across "
-            f"{family}. Lower rep-n is better; higher diversity, coherence and MAUVE are "
-            "better.")
+            f"(MAUVE: a paired permutation test, {permutations} permutations, and a "
+            f"half-sampling interval, {paired['mauve_bootstrap']} halves), p-value "
+            f"Holm-adjusted across {family}. Lower rep-n is better; higher diversity, "
+            "coherence and MAUVE are better.")
 
 
 def _metrics_in(rows) -> list[str]:

@@ -10,9 +10,9 @@ and uniform sampling in the kept set), a sampler-latency table at each vocabular
 GSM8K accuracy of greedy, top-p and adaptive with an instruct model.
 
 Every generation is appended to ``generations.jsonl`` (``.jsonl.gz`` once it is large) in
-the output folder as soon as it exists, so an interrupted run resumes where it stopped, and every MAUVE figure to
-``scores.jsonl``, so it is not computed twice; results go to ``results.json``,
-``results.md`` and two PNG plots, with the command that produced them.
+the output folder as soon as it exists, so an interrupted run resumes where it stopped, and
+every MAUVE figure to ``scores.jsonl``, so it is not computed twice; results go to
+``results.json``, ``results.md`` and two PNG plots, with the command that produced them.
 """
 
 from __future__ import annotations
@@ -158,15 +158,18 @@ class Evaluator:
             "mauve", [texts, references, seeds],
             lambda: metrics.mauve_seeds(self.embed(texts), self.embed(references), seeds)))
 
-    def paired_mauve(self, a_texts: list[str], b_texts: list[str],
-                     references: list[str]) -> dict:
+    def paired_mauve(self, a_texts: list[str], b_texts: list[str], references: list[str],
+                     comparisons: int) -> dict:
         """MAUVE(a) - MAUVE(b), its permutation p-value and half-sampling interval over
-        prefixes (text i of each list belongs to prefix i; :func:`metrics.paired_mauve`)."""
+        prefixes (text i of each list belongs to prefix i; :func:`metrics.paired_mauve`),
+        with enough permutations for Holm across ``comparisons``
+        (:func:`metrics.permutations`)."""
         resamples, seed = self.config.mauve_bootstrap, self.config.seed
+        n = metrics.permutations(resamples, comparisons)
         return self.scores.get_or_compute(
-            "paired_mauve_permutation", [a_texts, b_texts, references, resamples, seed],
+            "paired_mauve_permutation", [a_texts, b_texts, references, resamples, seed, n],
             lambda: metrics.paired_mauve(self.embed(a_texts), self.embed(b_texts),
-                                         self.embed(references), resamples, seed))
+                                         self.embed(references), resamples, seed, n))
 
     # ---- the whole run ----
 

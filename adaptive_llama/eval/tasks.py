@@ -49,8 +49,8 @@ class Runner(Protocol):
 
     def mauve(self, rows, by_id) -> tuple[float, float] | None: ...
 
-    def paired_mauve(self, a_texts: list[str], b_texts: list[str],
-                     references: list[str]) -> dict: ...
+    def paired_mauve(self, a_texts: list[str], b_texts: list[str], references: list[str],
+                     comparisons: int) -> dict: ...
 
 # Metrics of the paired comparison, and whether more is better.
 PAIRED_METRICS = {"rep2": False, "rep3": False, "rep4": False, "diversity": True,
@@ -131,7 +131,7 @@ def paired(ev: Runner, rows_of: dict[str, list[dict]], test: list[Prompt]) -> di
     methods)."""
     others = [m for m in rows_of if m != "adaptive"]
     table = compare(ev, {m: (rows_of["adaptive"], rows_of[m]) for m in others}, test)
-    return {"n_prefixes": len(test), "mauve_bootstrap": ev.config.mauve_bootstrap,
+    return {**_statistics(ev, len(test), len(others)),
             "against": {m: {"spec": rows_of[m][0]["spec"], **table[m]} for m in others}}
 
 
@@ -148,8 +148,14 @@ def temperature_paired(ev: Runner, rows_at: dict[float, dict[str, list[dict]]],
         against = {m: {"spec": rows[m][0]["spec"], **table[temp, m]}
                    for m in rows if m != "adaptive"}
         by_temp[str(temp)] = {"adaptive": rows["adaptive"][0]["spec"], "against": against}
-    return {"n_prefixes": len(test), "mauve_bootstrap": ev.config.mauve_bootstrap,
-            "by_temperature": by_temp}
+    return {**_statistics(ev, len(test), len(pairs)), "by_temperature": by_temp}
+
+
+def _statistics(ev: Runner, prefixes: int, comparisons: int) -> dict:
+    """How a family of paired comparisons was tested, for the report."""
+    resamples = ev.config.mauve_bootstrap
+    return {"n_prefixes": prefixes, "mauve_bootstrap": resamples,
+            "mauve_permutations": metrics.permutations(resamples, comparisons)}
 
 
 def compare(ev: Runner, pairs: dict, test: list[Prompt]) -> dict:
@@ -171,7 +177,8 @@ def compare(ev: Runner, pairs: dict, test: list[Prompt]) -> dict:
                 table[key][metric] = metrics.paired_bootstrap(
                     per[id(a)][metric] - per[id(b)][metric], seed=ev.config.seed)
             elif references is not None:
-                table[key][metric] = ev.paired_mauve(first[id(a)], first[id(b)], references)
+                table[key][metric] = ev.paired_mauve(first[id(a)], first[id(b)], references,
+                                                     len(pairs))
         judge({key: table[key][metric] for key in pairs if metric in table[key]},
               more_is_better)
     return table
