@@ -1,6 +1,8 @@
 """The evaluation harness: data stand-ins, the prompts file, the resume cache, GSM8K answers,
 and a small end-to-end run of `adaptive-llama eval` on the bundled model."""
 
+import gzip
+import hashlib
 import json
 import os
 import signal
@@ -104,17 +106,18 @@ def _rows(n, start=0):
 
 
 def test_a_large_cache_is_compressed_on_open_and_read_and_appended_as_before(tmp_path):
-    import gzip
-
     path = tmp_path / "generations.jsonl"
     lines = [json.dumps(r, ensure_ascii=False) + "\n" for r in _rows(50)]
-    path.write_text("".join(lines) + '{"key": "cut', encoding="utf-8")
+    path.write_text("".join(lines), encoding="utf-8")
     small = JsonLinesCache(path, compress_above=path.stat().st_size)  # not past the limit
     assert small.path == path and len(small.rows) == 50
     small.close()
+    with path.open("a") as cut_short:
+        cut_short.write('{"key": "cut')
     cache = JsonLinesCache(path, compress_above=100)
     packed = tmp_path / "generations.jsonl.gz"
-    assert cache.path == packed and not path.exists() and len(cache.rows) == 50
+    assert cache.path == packed and not path.exists()
+    assert len(cache.rows) == 50 and cache.skipped == 0  # the cut line was not carried over
     for row in _rows(53, start=50):
         cache.add(row)
     cache.close()
@@ -129,8 +132,6 @@ def test_a_large_cache_is_compressed_on_open_and_read_and_appended_as_before(tmp
 
 
 def test_a_killed_run_leaves_a_compressed_cache_readable_to_its_last_whole_row(tmp_path):
-    import gzip
-
     packed = tmp_path / "generations.jsonl.gz"
     (tmp_path / "generations.jsonl").write_text(
         "".join(json.dumps(r) + "\n" for r in _rows(5)))
@@ -177,6 +178,40 @@ def test_a_compressed_cache_survives_sigkill_while_rows_are_added(tmp_path):
     assert len(JsonLinesCache(path).rows) == n + 1  # the repair is kept
 
 
+def test_gzip_members_decode_across_reads_of_any_size():
+    from adaptive_llama.eval.cache import _unpack
+
+    members = [gzip.compress(f"member {i}\n".encode() * (i + 1), mtime=0) for i in range(3)]
+    data = b"".join(members)
+    for chunk in (1, 7, 1 << 16):
+        assert _unpack(data, chunk) == (b"member 0\n" + b"member 1\n" * 2 + b"member 2\n" * 3,
+                                        len(data), b"")
+    # a damaged third member: the first two whole, the cut where the third starts
+    assert _unpack(data[:-30] + b"\xff" * 30, 5)[:2] == (b"member 0\n" + b"member 1\n" * 2,
+                                                        len(members[0]) + len(members[1]))
+
+
+def test_cache_files_go_in_folders_made_for_them(tmp_path):
+    cache = JsonLinesCache(tmp_path / "new" / "deeper" / "generations.jsonl")
+    cache.add({"key": "k", "text": "t"})
+    cache.close()
+    assert JsonLinesCache(tmp_path / "new" / "deeper" / "generations.jsonl").get("k")
+
+
+def test_cache_keys_stay_those_of_the_committed_caches(tmp_path):
+    # The reports under benchmarks/results are re-rendered from committed caches: a change
+    # in how keys are written would silently make every text and score anew.
+    assert JsonLinesCache.key("wiki", "test", "greedy", 64, "wiki-7", 0) == \
+        "wiki|test|greedy|64|wiki-7|0"
+    cache = ScoreCache(tmp_path / "scores.jsonl", "mauve-text==0.4.0")
+    cache.get_or_compute("mauve", [["ü text"], 5], lambda: 1)
+    cache.close()
+    key, = ScoreCache(tmp_path / "scores.jsonl", "").rows
+    # what was scored, then the SHA-256 of [versions, inputs] as JSON, non-ASCII kept, UTF-8
+    written = '["mauve-text==0.4.0", [["ü text"], 5]]'.encode("utf-8")
+    assert key == "mauve|" + hashlib.sha256(written).hexdigest()
+
+
 def test_score_cache_computes_once_per_inputs_and_package_versions(tmp_path):
     path, calls = tmp_path / "scores.jsonl", []
 
@@ -198,6 +233,12 @@ def test_score_cache_computes_once_per_inputs_and_package_versions(tmp_path):
     assert upgraded.get_or_compute("mauve", [["other"], 5], lambda: compute(7)) == {"diff": 7}
     upgraded.close()
     assert calls == [1, 5, 7]
+    other = ScoreCache(path, "mauve-text==0.5")  # another score of the same inputs
+    assert other.get_or_compute("paired", [["other"], 5], lambda: compute(8)) == {"diff": 8}
+    nested = other.get_or_compute("nested", [1], lambda: {"ci": [0.1, 0.2]})
+    nested["ci"].append(0.3)  # the caller's copy, not the cache's
+    assert other.get_or_compute("nested", [1], lambda: None) == {"ci": [0.1, 0.2]}
+    other.close()
 
 
 def test_cache_key_holds_max_tokens_so_a_longer_run_generates_anew(tmp_path, engine):
