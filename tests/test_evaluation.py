@@ -478,6 +478,12 @@ def test_temperature_comparisons_are_paired_per_prefix_with_holm_over_every_temp
             "(`top-p:p=0.95,temp=0.7`), adaptive is better on rep-2, rep-3, rep-4, MAUVE; "
             "worse on diversity, coherence.") in text
     assert "Holm-adjusted across every method and temperature" in text
+    # without human continuations there is no MAUVE column, and every other one stays
+    no_mauve = {**paired, "by_temperature": {t: {**at, "against": {
+        m: {k: v for k, v in row.items() if k != "mauve"} for m, row in at["against"].items()}}
+        for t, at in by_temp.items()}}
+    header = report.temperature_paired_section(no_mauve)[4]
+    assert header == "| T | against | rep-2 | rep-3 | rep-4 | diversity | coherence |"
     ev.mauve_p = 0.02  # 4 x 0.02 = 0.08: no longer better
     again = tasks.temperature_paired(ev, rows_at, test)["by_temperature"]
     assert again["0.7"]["against"]["min-p"]["mauve"]["verdict"] == "not distinguishable"

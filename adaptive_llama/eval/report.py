@@ -198,15 +198,16 @@ def sentence(method: str, row: dict) -> str:
 
 
 def _statistics(paired: dict, family: str) -> str:
-    permutations = paired.get("mauve_permutations", paired["mauve_bootstrap"])
     return ("Adaptive minus the method: mean difference, 95% bootstrap interval over prefixes "
-            f"(MAUVE: a paired permutation test, {permutations} permutations, and a "
-            f"half-sampling interval, {paired['mauve_bootstrap']} halves), p-value "
+            f"(MAUVE: a paired permutation test, {paired['mauve_permutations']} "
+            f"permutations, and a half-sampling interval, {paired['mauve_bootstrap']} halves), "
+            "p-value "
             f"Holm-adjusted across {family}. Lower rep-n is better; higher diversity, "
             "coherence and MAUVE are better.")
 
 
 def _metrics_in(rows) -> list[str]:
+    rows = list(rows)  # read once per metric
     return [m for m in METRIC_NAMES if any(m in r for r in rows)]
 
 
