@@ -12,7 +12,7 @@ import time
 
 import pytest
 
-from adaptive_llama.eval import data, report, run, tasks
+from adaptive_llama.eval import data, metrics, report, run, tasks
 from adaptive_llama.eval.cache import JsonLinesCache, ScoreCache
 from adaptive_llama.eval.data import DataError
 from adaptive_llama.samplers import parse_spec
@@ -454,6 +454,7 @@ def test_temperature_comparisons_are_paired_per_prefix_with_holm_over_every_temp
     by_temp = paired["by_temperature"]
     assert list(by_temp) == ["0.7", "1.5"] and paired["n_prefixes"] == 30
     assert paired["mauve_permutations"] == 200  # 50 for each of the 4 comparisons
+    assert paired["mauve_stop_after"] == metrics.STOP_AFTER
     assert by_temp["1.5"]["adaptive"] == "adaptive:eps=0.0005,temp=1.5"
     hot = by_temp["0.7"]["against"]
     assert list(hot) == ["top-p", "min-p"] and hot["top-p"]["spec"] == "top-p:p=0.95,temp=0.7"

@@ -104,6 +104,7 @@ def test_paired_mauve_of_a_method_with_itself_is_zero():
     assert apart["diff"] > 0.3 and apart["ci"][0] > 0 and apart["p"] == pytest.approx(1 / 20)
     more = metrics.paired_mauve(a, far, q, resamples=5, permutations=59)
     assert more["p"] == pytest.approx(1 / 60) and more["diff"] == apart["diff"]
+    assert more["drawn"] == 59  # none as extreme: the sequential test draws them all
     assert apart["ci"][0] < apart["diff"] < apart["ci"][1]  # centred on its estimate
 
 
@@ -115,6 +116,22 @@ def test_a_family_of_paired_mauve_tests_can_reach_significance_after_holm(compar
     assert n >= 40
     floor = {i: 1 / (n + 1) for i in range(comparisons)}
     assert max(metrics.holm(floor).values()) < 0.05
+
+
+def test_the_sequential_permutation_test_stops_once_enough_draws_are_as_extreme():
+    rng = np.random.default_rng(0)
+    a = rng.normal(size=(40, 8)).astype(np.float32)
+    q = rng.normal(0.3, 1, size=(40, 8)).astype(np.float32)
+    # a against itself: every permuted difference is 0, as extreme as the observed 0, so
+    # it stops at the 3rd draw of 100 with p = h / l = 3 / 3
+    same = metrics.paired_mauve(a, a, q, resamples=4, permutations=100, stop_after=3)
+    assert same["drawn"] == 3 and same["p"] == 1.0
+    # not stopped (5 draws, all as extreme, fewer than h = 20): p = (1 + 5) / (5 + 1)
+    short = metrics.paired_mauve(a, a, q, resamples=4, permutations=5)
+    assert short["drawn"] == 5 and short["p"] == 1.0
+    b = rng.normal(size=(40, 8)).astype(np.float32)
+    alike = metrics.paired_mauve(a, b, q, resamples=4, permutations=400, stop_after=4)
+    assert 4 <= alike["drawn"] < 400 and alike["p"] == pytest.approx(4 / alike["drawn"])
 
 
 def test_paired_mauve_of_two_alike_methods_is_not_distinguishable():

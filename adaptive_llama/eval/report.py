@@ -199,8 +199,10 @@ def sentence(method: str, row: dict) -> str:
 
 def _statistics(paired: dict, family: str) -> str:
     return ("Adaptive minus the method: mean difference, 95% bootstrap interval over prefixes "
-            f"(MAUVE: a paired permutation test, {paired['mauve_permutations']} "
-            f"permutations, and a half-sampling interval, {paired['mauve_bootstrap']} halves), "
+            "(MAUVE: a paired permutation test, sequential: permutations drawn until "
+            f"{paired['mauve_stop_after']} are as extreme as the observed difference, at most "
+            f"{paired['mauve_permutations']}; and a half-sampling interval, "
+            f"{paired['mauve_bootstrap']} halves), "
             "p-value "
             f"Holm-adjusted across {family}. Lower rep-n is better; higher diversity, "
             "coherence and MAUVE are better.")

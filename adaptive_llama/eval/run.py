@@ -160,16 +160,17 @@ class Evaluator:
 
     def paired_mauve(self, a_texts: list[str], b_texts: list[str], references: list[str],
                      comparisons: int) -> dict:
-        """MAUVE(a) - MAUVE(b), its permutation p-value and half-sampling interval over
-        prefixes (text i of each list belongs to prefix i; :func:`metrics.paired_mauve`),
-        with enough permutations for Holm across ``comparisons``
-        (:func:`metrics.permutations`)."""
+        """MAUVE(a) - MAUVE(b), its sequential permutation p-value and half-sampling
+        interval over prefixes (text i of each list belongs to prefix i;
+        :func:`metrics.paired_mauve`), with enough permutations for Holm across
+        ``comparisons`` (:func:`metrics.permutations`)."""
         resamples, seed = self.config.mauve_bootstrap, self.config.seed
-        n = metrics.permutations(resamples, comparisons)
+        n, stop = metrics.permutations(resamples, comparisons), metrics.STOP_AFTER
         return self.scores.get_or_compute(
-            "paired_mauve_permutation", [a_texts, b_texts, references, resamples, seed, n],
+            "paired_mauve_permutation",
+            [a_texts, b_texts, references, resamples, seed, n, stop],
             lambda: metrics.paired_mauve(self.embed(a_texts), self.embed(b_texts),
-                                         self.embed(references), resamples, seed, n))
+                                         self.embed(references), resamples, seed, n, stop))
 
     # ---- the whole run ----
 

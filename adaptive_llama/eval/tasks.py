@@ -155,7 +155,8 @@ def _statistics(ev: Runner, prefixes: int, comparisons: int) -> dict:
     """How a family of paired comparisons was tested, for the report."""
     resamples = ev.config.mauve_bootstrap
     return {"n_prefixes": prefixes, "mauve_bootstrap": resamples,
-            "mauve_permutations": metrics.permutations(resamples, comparisons)}
+            "mauve_permutations": metrics.permutations(resamples, comparisons),
+            "mauve_stop_after": metrics.STOP_AFTER}
 
 
 def compare(ev: Runner, pairs: dict, test: list[Prompt]) -> dict:
