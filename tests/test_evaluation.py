@@ -1,6 +1,7 @@
 """The evaluation harness: data stand-ins, the prompts file, the resume cache, GSM8K answers,
 and a small end-to-end run of `adaptive-llama eval` on the bundled model."""
 
+import ast
 import gzip
 import hashlib
 import json
@@ -521,6 +522,28 @@ def test_gsm8k_runs_extra_samplers_and_pairs_them_with_the_usual_adaptive():
             ) in lines
     with pytest.raises(ValueError, match="--gsm8k-sampler 'adaptive:eps=2': "):
         run.EvalConfig(gsm8k_samplers=("adaptive:eps=2",))
+
+
+def test_scoring_holds_every_thread_pool_to_one_even_those_loaded_by_mauve():
+    # A fresh interpreter, so that nothing imported MAUVE's stack before the block starts (as
+    # in `adaptive-llama eval`), and pools that would start with 4 threads on any machine: a
+    # pool left out of the limit (SciPy's OpenBLAS, which scikit-learn loads when MAUVE is
+    # first imported) reports 4 after one MAUVE call.
+    script = """
+import numpy as np
+from threadpoolctl import threadpool_info
+from adaptive_llama.eval import metrics, run
+rng = np.random.default_rng(0)
+with run.one_thread_scoring():
+    metrics.mauve_score(rng.normal(size=(40, 8)), rng.normal(size=(40, 8)))
+    print(sorted({(pool["internal_api"], pool["num_threads"]) for pool in threadpool_info()}))
+"""
+    env = {**os.environ, "OPENBLAS_NUM_THREADS": "4", "OMP_NUM_THREADS": "4"}
+    out = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True,
+                         text=True, timeout=120, check=True).stdout
+    pools = ast.literal_eval(out)
+    assert {api for api, _ in pools} >= {"openblas", "openmp"}
+    assert {threads for _, threads in pools} == {1}
 
 
 def test_missing_optional_dependency_names_the_extra(monkeypatch):

