@@ -242,6 +242,34 @@ def test_score_cache_computes_once_per_inputs_and_package_versions(tmp_path):
     other.close()
 
 
+def test_coherence_is_scored_once_so_a_rerun_embeds_no_text_twice(tmp_path):
+    from adaptive_llama.eval.config import EvalConfig
+
+    prompts = [data.Prompt(id="wiki-1", prefix="The Danube flows through ten countries"),
+               data.Prompt(id="wiki-2", prefix="A small cat sat on the warm windowsill")]
+    rows = [{"prompt_id": "wiki-1", "text": " and past Vienna to the Black Sea."},
+            {"prompt_id": "wiki-2", "text": " watching the birds in the garden."}]
+    config = EvalConfig(out=str(tmp_path))
+
+    first = run.Evaluator(config, engine=object())  # no model: only scoring here
+    values = first.text_metrics(rows, prompts)["coherence"]
+    expected = metrics.coherence(first.embed([p.prefix for p in prompts]),
+                                 first.embed([r["text"] for r in rows]))
+    assert values == list(expected) and all(type(v) is float for v in values)
+    first.close()
+
+    class NoEmbedding(run.Evaluator):
+        def embed(self, texts):
+            raise AssertionError(f"embedded again: {texts}")
+
+    again = NoEmbedding(config, engine=object())  # a resumed run
+    assert again.text_metrics(rows, prompts)["coherence"] == values  # bit for bit
+    changed = [rows[0], {**rows[1], "text": " chasing a red ball."}]
+    with pytest.raises(AssertionError, match="embedded again"):
+        again.text_metrics(changed, prompts)  # another text is embedded
+    again.close()
+
+
 def test_cache_key_holds_max_tokens_so_a_longer_run_generates_anew(tmp_path, engine):
     from adaptive_llama.eval.data import Prompt
 

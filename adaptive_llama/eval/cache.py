@@ -179,8 +179,8 @@ def _version(package: str) -> str:
 
 
 class ScoreCache(JsonLinesCache):
-    """``scores.jsonl``: results of the costly scores (MAUVE over k-means seeds, and its
-    paired bootstrap, about 10 minutes a task on 2 cores), keyed by what they were computed
+    """``scores.jsonl``: results of the costly scores (MAUVE over k-means seeds, its paired
+    tests, and coherence, which needs every text embedded), keyed by what they were computed
     from: the texts, every setting, and the versions of the scoring packages.
 
     A resumed run, or a rerun that only rewrites the reports, reads them back instead.

@@ -127,13 +127,21 @@ class Evaluator:
         return np.stack([self._vectors[t] for t in texts])
 
     def text_metrics(self, rows: list[dict], prompts: list[Prompt]) -> dict[str, list]:
-        """rep-2/3/4, diversity and coherence of each row's text, in the order of rows."""
+        """rep-2/3/4, diversity and coherence of each row's text, in the order of rows.
+
+        Coherence goes through the score cache like MAUVE: embedding the texts is most of
+        the time of a run whose texts and MAUVE figures are all cached (about 15 minutes a
+        model for the default run on one core), so a resumed run embeds only new texts.
+        """
         by_id = {p.id: p for p in prompts}
         texts = [r["text"] for r in rows]
+        prefixes = [by_id[r["prompt_id"]].prefix for r in rows]
         out = {f"rep{n}": [metrics.rep_n(t, n) for t in texts] for n in (2, 3, 4)}
         out["diversity"] = [metrics.diversity(t) for t in texts]
-        out["coherence"] = list(metrics.coherence(
-            self.embed([by_id[r["prompt_id"]].prefix for r in rows]), self.embed(texts)))
+        out["coherence"] = self.scores.get_or_compute(
+            "coherence", [prefixes, texts],
+            lambda: [float(c) for c in metrics.coherence(self.embed(prefixes),
+                                                         self.embed(texts))])
         return out
 
     def score(self, rows: list[dict], prompts: list[Prompt]) -> dict:
