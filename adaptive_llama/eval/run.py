@@ -11,8 +11,9 @@ GSM8K accuracy of greedy, top-p and adaptive with an instruct model.
 
 Every generation is appended to ``generations.jsonl`` (``.jsonl.gz`` once it is large) in
 the output folder as soon as it exists, so an interrupted run resumes where it stopped, and
-every MAUVE figure to ``scores.jsonl``, so it is not computed twice; results go to
-``results.json``, ``results.md`` and two PNG plots, with the command that produced them.
+every MAUVE figure and coherence value to ``scores.jsonl``, so none is computed twice;
+results go to ``results.json``, ``results.md`` and two PNG plots, with the command that
+produced them.
 """
 
 from __future__ import annotations
