@@ -39,6 +39,33 @@ def test_prefixes_are_32_tokens_and_references_follow_them(engine):
     assert data.dev_test_split(prompts, 3, 5) == (dev, test)  # same draw every run
 
 
+def test_a_story_that_ends_sooner_keeps_its_rest_as_the_reference(engine):
+    # TinyStories are short: at 256 tokens 3 of 316 stories hold prefix + reference, too few
+    # for 64 dev + 200 test prompts; their rest (at least 64 tokens) stands in instead
+    detok = engine.detokenize
+    tokenize = lambda t: engine.tokenize(t, add_bos=False)  # noqa: E731
+    stories = data.tiny_stories()
+    strict = data.prefixes(stories, "stories", tokenize, detok, 32, 256)
+    at_256 = data.prefixes(stories, "stories", tokenize, detok, 32, 256,
+                           data.SHORTEST_STORY_REFERENCE)
+    at_64 = data.prefixes(stories, "stories", tokenize, detok, 32, 64,
+                          data.SHORTEST_STORY_REFERENCE)
+    assert len(strict) < 64 + 200 <= len(at_256)
+    # at the default length the rule changes nothing: the same prompts, ids and references
+    assert at_64 == data.prefixes(stories, "stories", tokenize, detok, 32, 64)
+    assert [p.id for p in at_256] == [p.id for p in at_64]
+    by_id = {p.id: p for p in at_64}
+    lengths = []
+    for p in at_256:
+        story = stories[int(p.id.rsplit("-", 1)[1])]
+        assert p.prefix == by_id[p.id].prefix and p.reference.startswith(by_id[p.id].reference)
+        n = len(tokenize(p.reference))
+        lengths.append(n)
+        if n < 250:  # a reference short of 256 tokens is the story's whole rest
+            assert (p.prefix + p.reference).strip()[-20:] == story.strip()[-20:]
+    assert min(lengths) >= 60 and max(lengths) > 200
+
+
 @pytest.mark.parametrize("content, fragment", [
     ('{"prefix": "ok"}\n{"prefix": "x", oops}\n', "line 2: not valid JSON"),
     ('{"prefix": "ok"}\n\n{"reference": "no prefix"}\n', 'line 3: needs {"prefix"'),

@@ -20,8 +20,13 @@ from pathlib import Path
 
 STAND_INS = {
     "wiki": "Wikipedia articles from the exllamav2 wheel stand in for WikiText-103",
-    "stories": "TinyStories from the exllamav2 wheel stand in for WritingPrompts",
+    "stories": "TinyStories from the exllamav2 wheel stand in for WritingPrompts "
+               "(where a story ends sooner, its human continuation is the rest of it)",
 }
+# TinyStories are short (3 of 316 have 32 + 256 tokens): past the prefix, a story's human
+# continuation is its rest, kept when it has at least this many tokens. At the default 64
+# tokens that is the same set and the same references as asking for the full length.
+SHORTEST_STORY_REFERENCE = 64
 
 
 class DataError(ValueError):
@@ -61,13 +66,16 @@ def tiny_stories() -> list[str]:
 
 
 def prefixes(texts: list[str], task: str, tokenize, detokenize, prefix_tokens: int,
-             reference_tokens: int) -> list[Prompt]:
+             reference_tokens: int, shortest_reference: int | None = None) -> list[Prompt]:
     """The first ``prefix_tokens`` tokens of each text as the prefix and the next
-    ``reference_tokens`` as the human continuation; texts too short for both are left out."""
+    ``reference_tokens`` as the human continuation, or the rest of the text where it ends
+    sooner but after at least ``shortest_reference`` tokens (by default the whole
+    ``reference_tokens``); shorter texts are left out."""
+    shortest = min(reference_tokens, shortest_reference or reference_tokens)
     out = []
     for i, text in enumerate(texts):
         tokens = tokenize(text[: 40 * (prefix_tokens + reference_tokens)])
-        if len(tokens) < prefix_tokens + reference_tokens:
+        if len(tokens) < prefix_tokens + shortest:
             continue
         out.append(Prompt(
             id=f"{task}-{i}", prefix=detokenize(tokens[:prefix_tokens]),

@@ -67,10 +67,13 @@ def open_ended_prompts(ev: Runner, task: str) -> list[Prompt]:
     """The task's prompts: the user's file, or prefixes of the stand-in texts."""
     if task == "file":
         return data.load_prompts_file(ev.config.prompts_file)
-    texts = data.wiki_articles() if task == "wiki" else data.tiny_stories()
+    if task == "wiki":
+        texts, shortest = data.wiki_articles(), None
+    else:
+        texts, shortest = data.tiny_stories(), data.SHORTEST_STORY_REFERENCE
     return data.prefixes(
         texts, task, lambda t: ev.engine.tokenize(t, add_bos=False), ev.engine.detokenize,
-        ev.config.prefix_tokens, ev.config.max_tokens)
+        ev.config.prefix_tokens, ev.config.max_tokens, shortest)
 
 
 def open_ended(ev: Runner, task: str) -> dict:
