@@ -391,9 +391,13 @@ def _continue(repl, store, name: str) -> None:
               show_default=True)
 @click.option("--threads", type=click.IntRange(1, MAX_THREADS), default=None,
               help="CPU threads (default: the physical cores, adapted to the load).")
+@click.option("--n-gpu-layers", type=click.IntRange(min=-1), default=0, show_default=True,
+              help="Layers to offload to the GPU (CUDA build; -1: all). Each sequence is "
+                   "still sampled on the CPU: see benchmarks/eval_workers.py for a GPU machine.")
 @user_errors
 def evaluate(model, tasks, methods, temperatures, batch, prompts_file, n_dev, n_test, samples,
-             max_tokens, gsm8k_n, gsm8k_max_tokens, gsm8k_samplers, full, out, seed, threads):
+             max_tokens, gsm8k_n, gsm8k_max_tokens, gsm8k_samplers, full, out, seed, threads,
+             n_gpu_layers):
     """Score every sampler as the paper does: rep-n, diversity, MAUVE, coherence, k, GSM8K."""
     from .eval.data import load_prompts_file
     from .eval.run import EvalConfig, Evaluator, require_extras
@@ -418,6 +422,7 @@ def evaluate(model, tasks, methods, temperatures, batch, prompts_file, n_dev, n_
     config = make(model=model, tasks=_listed(tasks, "--tasks"), batch=batch,
                   gsm8k_samplers=gsm8k_samplers,
                   prompts_file=prompts_file, out=out, seed=seed, n_threads=threads,
+                  n_gpu_layers=n_gpu_layers,
                   command=" ".join(["adaptive-llama eval", *sys.argv[2:]]), **sizes)
     evaluator = Evaluator(config)
     try:

@@ -754,6 +754,19 @@ def test_context_holds_the_longest_continuation_and_gsm8k_answer():
         run.EvalConfig(gsm8k_max_tokens=0)
 
 
+def test_gpu_layers_reach_the_evaluation_engine(tmp_path, smollm2_path):
+    with pytest.raises(ValueError, match="`n_gpu_layers` has to be -1 .all. or more, but is -2"):
+        run.EvalConfig(n_gpu_layers=-2)
+    evaluator = run.Evaluator(run.EvalConfig(model=str(smollm2_path), n_gpu_layers=-1,
+                                             out=str(tmp_path)))
+    try:  # a CPU build offloads nothing, but the engine was asked to
+        assert evaluator.engine.n_gpu_layers == -1
+    finally:
+        evaluator.close()
+    result = eval_cli("--n-gpu-layers", "-2", "--out", str(tmp_path))
+    assert result.returncode == 2 and "--n-gpu-layers" in result.stderr
+
+
 def test_gsm8k_sizes_come_from_the_command_line(tmp_path, smollm2_path):
     out = tmp_path / "r"
     result = eval_cli(str(smollm2_path), "--tasks", "gsm8k", "--gsm8k-n", "2",

@@ -56,6 +56,7 @@ class EvalConfig:
     # (1.14x 8); larger models gain more from more (Qwen-1.5B: 32 is about 1.6x 8)
     batch: int = 16
     n_threads: int | None = None
+    n_gpu_layers: int = 0  # layers offloaded to a GPU (CUDA build; -1: all)
     command: str = ""
 
     @classmethod
@@ -71,6 +72,9 @@ class EvalConfig:
                      "gsm8k_max_tokens", "mauve_seeds", "mauve_bootstrap", "batch"):
             if getattr(self, name) < 1:
                 raise ValueError(f"`{name}` has to be >= 1, but is {getattr(self, name)}")
+        if self.n_gpu_layers < -1:
+            raise ValueError(f"`n_gpu_layers` has to be -1 (all) or more, but is "
+                             f"{self.n_gpu_layers}")
         unknown = set(self.tasks) - set(TASKS)
         if unknown:
             raise ValueError(f"unknown task {sorted(unknown)[0]!r}; valid: {', '.join(TASKS)}")

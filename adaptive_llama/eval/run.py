@@ -47,7 +47,8 @@ class Evaluator:
     def __init__(self, config: EvalConfig, engine: Engine | None = None):
         self.config = config
         self.engine = engine or Engine(config.model, seed=config.seed, n_ctx=config.n_ctx,
-                                       n_threads=config.n_threads, parallel=config.batch)
+                                       n_threads=config.n_threads, parallel=config.batch,
+                                       n_gpu_layers=config.n_gpu_layers)
         self.out = Path(config.out)
         self.cache = JsonLinesCache(self.out / "generations.jsonl")
         self.scores = ScoreCache(self.out / "scores.jsonl", scoring_versions())
