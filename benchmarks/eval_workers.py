@@ -3,8 +3,8 @@ cores), into the cache that ``adaptive-llama eval`` resumes from.
 
 The eval decodes one batch of sequences at a time and samples every sequence on one CPU
 core, so with every layer on a GPU the host is the limit: on an H100, Qwen2.5-Coder-1.5B at
-256 tokens made 2.2 texts/s in one process. Here each worker process takes one task and a
-few sampler specs, with its own engine. The run has the eval's two phases:
+256 tokens made 2.2 texts/s in one process. Here each worker process, with its own engine,
+takes every n-th prefix of one task under every spec of a phase. The eval's two phases:
 
 1. the dev sweep: every grid value of every method on the dev prefixes;
 2. the picks by dev MAUVE, made with the eval's own code (texts embedded in parallel), then
@@ -71,19 +71,21 @@ def test_specs(chosen: dict[str, str], temperatures) -> list[str]:
     return specs
 
 
-def jobs_of(specs_by_task: dict[str, list[str]], workers: int) -> list[tuple[str, list[str]]]:
-    """(task, specs) per worker: the workers shared among the tasks, every n-th spec to
-    each, so that slow samplers (typical, mirostat) spread over the workers."""
-    per_task = max(1, workers // len(specs_by_task))
-    return [(task, specs[i::per_task]) for task, specs in specs_by_task.items()
-            for i in range(per_task) if specs[i::per_task]]
+def jobs_of(specs_by_task: dict[str, list[str]], workers: int) -> list[tuple]:
+    """(task, part, parts, specs) per worker: the workers shared among the tasks, each with
+    every ``parts``-th prefix of its task under every spec, so that the slow samplers (typical
+    and mirostat sort all V candidates every token) weigh on every worker alike, and a
+    prefix's texts run side by side (the engine evaluates the prefix once for all)."""
+    parts = max(1, workers // len(specs_by_task))
+    return [(task, part, parts, specs) for task, specs in specs_by_task.items()
+            for part in range(parts)]
 
 
 def run_workers(args, split_name: str, jobs, cache: JsonLinesCache) -> None:
     """One process per job, each seeded with the cache so that it skips finished texts;
     their rows are added to the cache when all have ended."""
     parent, folders, processes = Path(args.out) / "workers", [], []
-    for i, (task, specs) in enumerate(jobs):
+    for i, (task, part, parts, specs) in enumerate(jobs):
         folder = parent / f"{split_name}-{i}"
         folder.mkdir(parents=True, exist_ok=True)
         seed = folder / "generations.jsonl"
@@ -93,7 +95,7 @@ def run_workers(args, split_name: str, jobs, cache: JsonLinesCache) -> None:
         folders.append(folder)
         processes.append(subprocess.Popen(
             [sys.executable, __file__, args.model, "--out", str(folder), "--worker",
-             split_name, task, *specs, *passed_options(args)],
+             split_name, task, str(part), str(parts), *specs, *passed_options(args)],
             stdout=(folder / "log").open("w"), stderr=subprocess.STDOUT))
     failed = [folder for folder, process in zip(folders, processes) if process.wait()]
     for folder in folders:
@@ -120,12 +122,13 @@ def passed_options(args) -> list[str]:
 
 
 def worker(args) -> None:
-    split_name, task, *specs = args.worker
+    split_name, task, part, parts, *specs = args.worker
     c = config(args, Path(args.out))
     ev = Evaluator(c, Engine(args.model, n_gpu_layers=args.n_gpu_layers, n_ctx=c.n_ctx,
                              parallel=c.batch, seed=c.seed, n_threads=1))
     dev, test = split(ev, task)
-    ev.generate_specs(task, split_name, specs, dev if split_name == "dev" else test, 1)
+    prompts = (dev if split_name == "dev" else test)[int(part)::int(parts)]
+    ev.generate_specs(task, split_name, specs, prompts, 1)
     print(f"{task} {split_name}: {ev.generated} texts, {ev.texts_per_s:.2f}/s", flush=True)
     ev.close()
 
