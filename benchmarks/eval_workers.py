@@ -20,8 +20,11 @@ copied) find every text and only score and write the reports::
     adaptive-llama eval MODEL --tasks wiki,stories --temperatures 0.7,1.0,1.5,2.0 \\
         --max-tokens 256 --out DIR
 
-A worker's texts are in ``DIR/workers/`` until its phase ends; an interrupted run resumes
-from there and from the cache. Texts generated on a GPU are not the CPU's token for token
+The picks go to ``DIR/picks.json``; ``--picks FILE`` takes them from an earlier run instead
+(the dev texts scored where the report will be rendered, so that both pick alike even where
+the scoring packages' versions differ), ``--stop-after dev|picks`` ends a run early. A
+worker's texts are in ``DIR/workers/`` until its phase ends; an interrupted run resumes from
+there and from the cache. Texts generated on a GPU are not the CPU's token for token
 (its logits differ slightly), but they are samples of the same samplers from the same model.
 """
 
@@ -185,6 +188,11 @@ def main() -> None:
     parser.add_argument("--methods", type=lambda s: s.split(","), default=list(GRIDS))
     parser.add_argument("--temperatures", default=[0.7, 1.0, 1.5, 2.0],
                         type=lambda s: [float(t) for t in s.split(",")])
+    parser.add_argument("--picks", metavar="FILE", help="picks.json of an earlier run (say, "
+                        "of the dev texts scored on the machine that will render the report): "
+                        "no dev sweep or scoring here")
+    parser.add_argument("--stop-after", choices=("dev", "picks"),
+                        help="end after the dev sweep, or after writing OUT/picks.json")
     parser.add_argument("--worker", nargs="+", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if set(args.tasks) - set(TASKS):
@@ -194,14 +202,24 @@ def main() -> None:
     c = config(args, Path(args.out))
     # the parent only tokenizes and scores: its engine stays on the CPU
     ev = Evaluator(c, Engine(args.model, n_ctx=c.n_ctx, n_threads=1))
-    run_workers(args, "dev", jobs_of({task: swept_specs(c.methods) for task in c.tasks},
-                                     args.workers), ev.cache)
-    chosen = picks(ev, args.workers)
-    print(json.dumps({"picked": chosen}), flush=True)
-    run_workers(args, "test", jobs_of({task: test_specs(chosen[task], c.temperatures)
-                                       for task in c.tasks}, args.workers), ev.cache)
-    print(f"{len(ev.cache.rows)} texts in {ev.cache.path}", flush=True)
-    ev.close()
+    try:
+        if args.picks:
+            chosen = json.loads(Path(args.picks).read_text())
+        else:
+            run_workers(args, "dev", jobs_of({task: swept_specs(c.methods) for task in c.tasks},
+                                             args.workers), ev.cache)
+            if args.stop_after == "dev":
+                return
+            chosen = picks(ev, args.workers)
+            (Path(args.out) / "picks.json").write_text(json.dumps(chosen, indent=1) + "\n")
+        print(json.dumps({"picked": chosen}), flush=True)
+        if args.stop_after == "picks":
+            return
+        run_workers(args, "test", jobs_of({task: test_specs(chosen[task], c.temperatures)
+                                           for task in c.tasks}, args.workers), ev.cache)
+        print(f"{len(ev.cache.rows)} texts in {ev.cache.path}", flush=True)
+    finally:
+        ev.close()
 
 
 if __name__ == "__main__":
