@@ -24,8 +24,8 @@ STAND_INS = {
                "(where a story ends sooner, its human continuation is the rest of it)",
 }
 # TinyStories are short (in SmolLM2's tokens, 3 of 316 have 32 + 256): past the prefix, a
-# story's human continuation is its rest, kept when it has at least this many tokens. At the default 64
-# tokens that is the same set and the same references as asking for the full length.
+# story's human continuation is its rest, kept when it has at least this many tokens. At the
+# default 64 tokens that is the same set and the same references as asking for the full length.
 SHORTEST_STORY_REFERENCE = 64
 
 
