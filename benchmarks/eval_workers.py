@@ -119,8 +119,8 @@ def run_workers(args, split_name: str, jobs, cache: JsonLinesCache) -> None:
 
 def passed_options(args) -> list[str]:
     return ["--n-gpu-layers", str(args.n_gpu_layers), "--max-tokens", str(args.max_tokens),
-            "--n-dev", str(args.n_dev), "--n-test", str(args.n_test), "--batch", str(args.batch), "--tasks", ",".join(args.tasks),
-            "--methods", ",".join(args.methods),
+            "--n-dev", str(args.n_dev), "--n-test", str(args.n_test), "--batch", str(args.batch),
+            "--tasks", ",".join(args.tasks), "--methods", ",".join(args.methods),
             "--temperatures", ",".join(map(str, args.temperatures))]
 
 
