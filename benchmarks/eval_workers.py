@@ -205,6 +205,9 @@ def main() -> None:
     try:
         if args.picks:
             chosen = json.loads(Path(args.picks).read_text())
+            missing = [task for task in c.tasks if task not in chosen]
+            if missing:
+                sys.exit(f"--picks {args.picks} has no picks for {', '.join(missing)}")
         else:
             run_workers(args, "dev", jobs_of({task: swept_specs(c.methods) for task in c.tasks},
                                              args.workers), ev.cache)
