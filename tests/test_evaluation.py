@@ -66,6 +66,18 @@ def test_a_story_that_ends_sooner_keeps_its_rest_as_the_reference(engine):
     assert min(lengths) >= 60 and max(lengths) > 200
 
 
+def test_at_256_tokens_stories_keep_their_rest_and_wikipedia_its_full_length(engine):
+    from types import SimpleNamespace
+
+    ev = SimpleNamespace(engine=engine, config=run.EvalConfig(max_tokens=256))
+    stories = tasks.open_ended_prompts(ev, "stories")
+    assert len(stories) >= 64 + 200  # enough for the default dev and test splits
+    wiki = tasks.open_ended_prompts(ev, "wiki")
+    assert len(wiki) >= 64 + 200
+    tokens = [len(engine.tokenize(p.reference, add_bos=False)) for p in wiki[:20]]
+    assert min(tokens) >= 250  # every Wikipedia reference is a whole 256 tokens
+
+
 @pytest.mark.parametrize("content, fragment", [
     ('{"prefix": "ok"}\n{"prefix": "x", oops}\n', "line 2: not valid JSON"),
     ('{"prefix": "ok"}\n\n{"reference": "no prefix"}\n', 'line 3: needs {"prefix"'),
