@@ -38,12 +38,11 @@ from pathlib import Path
 
 import llama_cpp  # noqa: F401  (before numpy: a CUDA build can crash at load otherwise)
 
-from adaptive_llama.eval import data, tasks
+from adaptive_llama.eval import tasks
 from adaptive_llama.eval.cache import JsonLinesCache
 from adaptive_llama.eval.config import GRIDS, EvalConfig
 from adaptive_llama.eval.run import Evaluator, one_thread_scoring
 from adaptive_llama.runtime.engine import Engine
-from adaptive_llama.samplers import parse_spec
 
 TASKS = ("wiki", "stories")
 
@@ -54,23 +53,18 @@ def config(args, out: Path) -> EvalConfig:
                       n_dev=args.n_dev, n_test=args.n_test, batch=args.batch, out=str(out))
 
 
-def split(ev: Evaluator, task: str):
-    c = ev.config
-    return data.dev_test_split(tasks.open_ended_prompts(ev, task), c.n_dev, c.n_test, c.seed)
-
-
 def swept_specs(methods) -> list[str]:
     return [spec for method in methods if len(GRIDS[method]) > 1 for spec in GRIDS[method]]
 
 
 def test_specs(chosen: dict[str, str], temperatures) -> list[str]:
-    """The picked spec of every method, then the temperature study's specs (as
-    :func:`tasks.temperature_study` names them)."""
+    """The picked spec of every method, then the temperature study's other specs."""
     specs = list(chosen.values())
     for method in tasks.TEMPERATURE_METHODS:
         if method in chosen:
-            tuned = parse_spec(chosen[method])
-            specs += [str(tuned.with_param("temp", t)) for t in temperatures if t != tuned.temp]
+            specs += [spec for spec in tasks.temperature_specs(chosen[method],
+                                                               temperatures).values()
+                      if spec != chosen[method]]
     return specs
 
 
@@ -129,7 +123,7 @@ def worker(args) -> None:
     c = config(args, Path(args.out))
     ev = Evaluator(c, Engine(args.model, n_gpu_layers=args.n_gpu_layers, n_ctx=c.n_ctx,
                              parallel=c.batch, seed=c.seed, n_threads=1))
-    dev, test = split(ev, task)
+    dev, test = tasks.dev_and_test(ev, task)
     prompts = (dev if split_name == "dev" else test)[int(part)::int(parts)]
     ev.generate_specs(task, split_name, specs, prompts, 1)
     print(f"{task} {split_name}: {ev.generated} texts, {ev.texts_per_s:.2f}/s", flush=True)
@@ -150,27 +144,19 @@ def picks(ev: Evaluator, processes: int) -> dict[str, dict[str, str]]:
     :func:`tasks.open_ended` picks it (the figures go to the score cache it reads)."""
     import multiprocessing
 
-    c, swept = ev.config, {}
-    for task in c.tasks:
-        dev, _ = split(ev, task)
-        swept[task] = dev, ev.generate_specs(task, "dev", swept_specs(c.methods), dev, 1)
-    texts = list(dict.fromkeys(
-        [row["text"] for _, rows in swept.values() for spec_rows in rows.values()
-         for row in spec_rows] + [p.reference for dev, _ in swept.values() for p in dev]))
+    c, devs = ev.config, {task: tasks.dev_and_test(ev, task)[0] for task in ev.config.tasks}
+    rows = [row for task, dev in devs.items()
+            for spec_rows in ev.generate_specs(task, "dev", swept_specs(c.methods), dev,
+                                               1).values()
+            for row in spec_rows]
+    texts = list(dict.fromkeys([row["text"] for row in rows]
+                               + [p.reference for dev in devs.values() for p in dev]))
     chunks = [texts[i::processes] for i in range(processes)]
     with multiprocessing.get_context("spawn").Pool(processes) as pool:
         for chunk, vectors in zip(chunks, pool.map(embed_chunk, chunks)):
-            ev._vectors.update(zip(chunk, vectors))
-    chosen = {}
+            ev._vectors.update(zip(chunk, vectors))  # Evaluator.embed finds them
     with one_thread_scoring():
-        for task, (dev, rows) in swept.items():
-            by_dev = {p.id: p for p in dev}
-            chosen[task] = {method: GRIDS[method][0] for method in c.methods}
-            for method in c.methods:
-                grid = GRIDS[method]
-                if len(grid) > 1:
-                    mauve = {spec: ev.mauve(rows[spec], by_dev)[0] for spec in grid}
-                    chosen[task][method] = max(grid, key=lambda s: mauve[s])
+        chosen = {task: tasks.pick_by_dev_mauve(ev, task, dev)[0] for task, dev in devs.items()}
     return chosen
 
 

@@ -76,25 +76,46 @@ def open_ended_prompts(ev: Runner, task: str) -> list[Prompt]:
         ev.config.prefix_tokens, ev.config.max_tokens, shortest)
 
 
-def open_ended(ev: Runner, task: str) -> dict:
-    """Sweep every method's grid on dev, pick by MAUVE, report all methods on test, compare
-    adaptive with each other method prefix by prefix, and run the temperature study."""
+def dev_and_test(ev: Runner, task: str) -> tuple[list[Prompt], list[Prompt]]:
+    """The task's dev and test prompts (the same draw on every run)."""
     c = ev.config
     prompts = open_ended_prompts(ev, task)
     if task == "file" and len(prompts) < c.n_dev + c.n_test:
-        dev, test = [], prompts  # the user's prompts are all test; grids keep defaults
-    else:
-        dev, test = data.dev_test_split(prompts, c.n_dev, c.n_test, c.seed)
+        return [], prompts  # the user's prompts are all test; grids keep defaults
+    return data.dev_test_split(prompts, c.n_dev, c.n_test, c.seed)
+
+
+def pick_by_dev_mauve(ev: Runner, task: str, dev: list[Prompt]) -> tuple[dict, dict]:
+    """Each method's grid value with the best MAUVE on dev (ties: the first listed; the
+    first value where there is nothing to sweep), and every swept value's MAUVE."""
     by_dev = {p.id: p for p in dev}
     chosen, sweep = {}, {}
-    for method in c.methods:
+    for method in ev.config.methods:
         grid = GRIDS[method]
         chosen[method] = grid[0]
         if len(grid) == 1 or not dev or not any(p.reference for p in dev):
             continue
         rows = ev.generate_specs(task, "dev", grid, dev, 1)
         sweep[method] = {spec: ev.mauve(rows[spec], by_dev)[0] for spec in grid}
-        chosen[method] = max(grid, key=lambda s: sweep[method][s])  # ties: first listed
+        chosen[method] = max(grid, key=lambda s: sweep[method][s])
+    return chosen, sweep
+
+
+def temperature_specs(tuned_spec: str, temperatures) -> dict[float, str]:
+    """The tuned spec at each temperature. At the tuned spec's own temperature it is the
+    tuned spec's text itself, under which its test texts exist (the canonical text names
+    defaults, so it would key the same texts anew)."""
+    tuned = parse_spec(tuned_spec)
+    return {temp: tuned_spec if temp == tuned.temp else str(tuned.with_param("temp", temp))
+            for temp in temperatures}
+
+
+def open_ended(ev: Runner, task: str) -> dict:
+    """Sweep every method's grid on dev, pick by MAUVE, report all methods on test, compare
+    adaptive with each other method prefix by prefix, and run the temperature study."""
+    c = ev.config
+    dev, test = dev_and_test(ev, task)
+    chosen, sweep = pick_by_dev_mauve(ev, task, dev)
     # every method's texts of a prefix side by side (see generate_specs); greedy once a
     # prefix, as it repeats itself exactly
     sampled = [spec for spec in chosen.values() if spec != "greedy"]
@@ -215,12 +236,7 @@ def temperature_study(ev: Runner, task: str, chosen: dict,
     for method in TEMPERATURE_METHODS:
         if method not in chosen:
             continue
-        tuned = parse_spec(chosen[method])
-        # at the tuned spec's own temperature the test texts exist under the tuned spec's
-        # text (canonical text names defaults, so it would key the same texts anew)
-        specs = {temp: (chosen[method] if temp == tuned.temp
-                        else str(tuned.with_param("temp", temp)))
-                 for temp in ev.config.temperatures}
+        specs = temperature_specs(chosen[method], ev.config.temperatures)
         rows = ev.generate_specs(task, "test", list(specs.values()), test, 1)
         study[method] = {}
         for temp, spec in specs.items():
