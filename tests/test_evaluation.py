@@ -498,6 +498,43 @@ class _ScoredRows:
         return {"diff": 0.1, "ci": [0.0, 0.2], "p": self.mauve_p}
 
 
+class _DevSweep:
+    """A Runner's dev sweep: each spec's texts are given, and its MAUVE is looked up."""
+
+    def __init__(self, texts, mauve):
+        self.config = run.EvalConfig(methods=("greedy", "adaptive"), seed=0)
+        self.texts, self.mauve_of = texts, mauve
+
+    def generate_specs(self, task, split, specs, prompts, samples):
+        assert split == "dev" and samples == 1
+        return {s: [{"spec": s, "text": t} for t in self.texts[s]] for s in specs}
+
+    def mauve(self, rows, by_id):
+        return self.mauve_of[rows[0]["spec"]], 0.0
+
+
+def test_the_dev_sweep_picks_by_mauve_and_reports_each_values_rep2():
+    from adaptive_llama.eval.data import Prompt
+
+    dev = [Prompt(id=f"d{i}", prefix="x", reference="y") for i in range(2)]
+    grid = tasks.GRIDS["adaptive"]
+    # rep-2 of "a b a b": bigrams (a b) (b a) (a b), 2 unique of 3: 100 * (1 - 2/3) = 33.3;
+    # of "a b c": none repeated, 0. Mean over the two dev texts: 16.7.
+    texts = {s: ["a b a b", "a b c"] if s == grid[1] else ["a b c", "d e f"] for s in grid}
+    # grid[1] and grid[2] tie on MAUVE: the first listed of them is picked
+    mauve = {s: 0.5 for s in grid} | {grid[1]: 0.9, grid[2]: 0.9}
+    chosen, sweep, rep2 = tasks.pick_by_dev_mauve(_DevSweep(texts, mauve), "wiki", dev)
+    assert chosen == {"greedy": "greedy", "adaptive": grid[1]}
+    assert sweep == {"adaptive": mauve} and list(rep2) == ["adaptive"]  # greedy: no grid
+    assert rep2["adaptive"][grid[1]] == pytest.approx(50 / 3)
+    assert all(rep2["adaptive"][s] == 0.0 for s in grid if s != grid[1])
+    lines = report.dev_sweep_table({"n_dev": 2, "dev_mauve": sweep, "dev_rep2": rep2,
+                                    "methods": {"adaptive": {"spec": chosen["adaptive"]}}})
+    assert f"| adaptive | **`{grid[1]}`** | 0.900 | 16.7 |" in lines
+    assert f"| adaptive | `{grid[2]}` | 0.900 | 0.0 |" in lines
+    assert len(lines) == 4 + len(grid)
+
+
 def test_temperature_comparisons_are_paired_per_prefix_with_holm_over_every_temperature():
     from adaptive_llama.eval.data import Prompt
 

@@ -65,10 +65,7 @@ def markdown(report: dict) -> str:
                 f"{_pm(m['rep4'])} | {_pm(m['diversity'], 3)} | {_sd(m['mauve'], 3)} | "
                 f"{_pm(m['coherence'], 3)} | {_sd(m['k'], 1)} |")
         if result["dev_mauve"]:
-            lines += ["", f"Dev MAUVE of each grid value ({result['n_dev']} dev texts, the "
-                      "same for every method; four values each): " + "; ".join(
-                          f"{method}: " + ", ".join(f"`{s}` {v:.3f}" for s, v in grid.items())
-                          for method, grid in result["dev_mauve"].items())]
+            lines += [""] + dev_sweep_table(result)
         if "paired" in result:
             lines += [""] + paired_section(result["paired"])
         if "temperatures" in result:
@@ -116,6 +113,22 @@ def markdown(report: dict) -> str:
         if g.get("paired"):
             lines += gsm8k_paired_section(g["paired"]) + [""]
     return "\n".join(lines)
+
+
+def dev_sweep_table(result: dict) -> list[str]:
+    """Every swept grid value's dev MAUVE (which picks) and dev rep-2 (what the pick costs
+    in repetition), the picked value in bold."""
+    lines = [f"Dev sweep: every grid value on the {result['n_dev']} dev prefixes (the same "
+             "for every method); the value with the highest MAUVE is picked (**bold**).", "",
+             "| method | spec | dev MAUVE | dev rep-2 |", "|---|---|---|---|"]
+    for method, grid in result["dev_mauve"].items():
+        picked = result["methods"][method]["spec"]
+        rep2 = result.get("dev_rep2", {}).get(method, {})
+        for spec, mauve in grid.items():
+            name = f"**`{spec}`**" if spec == picked else f"`{spec}`"
+            rep = f"{rep2[spec]:.1f}" if spec in rep2 else "-"
+            lines.append(f"| {method} | {name} | {mauve:.3f} | {rep} |")
+    return lines
 
 
 def gsm8k_table(g: dict) -> list[str]:
