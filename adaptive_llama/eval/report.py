@@ -122,12 +122,10 @@ def dev_sweep_table(result: dict) -> list[str]:
              "for every method); the value with the highest MAUVE is picked (**bold**).", "",
              "| method | spec | dev MAUVE | dev rep-2 |", "|---|---|---|---|"]
     for method, grid in result["dev_mauve"].items():
-        picked = result["methods"][method]["spec"]
-        rep2 = result.get("dev_rep2", {}).get(method, {})
+        picked, rep2 = result["methods"][method]["spec"], result["dev_rep2"][method]
         for spec, mauve in grid.items():
             name = f"**`{spec}`**" if spec == picked else f"`{spec}`"
-            rep = f"{rep2[spec]:.1f}" if spec in rep2 else "-"
-            lines.append(f"| {method} | {name} | {mauve:.3f} | {rep} |")
+            lines.append(f"| {method} | {name} | {mauve:.3f} | {rep2[spec]:.1f} |")
     return lines
 
 
