@@ -31,6 +31,11 @@ def floats(text: str) -> list[float]:
     return [float(x) for x in text.split(",")]
 
 
+def variant(eps: float) -> str:
+    """How an adaptive epsilon is named among the tuned methods' texts."""
+    return f"adaptive eps={eps:g}"
+
+
 def tuned_specs(report: dict, task: str) -> dict[str, str]:
     """The spec each temperature method was tuned to in the evaluation."""
     methods = report["open_ended"][task]["methods"]
@@ -47,8 +52,8 @@ def hot_rows(ev: Evaluator, task: str, tuned: dict[str, str], eps_values: list[f
     for temp in temperatures:
         specs = {m: tasks.temperature_specs(spec, [temp])[temp] for m, spec in tuned.items()}
         for eps in eps_values:
-            variant = tuned_adaptive.with_param("eps", eps).with_param("temp", temp)
-            specs[f"adaptive eps={eps:g}"] = str(variant)
+            spec_at = tuned_adaptive.with_param("eps", eps).with_param("temp", temp)
+            specs[variant(eps)] = str(spec_at)
         made = ev.generate_specs(task, "test", list(specs.values()), test, 1)
         rows.update({(temp, name): made[spec] for name, spec in specs.items()})
     return test, rows
@@ -56,15 +61,15 @@ def hot_rows(ev: Evaluator, task: str, tuned: dict[str, str], eps_values: list[f
 
 def compare_hot(ev: Evaluator, test, rows: dict, eps_values, temperatures) -> list[dict]:
     """Each adaptive epsilon against every tuned temperature method at its temperature."""
-    names = sorted({name for _, name in rows if not name.startswith("adaptive eps=")})
-    pairs = {(temp, f"adaptive eps={eps:g}", other): (rows[temp, f"adaptive eps={eps:g}"],
-                                                     rows[temp, other])
+    variants = {variant(eps) for eps in eps_values}
+    names = sorted({name for _, name in rows if name not in variants})
+    pairs = {(temp, variant(eps), other): (rows[temp, variant(eps)], rows[temp, other])
              for temp in temperatures for eps in eps_values for other in names}
     table = tasks.compare(ev, pairs, test)
     out = []
     for temp in temperatures:
         for eps in eps_values:
-            name = f"adaptive eps={eps:g}"
+            name = variant(eps)
             scored = ev.score(rows[temp, name], test)
             out.append({"temperature": temp, "eps": eps, "spec": rows[temp, name][0]["spec"],
                         **{k: scored[k] for k in ("diversity", "coherence", "mauve", "k")},
