@@ -18,7 +18,7 @@ import click
 from click.core import ParameterSource
 
 from .runtime import config
-from .runtime.limits import MAX_THREADS
+from .runtime.limits import MAX_CTX, MAX_THREADS
 from .runtime.models import ModelError, describe_models, resolve_model
 from .samplers import SEED, SpecError, parse_spec, spec_from_options, table, valid_specs
 
@@ -101,7 +101,7 @@ def model_options(fn):
     for option in reversed([
         click.option("--n-gpu-layers", type=int, default=0, show_default=True,
                      help="Layers to offload to the GPU (CUDA build; -1: all)."),
-        click.option("--ctx", "n_ctx", type=click.IntRange(min=0), default=2048,
+        click.option("--ctx", "n_ctx", type=click.IntRange(min=0, max=MAX_CTX), default=2048,
                      show_default=True, help="Context window in tokens, rounded up to a "
                      "multiple of 256 (0: the model's own)."),
         click.option("--threads", type=click.IntRange(1, MAX_THREADS), default=None,

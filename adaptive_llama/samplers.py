@@ -330,14 +330,15 @@ class SamplerSpec:
         own = f"{self.name}:{args}" if args else self.name
         return "+".join([own, *map(str, self.modifiers)])
 
-    def with_param(self, key: str, value) -> SamplerSpec:
+    def with_param(self, key: str, value, option: str | None = None) -> SamplerSpec:
         """A copy with one parameter of the sampler (``temp`` included) changed and
-        validated; the modifiers stay."""
+        validated; the modifiers stay. ``option``: the client's option that gave the value,
+        named by the SpecError of a bad one."""
         by_name = {p.name: p for p in self.sampler.all_params()}
         if key not in by_name:
             raise SpecError(f"{self.name} has no `{key}`; it takes "
                             f"{', '.join(f'{k}=' for k in by_name) or 'no parameters'}")
-        value = by_name[key].validate(value)
+        value = by_name[key].validate(value, option)
         if key == "temp":
             return replace(self, temp=value)
         return replace(self, params={**self.params, key: value})
@@ -489,13 +490,13 @@ def spec_from_options(default: SamplerSpec, *, sampler: str | None = None,
         spec = _rejoined(chosen, default.modifiers)
     if epsilon is not None:
         if "eps" not in spec.params:
-            raise SpecError(f"`epsilon` applies to adaptive and eta, not to {spec}")
-        spec = spec.with_param("eps", epsilon)
+            raise SpecError(f"`epsilon` applies to adaptive and eta, not to {spec}", "epsilon")
+        spec = spec.with_param("eps", epsilon, "epsilon")
     spec = _with_option_modifiers(spec, modifier_options)
     if temperature == 0:
         return _rejoined(parse_spec("greedy"), spec.modifiers)
     if temperature is not None and spec.sampler.takes_temp:
-        spec = spec.with_param("temp", temperature)
+        spec = spec.with_param("temp", temperature, "temperature")
     return spec
 
 
@@ -545,19 +546,16 @@ def _mirostat(mode: int | None, tau: float | None, eta: float | None) -> Sampler
     spec = parse_spec(_MIROSTAT[mode])
     for key, value, option in (("tau", tau, "mirostat_tau"), ("eta", eta, "mirostat_eta")):
         if value is not None:
-            try:
-                spec = spec.with_param(key, value)
-            except SpecError as exc:
-                raise SpecError(str(exc).replace(f"`{key}`", f"`{option}`"), option) from None
+            spec = spec.with_param(key, value, option)
     return spec
 
 
 def _truncation(top_p: float | None, top_k: int | None,
                 min_p: float | None) -> SamplerSpec | None:
     if min_p:
-        return parse_spec("min-p").with_param("p", min_p)
+        return parse_spec("min-p").with_param("p", min_p, "min_p")
     if top_p is not None and top_p < 1:
-        return parse_spec("top-p").with_param("p", top_p)
+        return parse_spec("top-p").with_param("p", top_p, "top_p")
     if top_k:
-        return parse_spec("top-k").with_param("k", top_k)
+        return parse_spec("top-k").with_param("k", top_k, "top_k")
     return None

@@ -106,7 +106,8 @@ def test_the_repl_shows_where_each_value_came_from(config_home):
 
 BAD_FILES = [
     ('[models.smollm2]\nsampler = "min-p"\nctxx = 512\n', ["line 3", "`ctxx`", "ctx,"]),
-    ('[models.smollm2]\nctx = 100\n', ["line 2", "`ctx`", ">= 256", "100"]),
+    ('[models.smollm2]\nctx = 100\n', ["line 2", "`ctx`", "[256, 16777216]", "100"]),
+    ('[models.smollm2]\nctx = 99999999999999\n', ["line 2", "`ctx`", "99999999999999"]),
     ('[models.smollm2]\nsampler = "nucleus"\n', ["line 2", "`sampler`", "unknown sampler"]),
     ('[defaults]\nthreads = "many"\n', ["line 2", "`threads`", "[defaults]"]),
     ('[models.smollm2]\nsampler = min-p\n', ["line 2", "Invalid value"]),

@@ -124,21 +124,33 @@ def test_repl_survives_any_command_and_keeps_the_conversation(engine, tmp_path, 
 
 # JSON schemas, valid or not, for structured output (tests/test_structured.py, the server).
 scalars = st.one_of(st.none(), st.booleans(), st.integers(-99, 99), st.text(max_size=4))
+# Counts small, at the bounds (1,000) and far past them: 30,000 killed the server once.
+counts = st.one_of(st.integers(0, 4), st.sampled_from([-5, 999, 1000, 1001, 30_000, 10**9]))
+hostile_patterns = st.one_of(
+    st.integers(1, 60_000).map(lambda n: f"^a{{1,{n}}}$"),
+    st.integers(1, 3000).map(lambda n: "^(" + "|".join(f"v{i}" for i in range(n)) + ")$"),
+    st.tuples(st.integers(2, 4), st.integers(2, 40)).map(
+        lambda lc: "^" + "(" * lc[0] + "a" + "".join(f"{{0,{lc[1]}}})" for _ in range(lc[0]))
+        + "$"),
+    st.sampled_from(["^(a)\\1$", "^(ab$", "^[\\d.]+\\.\\w\\s\\S$", "^[^\\]]*$", "^a\\\\$"]))
 schemas = st.recursive(
     st.fixed_dictionaries({}, optional={
         "type": st.sampled_from(["string", "integer", "number", "boolean", "null", "object",
                                  "array", "strng"]),
-        "enum": st.lists(scalars, min_size=1, max_size=3), "const": scalars,
-        "pattern": st.text(alphabet="ab.*+?()[]{}|^$\\0123", max_size=6),
+        "enum": st.one_of(st.lists(scalars, min_size=0, max_size=3),
+                          st.integers(1, 2000).map(lambda n: [f"v{i}" for i in range(n)])),
+        "const": scalars,
+        "pattern": st.one_of(st.text(alphabet="ab.*+?()[]{}|^$\\0123\"", max_size=6),
+                             hostile_patterns),
         "format": st.sampled_from(["date", "uuid", "email"]),
-        "maxLength": st.integers(0, 4), "minimum": st.integers()}),
+        "maxLength": counts, "minLength": counts, "minimum": st.integers()}),
     lambda inner: st.fixed_dictionaries({}, optional={
         "type": st.sampled_from(["object", "array"]),
         "properties": st.dictionaries(st.text(max_size=4), inner, max_size=3),
         "required": st.lists(st.text(max_size=4), max_size=2),
         "additionalProperties": st.one_of(st.booleans(), inner),
         "items": inner, "prefixItems": st.lists(inner, max_size=2),
-        "minItems": st.integers(0, 3), "maxItems": st.integers(0, 3),
+        "minItems": counts, "maxItems": counts,
         "anyOf": st.lists(inner, min_size=1, max_size=3),
         "allOf": st.lists(inner, min_size=1, max_size=2)}),
     max_leaves=8)

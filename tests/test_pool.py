@@ -16,6 +16,7 @@ from adaptive_llama.runtime.gguf_header import read_header
 from adaptive_llama.runtime.models import ModelError
 from adaptive_llama.server.errors import APIError
 from adaptive_llama.server.pool import (
+    MAX_KEEP_ALIVE_S,
     ModelPool,
     ServedModel,
     keep_alive_s,
@@ -33,6 +34,18 @@ from adaptive_llama.server.pool import (
 ])
 def test_keep_alive_reads_ollamas_durations(value, seconds):
     assert keep_alive_s(value) == seconds
+
+
+@pytest.mark.parametrize("value", [1e308, "99999999999h", MAX_KEEP_ALIVE_S * 1.0001,
+                                   f"{MAX_KEEP_ALIVE_S / 3600 + 1}h", math.inf])
+def test_keep_alive_beyond_any_date_means_for_ever(value):
+    # An expiry date of now + 1e308 s overflows when /api/ps shows it.
+    assert keep_alive_s(value) == math.inf
+
+
+def test_keep_alive_up_to_its_bound_is_kept():
+    assert keep_alive_s(MAX_KEEP_ALIVE_S) == MAX_KEEP_ALIVE_S
+    assert keep_alive_s(f"{MAX_KEEP_ALIVE_S / 3600:.0f}h") < math.inf
 
 
 @pytest.mark.parametrize("value", ["soon", "5 m", "m", "", "1d", True, "nan"])
@@ -209,6 +222,9 @@ def test_keep_alive_unloads_an_idle_model_and_minus_one_keeps_it(two, client):
         time.sleep(0.2)
     client.generate("smollm2", prompt="", keep_alive=-1)
     assert ps(two)[0]["expires_at"].startswith("2318-")  # for ever, as ollama writes it
+    for beyond_any_date in (1e308, "99999999999h"):
+        client.generate("smollm2", prompt="", keep_alive=beyond_any_date)
+        assert ps(two)[0]["expires_at"].startswith("2318-")
     time.sleep(1.5)
     assert loaded_names(two) == ["smollm2"]
 

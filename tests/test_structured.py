@@ -7,11 +7,20 @@ import ollama
 import openai
 import pytest
 from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from jsonschema import Draft202012Validator
 from llama_cpp import LlamaGrammar
 from test_fuzz import schemas
 from test_server import API_KEY, raw, server, server_log, serving  # noqa: F401 (fixtures)
 
-from adaptive_llama.llama.grammar import UnsupportedSchema, check_schema, json_grammar
+from adaptive_llama.llama.grammar import (
+    MAX_GROUP_DEPTH,
+    UnsupportedSchema,
+    check_schema,
+    group_depth,
+    json_grammar,
+)
+from adaptive_llama.llama.schema import MAX_COUNT, MAX_DEPTH, MAX_NESTED_COUNT, MAX_VALUES
 from adaptive_llama.samplers import SpecError
 
 PERSON = {"type": "object",
@@ -57,16 +66,149 @@ def test_schemas_the_grammar_enforces_pass(schema):
     ({"properties": {"e": {"type": "string", "format": "email"}}},
      "`format: email` \\(at /properties/e\\) is not supported"),
     ({"type": "string", "pattern": "^a$", "maxLength": 3},
-     "`pattern` and `minLength/maxLength` together"),
+     "`maxLength` \\(at /\\) is not enforced beside `pattern`"),
     ({"anyOf": [{"type": "string"}, {"not": {"type": "null"}}]}, "`not` \\(at /anyOf/1\\)"),
     ({"$ref": "https://example.com/s.json"}, "can only point inside the schema"),
-    ({"type": "strng"}, "cannot become a grammar"),
+    ({"type": "strng"}, "`type: \"strng\"` \\(at /\\) is not a JSON type"),
     ({"properties": {"a": True}}, "a schema of true or false \\(at /properties/a\\)"),
     ({"properties": []}, "`properties` \\(at /\\) has to be an object"),
 ])
 def test_keywords_the_grammar_would_ignore_are_refused_by_name(schema, message):
     with pytest.raises(UnsupportedSchema, match=message):
         json_grammar(schema)
+
+
+def nested(depth: int) -> dict:
+    schema = {"type": "integer"}
+    for _ in range(depth):
+        schema = {"type": "array", "items": schema}
+    return schema
+
+
+def pattern_nesting(levels: int, count: int) -> str:
+    inner = "a"
+    for _ in range(levels):
+        inner = f"({inner}{{0,{count}}})"
+    return f"^{inner}$"
+
+
+def enum_of(n: int) -> dict:
+    return {"enum": [f"value {i}" for i in range(n)]}
+
+
+STRING, ARRAY = {"type": "string"}, {"type": "array", "items": {"type": "integer"}}
+
+# Each bound, at its limit (accepted) and one past it (refused, naming the keyword).
+BOUNDS = [
+    ({**STRING, "maxLength": MAX_COUNT}, {**STRING, "maxLength": MAX_COUNT + 1}, "`maxLength`"),
+    ({**STRING, "minLength": MAX_COUNT}, {**STRING, "minLength": MAX_COUNT + 1}, "`minLength`"),
+    ({**ARRAY, "maxItems": MAX_COUNT}, {**ARRAY, "maxItems": MAX_COUNT + 1}, "`maxItems`"),
+    ({**ARRAY, "minItems": MAX_COUNT}, {**ARRAY, "minItems": MAX_COUNT + 1}, "`minItems`"),
+    ({**STRING, "pattern": f"^a{{1,{MAX_COUNT}}}$"},
+     {**STRING, "pattern": f"^a{{1,{MAX_COUNT + 1}}}$"}, "`pattern` .*repeats up to"),
+    ({**STRING, "pattern": f"^(ab){{{MAX_COUNT}}}$"},
+     {**STRING, "pattern": f"^(ab){{{MAX_COUNT + 1},}}$"}, "`pattern` .*repeats up to"),
+    ({**STRING, "pattern": pattern_nesting(2, 11)}, {**STRING, "pattern": pattern_nesting(2, 12)},
+     f"multiply to 144 .*at most {MAX_NESTED_COUNT}"),
+    ({**STRING, "pattern": pattern_nesting(3, 5)}, {**STRING, "pattern": pattern_nesting(3, 6)},
+     "`pattern` .*nests quantified groups"),
+    (enum_of(MAX_VALUES), enum_of(MAX_VALUES + 1), f"more than {MAX_VALUES} `enum`"),
+    ({"type": "object", "properties": {"a": enum_of(MAX_VALUES - 1), "b": {"const": 1}}},
+     {"type": "object", "properties": {"a": enum_of(MAX_VALUES), "b": {"const": 1}}},
+     "the last \\(at /properties/b\\)"),
+    (nested(MAX_DEPTH), nested(MAX_DEPTH + 1), f"nested more than {MAX_DEPTH} deep"),
+]
+
+
+@pytest.mark.parametrize("at_limit,past_it,message", BOUNDS)
+def test_each_bound_takes_its_limit_and_refuses_one_more(at_limit, past_it, message):
+    assert json_grammar(at_limit)._grammar
+    with pytest.raises(UnsupportedSchema, match=message):
+        json_grammar(past_it)
+
+
+def test_a_count_llama_cpp_would_parse_by_deep_recursion_never_reaches_it():
+    # A maxLength of n is n nested groups: 30,000 overflowed llama.cpp's stack (the server
+    # died), more than 1,000 it refused. Refused here before llama.cpp sees it, at any size.
+    deepest = json_grammar({**STRING, "maxLength": MAX_COUNT})._grammar
+    assert MAX_COUNT <= group_depth(deepest) <= MAX_GROUP_DEPTH
+    for huge in (30_000, 10**9):
+        for schema in ({**STRING, "maxLength": huge}, {**ARRAY, "maxItems": huge},
+                       {**STRING, "pattern": f"^a{{1,{huge}}}$"}):
+            with pytest.raises(UnsupportedSchema, match=str(huge)):
+                json_grammar(schema)
+
+
+def test_group_depth_counts_groups_not_parentheses_in_literals_or_ranges():
+    assert group_depth('root ::= ("(" [()] (a)?)? ")"') == 2
+    assert group_depth('root ::= "\\"(" x') == 0
+
+
+# Schemas no JSON satisfies, or whose grammar would let a reply break them: 400s that name
+# the keyword and where it stands.
+@pytest.mark.parametrize("schema,message", [
+    ({**ARRAY, "minItems": 5, "maxItems": 2}, "`minItems` 5 is above `maxItems` 2 \\(at /\\)"),
+    ({**STRING, "minLength": 3, "maxLength": 1}, "`minLength` 3 is above `maxLength` 1"),
+    ({**STRING, "maxLength": -5}, "`maxLength` \\(at /\\) has to be an integer in"),
+    ({**STRING, "maxLength": 2.5}, "`maxLength` .* but is 2.5"),
+    ({**STRING, "maxLength": True}, "`maxLength` .* but is true"),
+    ({"allOf": [{"type": "string"}, {"type": "integer"}]}, "`allOf` \\(at /\\) merges object"),
+    ({"allOf": [{"properties": {"a": STRING}}, {"properties": {"a": STRING}}]},
+     "defines the property 'a' twice"),
+    ({"allOf": [{"properties": {"a": STRING}, "additionalProperties": True}]},
+     "/allOf/0 is not"),
+    ({"type": "object", "properties": {"a": {"allOf": [{"$ref": "#/$defs/x"}]}}},
+     "`\\$ref` \\(at /properties/a/allOf/0\\) points at nothing"),
+    ({**STRING, "pattern": "^(ab$"}, "`pattern` \\(at /\\) is not a valid regular expression"),
+    ({**STRING, "pattern": "^(a)\\1$"}, "back-reference"),
+    ({**STRING, "pattern": "^(?=a)a$"}, "lookaround"),
+    ({**STRING, "pattern": "ab"}, "has to start with \\^ and end with \\$"),
+    ({**STRING, "pattern": "^a\\bc$"}, "llama.cpp cannot parse the grammar"),
+    ({**STRING, "pattern": '^a"b$'}, "can match a quote, a backslash or a control"),
+    ({**STRING, "pattern": "^a\\\\b$"}, "can match a quote, a backslash or a control"),
+    ({**STRING, "pattern": "^a\\tb$"}, "can match a quote, a backslash or a control"),
+    ({"enum": []}, "`enum` \\(at /\\) is empty"),
+    ({"type": "string", "enum": ["a", 1]}, "holds 1, which is not of `type: string`"),
+    ({"type": "integer", "const": "1"}, "holds \"1\", which is not of `type: integer`"),
+    ({"type": "object", "properties": {"a": STRING}, "required": ["b"]},
+     "`required` \\(at /\\) names 'b', which `properties` does not define"),
+    ({"type": "object", "required": ["b"]}, "`required` \\(at /\\) is not enforced beside"),
+    ({"type": "array", "minItems": 2}, "`minItems` \\(at /\\) is not enforced beside"),
+    ({"type": ["string", "null"], "maxLength": 3}, "`maxLength` \\(at /\\) is not enforced"),
+    ({"enum": ["ab", "abc"], "maxLength": 2}, "`maxLength` \\(at /\\) is not enforced"),
+    ({"anyOf": [STRING], "type": "integer"}, "`type` \\(at /\\) is not enforced beside `anyOf`"),
+    ({"anyOf": [STRING], "oneOf": [STRING]}, "`anyOf` and `oneOf` together"),
+    ({"anyOf": []}, "`anyOf` \\(at /\\) has to hold a schema"),
+    ({"type": "array", "prefixItems": [STRING], "items": STRING},
+     "`prefixItems` and `items` together"),
+    ({"type": "array", "prefixItems": [STRING, STRING], "maxItems": 1},
+     "leave no room for the 2 items"),
+    ({"$ref": "#/$defs/a", "maxLength": 2, "$defs": {"a": STRING}},
+     "`maxLength` \\(at /\\) is not enforced beside `\\$ref`"),
+    ({"type": "object", "properties": {"a": {"type": "object", "properties": {
+        "b": {"type": "array", "items": {"type": "integer", "maximum": 3}}}}}},
+     "`maximum` \\(at /properties/a/properties/b/items\\)"),
+    ({"type": "array", "items": {"type": "array", "items": [STRING], "maxItems": 0}},
+     "\\(at /items\\) leave no room"),
+])
+def test_schemas_no_reply_could_follow_are_refused_by_name(schema, message):
+    with pytest.raises(UnsupportedSchema, match=message):
+        json_grammar(schema)
+
+
+@pytest.mark.parametrize("schema", [
+    {"allOf": [{"properties": {"a": STRING}}, {"$ref": "#/$defs/b"}],
+     "$defs": {"b": {"type": "object", "properties": {"b": {"type": "integer"}},
+                     "required": ["b"]}}},
+    {"type": "array", "prefixItems": [STRING, {"type": "integer"}], "items": False,
+     "minItems": 2, "maxItems": 2},
+    {"type": "string", "enum": ["a", "b"]}, {"type": "number", "const": 2},
+    {**STRING, "pattern": "^[a-z]+(\\.[a-z]+)*@x\\.org$"},  # nested unbounded: no blow-up
+    {**STRING, "pattern": "^(\\+[0-9]{1,3})?[0-9]{4,14}$"},
+])
+def test_combinations_the_grammar_does_enforce_pass(schema):
+    check_schema(schema)
+    assert json_grammar(schema)._grammar
 
 
 # ---- through the engine, with adaptive decoding choosing inside the grammar ----
@@ -202,6 +344,61 @@ def test_a_grammar_llama_cpp_cannot_parse_is_a_spec_error_not_a_crash(engine):
     with pytest.raises(SpecError, match="cannot parse the grammar"):
         engine.generate("Hi", grammar=broken, max_tokens=2)
     assert engine.generate("Hi", sampler="greedy", max_tokens=2).completion_tokens
+
+
+VALIDATE = Draft202012Validator  # jsonschema: the reply checked against the schema itself
+
+# Accepted schemas whose grammar is easy to get wrong: merged objects, tuples, typed enums,
+# patterns with escapes the converter cannot write as they are, negated ranges, any char.
+TRICKY = [
+    {"allOf": [{"properties": {"a": {"type": "integer"}}, "required": ["a"]},
+               {"properties": {"b": {"type": "boolean"}}}]},
+    {"type": "array", "prefixItems": [{"type": "string", "maxLength": 3}, {"const": 7}],
+     "items": False},
+    {"type": "object", "properties": {"code": {"type": "string",
+                                                "pattern": "^[A-Z]{2}\\.\\d{2,4}-\\w$"}},
+     "required": ["code"]},
+    {"type": "string", "pattern": "^[^a-z]{3,6}$"},
+    {"type": "string", "pattern": "^x.{2,5}\\S$"},
+    {"type": "array", "items": {"type": "string", "enum": ["a", "b\"c", "d\\e", "f\ng"]},
+     "minItems": 2, "maxItems": 4},
+    {"type": "object", "properties": {"a\"b": {"type": "integer"}, "c\\d": {"const": "\\"},
+                                      "e\nf": {"type": "boolean"}},
+     "required": ["a\"b", "c\\d", "e\nf"]},
+    {"type": "object", "properties": {"n": {"type": ["integer", "null"]},
+                                      "s": {"type": "string", "minLength": 2, "maxLength": 4}},
+     "required": ["n", "s"], "additionalProperties": False},
+]
+
+
+@pytest.mark.parametrize("schema", TRICKY)
+def test_replies_under_tricky_accepted_schemas_follow_them(engine, schema):
+    tokens = engine.chat_prompt_tokens([{"role": "user", "content": "Answer in JSON."}])
+    finished = 0
+    for seed in range(4):
+        result = engine.stream(tokens, sampler="adaptive:eps=0.0005,temp=1.5", seed=seed,
+                               max_tokens=80, grammar=json_grammar(schema))
+        text = result.text()
+        if result.result.finish_reason == "stop":
+            VALIDATE(schema).validate(json.loads(text))
+            finished += 1
+    assert finished, "no reply finished within 80 tokens"
+
+
+@settings(max_examples=40, deadline=None,
+          suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
+@given(schema=schemas, seed=st.integers(0, 2**16))
+def test_a_reply_under_any_accepted_schema_follows_it(engine, schema, seed):
+    try:
+        grammar = json_grammar(schema)
+    except UnsupportedSchema:
+        return  # refusals are test_any_schema_is_a_grammar_llama_cpp_takes_or_a_clear_refusal's
+    tokens = engine.chat_prompt_tokens([{"role": "user", "content": "JSON, please."}])
+    result = engine.stream(tokens, sampler="adaptive:temp=1.5", seed=seed, max_tokens=48,
+                           grammar=grammar)
+    text = result.text()
+    if result.result.finish_reason == "stop":
+        VALIDATE(schema).validate(json.loads(text))
 
 
 @settings(max_examples=150, deadline=None,

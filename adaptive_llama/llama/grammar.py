@@ -15,28 +15,27 @@ from __future__ import annotations
 import json
 import re
 
-from llama_cpp.llama_grammar import LlamaGrammar, json_schema_to_gbnf
+import llama_cpp
+from llama_cpp.llama_grammar import LlamaGrammar, SchemaConverter
 
-# What the converter enforces, and what only describes (accepted, changes nothing).
-ENFORCED = {"type", "properties", "required", "additionalProperties", "items", "prefixItems",
-            "minItems", "maxItems", "enum", "const", "anyOf", "oneOf", "allOf", "$ref",
-            "$defs", "definitions", "pattern", "format", "minLength", "maxLength"}
-ANNOTATIONS = {"title", "description", "$schema", "$id", "$comment", "default", "examples",
-               "readOnly", "writeOnly", "deprecated"}
-FORMATS = ("date", "time", "date-time", "uuid")
+from .schema import UnsupportedSchema, check_schema
+
+__all__ = ["UnsupportedSchema", "check_schema", "json_grammar", "framed_json_grammar",
+           "json_gbnf", "group_depth"]
+
+# A grammar llama.cpp is given: at most this long, and its groups at most this deep (it
+# parses a group by recursion; about 30,000 deep overflowed the stack and killed the process,
+# and past about 2,000 it refuses the grammar).
+MAX_GRAMMAR_BYTES = 512 * 1024
+MAX_GROUP_DEPTH = 1024
 ANY_OBJECT = {"type": "object"}  # JSON mode: any JSON object
 _ANY_CHAR = 'char ::= [^"\\\\]'
 _JSON_CHAR = 'char ::= [^"\\\\\\x7F\\x00-\\x1F]'
 
 
-class UnsupportedSchema(ValueError):
-    """A schema the grammar cannot enforce (the message names what and where)."""
-
-
 def json_grammar(schema: dict | None = None) -> LlamaGrammar:
     """The grammar of JSON that ``schema`` accepts; None: any JSON object (JSON mode)."""
-    return LlamaGrammar.from_string(json_gbnf(ANY_OBJECT if schema is None else schema),
-                                    verbose=False)
+    return _parsed(json_gbnf(ANY_OBJECT if schema is None else schema), "root")
 
 
 def framed_json_grammar(schema: dict, before: str, after: str,
@@ -49,9 +48,44 @@ def framed_json_grammar(schema: dict, before: str, after: str,
         top += "-x"
     one = f"{_literal(before)} root {_literal(after)}"
     body = one if separator is None else f"{one} ({_literal(separator)} {one})*"
-    grammar = LlamaGrammar.from_string(f"{top} ::= {body}\n{gbnf}", verbose=False)
-    grammar._root = top  # the start rule llama_sampler_init_grammar is given (see .chain)
+    return _parsed(f"{top} ::= {body}\n{gbnf}", top)
+
+
+def _parsed(gbnf: str, root: str) -> LlamaGrammar:
+    """The grammar, once llama.cpp has parsed it here (UnsupportedSchema if it cannot),
+    so that a request learns it at once, not from the decoding thread."""
+    if len(gbnf) > MAX_GRAMMAR_BYTES:
+        raise UnsupportedSchema(f"the schema makes a grammar of {len(gbnf):,} bytes, more "
+                                f"than the {MAX_GRAMMAR_BYTES:,} allowed; make it smaller")
+    if group_depth(gbnf) > MAX_GROUP_DEPTH:
+        raise UnsupportedSchema(f"the schema makes a grammar nested more than "
+                                f"{MAX_GROUP_DEPTH} deep; make its counts smaller")
+    # No vocabulary: a schema's grammar has no <token> terms, and parsing needs none else.
+    sampler = llama_cpp.llama_sampler_init_grammar(None, gbnf.encode("utf-8"),
+                                                   root.encode("utf-8"))
+    if not sampler:
+        raise UnsupportedSchema("llama.cpp cannot parse the grammar the schema makes (it "
+                                "has too many rules, or a pattern holds what GBNF does "
+                                "not know, such as \\d or \\w: write [0-9] or [a-zA-Z0-9_])")
+    llama_cpp.llama_sampler_free(sampler)
+    grammar = LlamaGrammar.from_string(gbnf, verbose=False)
+    grammar._root = root  # the start rule llama_sampler_init_grammar is given (see .chain)
     return grammar
+
+
+_GBNF_TERM = re.compile(r'"(?:[^"\\]|\\.)*"|\[(?:[^\]\\]|\\.)*\]|[()]')
+
+
+def group_depth(gbnf: str) -> int:
+    """How deep the grammar's groups ``( ... )`` nest (outside its literals and ranges)."""
+    depth = deepest = 0
+    for term in _GBNF_TERM.findall(gbnf):
+        if term == "(":
+            depth += 1
+            deepest = max(deepest, depth)
+        elif term == ")":
+            depth -= 1
+    return deepest
 
 
 def _literal(text: str) -> str:
@@ -64,7 +98,7 @@ def json_gbnf(schema: dict) -> str:
     checked (:func:`check_schema`)."""
     check_schema(schema)
     try:
-        gbnf = json_schema_to_gbnf(json.dumps(schema))
+        gbnf = _converted(_with_gbnf_patterns(schema))
     except (ValueError, AssertionError, KeyError, TypeError, IndexError) as exc:
         raise UnsupportedSchema(f"the schema cannot become a grammar: {exc}") from None
     # The converter's string character is anything but a quote or a backslash, so a raw
@@ -74,72 +108,98 @@ def json_gbnf(schema: dict) -> str:
         raise RuntimeError("llama-cpp-python's JSON-schema converter writes another string "
                            "character rule than the one this release knows; update "
                            "adaptive_llama/llama/grammar.py")
-    return gbnf.replace(_ANY_CHAR, _JSON_CHAR)
+    return gbnf.replace(_ANY_CHAR, _JSON_CHAR).replace(_ANY_DOT, _JSON_DOT)
 
 
-def check_schema(schema, where: str = "") -> None:
-    """UnsupportedSchema for the first keyword (depth first) that the grammar cannot enforce;
-    ``where`` is the JSON pointer of ``schema`` inside the whole one."""
+_LITERAL_ESCAPES = {"\\": "\\\\", '"': '\\"', "\r": "\\r", "\n": "\\n"}
+
+
+class _Converter(SchemaConverter):
+    """llama-cpp-python's converter, with GBNF literals whose backslashes are escaped: it
+    wrote a constant or a property name holding a quote or a backslash (``"b\\"c"`` as
+    JSON) as a literal llama.cpp cannot parse."""
+
+    def _format_literal(self, literal: str) -> str:
+        return '"' + re.sub(r'[\\\r\n"]', lambda m: _LITERAL_ESCAPES[m.group()], literal) + '"'
+
+
+def _converted(schema: dict) -> str:
+    """The GBNF of a checked schema (as llama-cpp-python's ``json_schema_to_gbnf``)."""
+    converter = _Converter(prop_order={}, allow_fetch=False, dotall=False, raw_pattern=False)
+    converter.visit(converter.resolve_refs(json.loads(json.dumps(schema)), "stdin"), "")
+    return converter.format_grammar()
+
+
+# A pattern's escapes as the converter passes them on to llama.cpp, which knows only \x, \u,
+# \t, \n, \r and a few more: "\d" or "\." would be grammars it cannot parse. Each becomes
+# a range of hexadecimal escapes, inside or outside brackets.
+# \s is the space alone: a tab or a line break stands in a JSON string only escaped, which
+# the converter cannot write.
+_CLASSES = {"d": "0-9", "w": "a-zA-Z0-9_", "s": "\\x20"}
+# What a JSON string cannot hold raw: a negated range leaves these out too.
+_NOT_IN_JSON = "\\x22\\x5C\\x00-\\x1F\\x7F"
+_ANY_DOT = 'dot ::= [^\\x0A\\x0D]'
+_JSON_DOT = f'dot ::= [^{_NOT_IN_JSON}]'
+
+
+def gbnf_pattern(pattern: str) -> str:
+    """``pattern`` (a checked regular expression) written so that the converter makes GBNF
+    llama.cpp parses, and that never writes a quote, a backslash or a control character raw
+    inside the JSON string."""
+    out, i, in_range = [], 0, False
+    while i < len(pattern):
+        c = pattern[i]
+        if c == "\\" and i + 1 < len(pattern):
+            out.append(_escape(pattern[i + 1], in_range))
+            i += 2
+            continue
+        if not in_range and c == "[":
+            in_range = True
+            negated = pattern[i + 1:i + 2] == "^"
+            out.append("[^" if negated else "[")
+            i += 2 if negated else 1
+            if pattern[i:i + 1] == "]":  # a "]" first in a range is a character
+                out.append("\\x5D")
+                i += 1
+            continue
+        if in_range and c == "]":
+            in_range = False
+            out.append(_NOT_IN_JSON + "]" if negated else "]")
+        else:
+            out.append(c)
+        i += 1
+    return "".join(out)
+
+
+def _escape(char: str, in_range: bool) -> str:
+    """One escaped character of a pattern (``\\d``, ``\\.``, ...) as GBNF takes it."""
+    upper = char.upper()
+    if char.lower() in _CLASSES:
+        inside = _CLASSES[char.lower()]
+        if char == upper:  # \D, \W, \S: the complement, outside a range only (else kept)
+            return f"[^{inside}{_NOT_IN_JSON}]" if not in_range else "\\" + char
+        return inside if in_range else f"[{inside}]"
+    if not char.isalnum():
+        code = f"\\x{ord(char):02X}" if ord(char) < 256 else f"\\u{ord(char):04X}"
+        return code if in_range else f"[{code}]"
+    return "\\" + char  # \x41, \u00e9, ...: GBNF's own escapes; others fail to parse
+
+
+def _with_gbnf_patterns(schema):
+    """The schema with each ``pattern`` (where a schema stands, not inside a value) as
+    :func:`gbnf_pattern` writes it."""
     if not isinstance(schema, dict):
-        if isinstance(schema, bool):
-            raise UnsupportedSchema(f"a schema of true or false (at {where or '/'}) is not "
-                                    "supported; write the type out")
-        raise UnsupportedSchema(f"a schema has to be an object, but at {where or '/'} it is "
-                                f"{json.dumps(schema)[:40]}")
-    for keyword in schema:
-        if keyword not in ENFORCED and keyword not in ANNOTATIONS:
-            raise UnsupportedSchema(f"`{keyword}` (at {where or '/'}) is not supported by "
-                                    "the grammar that constrains the reply; remove it")
-    _check_string(schema, where)
+        return schema
+    out = dict(schema)
+    if isinstance(out.get("pattern"), str):
+        out["pattern"] = gbnf_pattern(out["pattern"])
     for keyword in ("properties", "$defs", "definitions"):
-        for name, sub in _mapping(schema, keyword, where).items():
-            check_schema(sub, f"{where}/{keyword}/{_pointer_part(name)}")
-    for keyword in ("anyOf", "oneOf", "allOf", "prefixItems"):
-        for i, sub in enumerate(_list(schema, keyword, where)):
-            check_schema(sub, f"{where}/{keyword}/{i}")
-    items = schema.get("items")
-    if isinstance(items, list):
-        for i, sub in enumerate(items):
-            check_schema(sub, f"{where}/items/{i}")
-    elif items is not None:
-        check_schema(items, f"{where}/items")
-    extra = schema.get("additionalProperties")
-    if isinstance(extra, dict):
-        check_schema(extra, f"{where}/additionalProperties")
-    ref = schema.get("$ref")
-    if ref is not None and not (isinstance(ref, str) and ref.startswith("#")):
-        raise UnsupportedSchema(f"`$ref` (at {where or '/'}) can only point inside the "
-                                f"schema (#/...), not to {ref!r}")
-
-
-def _check_string(schema: dict, where: str) -> None:
-    """The converter enforces one of pattern, format and a length on a string."""
-    kinds = [k for k in ("pattern", "format") if k in schema]
-    if "minLength" in schema or "maxLength" in schema:
-        kinds.append("minLength/maxLength")
-    if len(kinds) > 1:
-        raise UnsupportedSchema(f"{' and '.join(f'`{k}`' for k in kinds)} together (at "
-                                f"{where or '/'}) are not supported; keep one")
-    form = schema.get("format")
-    if form is not None and not (form in FORMATS or re.fullmatch(r"uuid[1-5]", str(form))):
-        raise UnsupportedSchema(f"`format: {form}` (at {where or '/'}) is not supported; "
-                                f"the grammar knows {', '.join(FORMATS)}")
-
-
-def _mapping(schema: dict, keyword: str, where: str) -> dict:
-    value = schema.get(keyword, {})
-    if not isinstance(value, dict):
-        raise UnsupportedSchema(f"`{keyword}` (at {where or '/'}) has to be an object")
-    return value
-
-
-def _list(schema: dict, keyword: str, where: str) -> list:
-    value = schema.get(keyword, [])
-    if not isinstance(value, list):
-        raise UnsupportedSchema(f"`{keyword}` (at {where or '/'}) has to be a list")
-    return value
-
-
-def _pointer_part(name: str) -> str:
-    """A property name as one part of a JSON pointer (RFC 6901), on one line."""
-    return json.dumps(name.replace("~", "~0").replace("/", "~1"))[1:-1]
+        if isinstance(out.get(keyword), dict):
+            out[keyword] = {k: _with_gbnf_patterns(v) for k, v in out[keyword].items()}
+    for keyword in ("anyOf", "oneOf", "allOf", "prefixItems", "items"):
+        if isinstance(out.get(keyword), list):
+            out[keyword] = [_with_gbnf_patterns(v) for v in out[keyword]]
+    for keyword in ("items", "additionalProperties"):
+        if isinstance(out.get(keyword), dict):
+            out[keyword] = _with_gbnf_patterns(out[keyword])
+    return out

@@ -41,7 +41,7 @@ else:  # pragma: no cover - Python 3.10
     import tomli as tomllib
 
 from ..samplers import SpecError, parse_spec
-from .limits import MAX_THREADS
+from .limits import MAX_CTX, MAX_THREADS
 
 DEFAULTS_TABLE = "defaults"
 MODELS_TABLE = "models"
@@ -99,7 +99,7 @@ def _chat_template(value):
 KEYS = {
     "sampler": _sampler,
     "system": _text,
-    "ctx": _integer(256, also=(0,)),
+    "ctx": _integer(256, MAX_CTX, also=(0,)),
     "n_gpu_layers": _integer(-1),
     "threads": _integer(1, MAX_THREADS),
     "backend_sampling": _boolean,

@@ -38,7 +38,7 @@ from .batching import MAX_LOGPROBS, Decoder, Generation, GenerationResult, Token
 from .chat_template import ChatTemplate
 from .embeddings import Embedder
 from .gguf_header import quantization_name
-from .limits import MAX_THREADS
+from .limits import MAX_CTX, MAX_THREADS
 from .loading import load_model
 from .models import ModelError, resolve_model
 from .request import ContextOverflow, InvalidArgument, Request, check_int
@@ -168,7 +168,7 @@ class Engine:
                  verbose: bool = False, backend_sampling: bool = False,
                  chat_template: str | None = None):
         check_int("n_gpu_layers", n_gpu_layers, low=-1)
-        check_int("n_ctx", n_ctx, low=0)
+        check_int("n_ctx", n_ctx, low=0, high=MAX_CTX)
         if 0 < n_ctx < CTX_STEP:
             raise InvalidArgument(f"`n_ctx` has to be 0 (the model's own) or at least "
                                   f"{CTX_STEP}, but is {n_ctx}", "n_ctx")
@@ -193,7 +193,7 @@ class Engine:
         self.vocab = Vocab(self._model)
         self.n_vocab = self.vocab.n_vocab
         # llama.cpp rounds each sequence's context up to a multiple of 256.
-        requested = n_ctx or self._model.n_ctx_train()
+        requested = n_ctx or min(self._model.n_ctx_train(), MAX_CTX)
         self.n_ctx = -(-requested // CTX_STEP) * CTX_STEP
         self.parallel = parallel
         threads = n_threads or default_threads()

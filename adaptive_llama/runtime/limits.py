@@ -4,3 +4,8 @@ file, Python API); importing this module loads nothing else."""
 # ggml's GGML_MAX_N_THREADS: its thread pool and CPU masks hold this many threads; more
 # ran thousands of threads or crashed inside ggml.
 MAX_THREADS = 512
+
+# The longest context window taken, in tokens: beyond every model's trained context (the
+# longest, Llama 4 Scout's, is 10M). llama.cpp holds n_ctx in 32 bits: a larger value
+# wrapped around, and one near it had llama.cpp try to allocate for tens of seconds.
+MAX_CTX = 2**24

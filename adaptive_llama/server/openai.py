@@ -97,6 +97,11 @@ class ResponseFormat(BaseModel):
         return self.json_schema.schema_ or ANY_OBJECT
 
 
+class StreamOptions(BaseModel):
+    model_config = STRICT
+    include_usage: bool | None = None
+
+
 class _FunctionName(BaseModel):
     model_config = STRICT
     name: str
@@ -123,7 +128,7 @@ class _Body(SamplingFields):
     seed: int | None = Field(None, ge=0, le=SEED.high)
     n: int = Field(1, ge=1, le=1)  # one context, one choice
     stream: bool = False
-    stream_options: dict | None = None
+    stream_options: StreamOptions | None = None
     sampler: str | None = None
     response_format: ResponseFormat | None = None
 
@@ -239,7 +244,7 @@ async def _respond(model: LoadedModel, request: Request, job: Job, body: _Body, 
     head = {"id": f"{'chatcmpl' if kind == 'chat' else 'cmpl'}-{next(_ids)}",
             "created": int(time.time()), "model": model.name}
     if body.stream:
-        usage = bool((body.stream_options or {}).get("include_usage"))
+        usage = bool(body.stream_options and body.stream_options.include_usage)
         return EventSourceResponse(_events(job, head, kind, usage, functions),
                                    ping=15, sep="\n")
     return _final(await wait(request, job), head, kind, job.request.logprobs is not None,

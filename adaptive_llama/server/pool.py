@@ -41,6 +41,9 @@ LOAD_WAIT_S = 120.0  # a request for an unloaded model waits this long for room
 ROOM_POLL_S = 0.1
 UNLOAD_POLL_S = 0.5  # how often idle models are looked at
 RETRY_AFTER_S = 5
+# Longer than anyone keeps a server up, and far below what a date can hold: a keep_alive
+# beyond it means for ever (1e308 seconds would overflow every expiry date shown).
+MAX_KEEP_ALIVE_S = 100 * 365.25 * 86400
 # Go's duration syntax, as ollama's keep_alive takes it: "5m", "1h30m", "-1s", "90s".
 _DURATION = re.compile(r"([+-]?)((?:\d+(?:\.\d*)?|\.\d+)(?:ns|us|µs|ms|s|m|h))+")
 _DURATION_PART = re.compile(r"(\d+(?:\.\d*)?|\.\d+)(ns|us|µs|ms|s|m|h)")
@@ -50,8 +53,8 @@ _NAME = re.compile(r"[a-z0-9][a-z0-9._:-]*")
 
 def keep_alive_s(value: float | int | str) -> float:
     """Seconds from ollama's ``keep_alive``: a number of seconds, or a duration such as
-    "5m", "1h30m" or "300" (seconds); negative means for ever. ValueError for anything
-    else."""
+    "5m", "1h30m" or "300" (seconds); negative, or more than :data:`MAX_KEEP_ALIVE_S`,
+    means for ever. ValueError for anything else."""
     if isinstance(value, bool):
         raise ValueError(f"has to be a duration such as \"5m\" or a number of seconds, "
                          f"but is {value!r}")
@@ -70,7 +73,7 @@ def keep_alive_s(value: float | int | str) -> float:
             seconds = -seconds if text.startswith("-") else seconds
     if math.isnan(seconds):
         raise ValueError("has to be a number of seconds, but is NaN")
-    return FOREVER if seconds < 0 else seconds
+    return FOREVER if seconds < 0 or seconds > MAX_KEEP_ALIVE_S else seconds
 
 
 def served_name(model: str, path: Path) -> str:
