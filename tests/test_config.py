@@ -136,7 +136,7 @@ def test_a_bad_file_is_one_line_naming_file_line_and_key_and_nothing_starts(
      ["line 4", "`threads` in [defaults] has to be an integer in [1, 512], but is 0"]),
     ('[defaults]\nthreads = true\n', ["line 2", "integer in [1, 512], but is True"]),
     ('[defaults]\nctx = 255\n',
-     ["`ctx` in [defaults] has to be an integer >= 256 (or 0), but is 255"]),
+     ["`ctx` in [defaults] has to be an integer in [256, 16777216] (or 0), but is 255"]),
     ('[defaults]\nn_gpu_layers = -2\n', ["line 2", "integer >= -1, but is -2"]),
     ('[defaults]\nbackend_sampling = 1\n', ["line 2", "has to be true or false, but is 1"]),
     ('[defaults]\nsystem = 1\n', ["line 2", "has to be text in quotes, but is 1"]),

@@ -304,7 +304,7 @@ def test_run_and_generate_take_temp_and_n():
     assert show_block(out)["sampler"] == "min-p:p=0.1,temp=0.6"
     assert show_block(out)["max-tokens"] == "7"
     result = CliRunner().invoke(main, ["run", "--temp", "-1"], input="")
-    assert result.exit_code == 2 and "--temp: `temp` has to be in" in result.output
+    assert result.exit_code == 2 and "--temp: `temperature` has to be in" in result.output
     # generate's model is optional, as run's and serve's: the bundled one
     result = CliRunner().invoke(main, ["generate", "--prompt", "1, 2, 3,", "--temp", "0",
                                        "-n", "6"])

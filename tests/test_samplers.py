@@ -219,10 +219,23 @@ def test_client_options_become_one_spec(options, expected):
 
 @pytest.mark.parametrize("options,message", [
     (dict(sampler="top-k", epsilon=0.01), "`epsilon` applies to adaptive and eta, not to top-k"),
-    (dict(epsilon=2.0), "`eps` has to be in \\(0, 1\\), but is 2"),
-    (dict(top_p=0.0), "`p` has to be in \\(0, 1\\], but is 0"),
+    (dict(epsilon=2.0), "`epsilon` has to be in \\(0, 1\\), but is 2"),
+    (dict(top_p=0.0), "`top_p` has to be in \\(0, 1\\], but is 0"),
     (dict(sampler="nope"), "unknown sampler 'nope'"),
 ])
 def test_client_options_out_of_range_are_spec_errors(options, message):
     with pytest.raises(SpecError, match=message):
         spec_from_options(ADAPTIVE_HOT, **options)
+
+
+@pytest.mark.parametrize("option,value", [
+    ("temperature", 1e-9), ("temperature", 1e7), ("top_k", 2**63), ("top_p", -0.5),
+    ("min_p", 1.5), ("epsilon", 0.0), ("mirostat_tau", -1.0), ("mirostat_eta", -1.0),
+    ("repeat_penalty", -1.0), ("dry_multiplier", -1.0), ("xtc_probability", 2.0),
+])
+def test_an_option_out_of_range_is_an_error_naming_that_option(option, value):
+    # A client sent `option`: the 400 has to name it, not the spec it became.
+    extra = {"mirostat": 2} if option.startswith("mirostat_") else {}
+    with pytest.raises(SpecError, match=f"`{option}`") as caught:
+        spec_from_options(ADAPTIVE_HOT, **{option: value}, **extra)
+    assert caught.value.param == option

@@ -2,12 +2,19 @@
 its place, rendered with Jinja as Hugging Face renders them, and what a template does with
 tools.
 
-A template is rendered with a mark in place of each message's text, so that the caller can
-tokenize the template's markup (whose ``<|im_start|>`` are control tokens) apart from the
-messages' text (where they stay text): a message cannot end its turn or forge another role's.
-Values a template writes as JSON (``tools | tojson``, a tool call's arguments) cannot hold a
-control token either: its first character is written as a JSON escape (``\\u003c|im_end|>``),
-which parses to the same string.
+A template is rendered with a mark in place of every text a client gives (a message's
+content, a tool call's id, name and arguments, a tool result's id and name, a tool's
+description and the names and texts of its parameters), so that the caller can tokenize the
+template's markup (whose ``<|im_start|>`` are control tokens) apart from those texts (where
+they stay text): no field can end a turn or forge another role's. Roles and ``type`` fields
+are checked values, left as they are. Values a template writes as JSON (``tools | tojson``, a
+call's arguments) are written from the texts themselves, and cannot hold a control token
+either: its first character is written as a JSON escape (``\\u003c|im_end|>``), which parses
+to the same string.
+
+Rendering is bounded (:mod:`.template_sandbox`): a template, the model's own included, is
+untrusted input. One that cannot be parsed, or that passes the bounds on a short
+conversation, is refused when it is loaded, in one line naming it.
 
 Built in, by name, for models whose own template has no tools: ``chatml-tools``, ChatML
 (``<|im_start|>role ... <|im_end|>``, the markup of SmolLM2 and Qwen) with tools in Hermes's
@@ -18,13 +25,18 @@ turn of ``<tool_response>`` blocks.
 
 from __future__ import annotations
 
+import contextvars
 import functools
+import json
 import re
 import secrets
 from collections.abc import Callable, Iterator
+from datetime import datetime
 from pathlib import Path
 
-from llama_cpp.llama_chat_format import Jinja2ChatFormatter
+import jinja2
+
+from .template_sandbox import BoundedEnvironment, TemplateBudgetError, check_size, step
 
 CHATML_TOOLS = """\
 {%- if tools %}
@@ -68,8 +80,8 @@ HERMES_CALL = "<tool_call>"  # what a template that writes Hermes's tool calls c
 
 
 def load_template(value: str) -> str:
-    """A template's source from a built-in name (``chatml-tools``) or a Jinja file's path;
-    ValueError saying what was wrong."""
+    """A template's source from a built-in name (``chatml-tools``) or a Jinja file's path,
+    checked (:func:`check_template`); ValueError saying what was wrong."""
     if value in BUILTIN:
         return BUILTIN[value]
     path = Path(value).expanduser()
@@ -77,21 +89,29 @@ def load_template(value: str) -> str:
         raise ValueError(f"has to be a built-in template ({', '.join(BUILTIN)}) or a Jinja "
                          f"file, but {value!r} is neither")
     try:
-        return path.read_text(encoding="utf-8")
+        source = path.read_text(encoding="utf-8")
     except (OSError, UnicodeDecodeError) as exc:
         raise ValueError(f"{value} cannot be read as a UTF-8 Jinja file ({exc})") from None
+    check_template(source, origin=value)
+    return source
 
 
-class _Formatter(Jinja2ChatFormatter):
-    """llama-cpp-python's formatter, with a ``tojson`` that cannot write a control token."""
+class TemplateError(ValueError):
+    """A chat template that cannot be used; one line naming it, what is wrong and where."""
 
-    def __init__(self, source: str, *, bos: str, eos: str, escape: Callable[[str], str]):
-        self._escape = escape
-        super().__init__(template=source, eos_token=eos, bos_token=bos)
 
-    def tojson(self, x, ensure_ascii=False, indent=None, separators=None, sort_keys=False):
-        return self._escape(Jinja2ChatFormatter.tojson(x, ensure_ascii, indent, separators,
-                                                       sort_keys))
+def check_template(source: str, origin: str) -> None:
+    """TemplateError when ``source`` is no Jinja or passes the render bounds on a short
+    conversation (``origin`` names it in the message)."""
+    ChatTemplate(source, bos="", eos="", specials=lambda: None, origin=origin)
+
+
+_PROBE = [{"role": "system", "content": "s"}, {"role": "user", "content": "u"},
+          {"role": "assistant", "content": "a"}, {"role": "user", "content": "u"}]
+# Keys whose values a template compares with literals ("user", "function", "string"): kept.
+_CHECKED_KEYS = frozenset({"role", "type", "format", "$ref"})
+_texts: contextvars.ContextVar[list[str] | None] = contextvars.ContextVar("_texts",
+                                                                          default=None)
 
 
 class ChatTemplate:
@@ -102,25 +122,57 @@ class ChatTemplate:
         bos, eos: the texts of the model's BOS and EOS tokens (templates write them).
         specials: the regular expression of the model's control tokens' texts, made on
             first use (its vocabulary is scanned only when a template writes JSON).
+        origin: what the template is, for messages ("the chat template of model.gguf").
+
+    Raises:
+        TemplateError: a syntax error, or a template that passes the render bounds on a
+            short conversation.
     """
 
     def __init__(self, source: str, *, bos: str, eos: str,
-                 specials: Callable[[], re.Pattern | None]):
+                 specials: Callable[[], re.Pattern | None], origin: str = "the chat template"):
         self.source = source
+        self.origin = origin
         self._specials = specials
-        self._formatter = _Formatter(source, bos=bos, eos=eos, escape=self._escape_specials)
+        self._bos, self._eos = bos, eos
+        self._environment = BoundedEnvironment()
+        self._environment.filters["tojson"] = self._tojson
+        try:
+            self._template = self._environment.from_string(source)
+        except jinja2.TemplateSyntaxError as exc:
+            raise TemplateError(f"{origin} is not valid Jinja: line {exc.lineno}: "
+                                f"{exc.message}") from None
+        try:
+            self._render(_PROBE, None)
+        except TemplateBudgetError as exc:
+            raise TemplateError(f"{origin} cannot be used: rendering a four-message "
+                                f"conversation, {exc}") from None
+        except Exception:  # noqa: BLE001 (the template's own refusal of the probe's roles)
+            pass
 
     def render(self, messages: list[dict], tools: list[dict] | None = None
                ) -> tuple[list[tuple[str, bool]], bool]:
-        """The conversation as (markup, False) and (message text, True) parts, and whether
-        the template wrote the BOS itself. A message's ``content`` is text, a tool call's
-        ``arguments`` an object."""
-        nonce = secrets.token_hex(4)
-        # Only text stands behind a mark: a template tests empty content ("if content").
-        marked = [{**m, "content": f"\ue000{nonce}:{i}\ue001"} if m.get("content") else m
-                  for i, m in enumerate(messages)]
-        rendered = self._formatter(messages=marked, tools=tools or None)
-        return list(_split_marks(rendered.prompt, messages, nonce)), rendered.added_special
+        """The conversation as (markup, False) and (client text, True) parts, and whether
+        the template wrote the BOS itself (always: templates write ``bos_token``). A
+        message's ``content`` is text, a tool call's ``arguments`` an object.
+        TemplateBudgetError for a render that passes the bounds."""
+        nonce = str(secrets.randbelow(10**8))  # digits: upper() or lower() keep the mark
+        texts: list[str] = []
+        marker = _Marker(nonce, texts)
+        marked = [marker.message(m) for m in messages]
+        offered = [marker.tool(t) for t in tools] if tools else None
+        token = _texts.set(texts)
+        try:
+            rendered = self._render(marked, offered)
+        finally:
+            _texts.reset(token)
+        return list(_split_marks(rendered, texts, nonce)), True
+
+    def _render(self, messages: list[dict], tools: list[dict] | None) -> str:
+        return self._environment.render(
+            self._template, messages=messages, tools=tools or None, bos_token=self._bos,
+            eos_token=self._eos, add_generation_prompt=True, raise_exception=_raise,
+            strftime_now=_strftime_now, functions=None, function_call=None, tool_choice=None)
 
     @functools.cached_property
     def writes_tools(self) -> bool:
@@ -129,17 +181,27 @@ class ChatTemplate:
         tool = {"type": "function", "function": {
             "name": probe, "description": "", "parameters": {"type": "object"}}}
         try:
-            rendered = self._formatter(messages=[{"role": "user", "content": "hi"}],
-                                       tools=[tool])
-        except Exception:  # the template's own error, whatever its kind
+            rendered = self._render([{"role": "user", "content": "hi"}], [tool])
+        except Exception:  # noqa: BLE001 (the template's own error, whatever its kind)
             return False
-        return probe in rendered.prompt
+        return probe in rendered
 
     @property
     def tool_calls_hermes(self) -> bool:
         """Whether the template asks for Hermes's tool calls (``<tool_call>`` JSON), the
         one format whose calls are read back from a reply (:mod:`.tools`)."""
         return self.writes_tools and HERMES_CALL in self.source
+
+    def _tojson(self, x, ensure_ascii=False, indent=None, separators=None, sort_keys=False):
+        """Hugging Face's ``tojson``, of the texts behind the marks, unable to write a
+        control token."""
+        step()
+        texts = _texts.get()
+        value = _unmarked(x, texts) if texts else x
+        text = json.dumps(value, ensure_ascii=ensure_ascii, indent=indent,
+                          separators=separators, sort_keys=sort_keys)
+        check_size(len(text), "a JSON text")
+        return self._escape_specials(text)
 
     def _escape_specials(self, text: str) -> str:
         pattern = self._specials()
@@ -150,6 +212,94 @@ class ChatTemplate:
         return pattern.sub(lambda m: _json_escape(m.group()[0]) + m.group()[1:], text)
 
 
+class _Marker:
+    """Client texts replaced by marks ``\\ue000NONCE:i\\ue001`` (the same text, the same
+    mark: a template's ``name in required`` still holds), each text kept in ``texts``."""
+
+    def __init__(self, nonce: str, texts: list[str]):
+        self._nonce, self._texts, self._index = nonce, texts, {}
+
+    def text(self, value):
+        if not isinstance(value, str) or not value:  # a template tests empty text
+            return value
+        if value not in self._index:
+            self._index[value] = len(self._texts)
+            self._texts.append(value)
+        return f"\ue000{self._nonce}:{self._index[value]}\ue001"
+
+    def free(self, value):
+        """Free-form data (a call's arguments): every key and text marked."""
+        if isinstance(value, dict):
+            return {self.text(k): self.free(v) for k, v in value.items()}
+        if isinstance(value, list):
+            return [self.free(v) for v in value]
+        return self.text(value)
+
+    def message(self, message: dict) -> dict:
+        out = {k: (v if k in _CHECKED_KEYS else self.text(v)) for k, v in message.items()}
+        if message.get("tool_calls"):
+            out["tool_calls"] = [self._call(c) for c in message["tool_calls"]]
+        return out
+
+    def _call(self, call: dict) -> dict:
+        out = {k: (v if k in _CHECKED_KEYS else self.text(v)) for k, v in call.items()}
+        if isinstance(call.get("function"), dict):
+            function = call["function"]
+            out["function"] = {"name": self.text(function.get("name")),
+                               "arguments": self.free(function.get("arguments"))}
+        return out
+
+    def tool(self, tool: dict) -> dict:
+        out = dict(tool)
+        if isinstance(tool.get("function"), dict):
+            out["function"] = self.schema(tool["function"])
+        return out
+
+    def schema(self, value):
+        """A function or a JSON schema: property names, descriptions and values marked;
+        keywords and checked values (``type``) kept."""
+        if isinstance(value, list):
+            return [self.schema(v) for v in value]
+        if not isinstance(value, dict):
+            return self.text(value)
+        out = {}
+        for key, item in value.items():
+            if key in _CHECKED_KEYS:
+                out[key] = item
+            elif key == "properties" and isinstance(item, dict):
+                out[key] = {self.text(name): self.schema(sub) for name, sub in item.items()}
+            elif key in ("enum", "const", "default", "examples"):
+                out[key] = self.free(item)
+            else:
+                out[key] = self.schema(item)
+        return out
+
+
+_MARK = re.compile("\ue000\\d+:(\\d+)\ue001")
+
+
+def _unmarked(value, texts: list[str]):
+    """``value`` with every mark replaced by its text (for JSON written by the template)."""
+    def text(s):
+        return _MARK.sub(lambda m: texts[int(m.group(1))], s) if "\ue000" in s else s
+    if isinstance(value, str):
+        return text(value)
+    if isinstance(value, dict):
+        return {text(k) if isinstance(k, str) else k: _unmarked(v, texts)
+                for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_unmarked(v, texts) for v in value]
+    return value
+
+
+def _raise(message: str):
+    raise ValueError(message)
+
+
+def _strftime_now(form: str) -> str:
+    return datetime.now().strftime(form)
+
+
 def _json_escape(char: str) -> str:
     """``char`` as JSON's ``\\uXXXX`` escape (two, a surrogate pair, beyond the BMP)."""
     units = char.encode("utf-16-be")
@@ -157,13 +307,12 @@ def _json_escape(char: str) -> str:
                    for i in range(0, len(units), 2))
 
 
-def _split_marks(rendered: str, messages: list[dict],
-                 nonce: str) -> Iterator[tuple[str, bool]]:
-    """The rendered template as (markup, False) and (message text, True) parts: each mark
-    ``\ue000NONCE:i\ue001`` stands for message i's content. One pass over the text."""
+def _split_marks(rendered: str, texts: list[str], nonce: str) -> Iterator[tuple[str, bool]]:
+    """The rendered template as (markup, False) and (client text, True) parts: each mark
+    ``\\ue000NONCE:i\\ue001`` stands for ``texts[i]``. One pass over the text."""
     parts = re.split(f"\ue000{nonce}:(\\d+)\ue001", rendered)
     for i, part in enumerate(parts):
         if i % 2:
-            yield messages[int(part)]["content"], True
+            yield texts[int(part)], True
         elif part:
             yield part, False

@@ -287,6 +287,8 @@ class Engine:
 
     def _chat_template(self, source: str | None) -> ChatTemplate | None:
         """The template given, else the model's own; None if neither."""
+        origin = "the chat template given" if source else \
+            f"the chat template of {self.path.name} (its tokenizer.chat_template)"
         source = source or self.metadata.get("tokenizer.chat_template")
         if not source:
             return None
@@ -294,7 +296,7 @@ class Engine:
             source,
             eos=self.piece(self._model.token_eos(), special=True).decode("utf-8", "replace"),
             bos=self.piece(self._model.token_bos(), special=True).decode("utf-8", "replace"),
-            specials=lambda: self._special_tokens()[0])
+            specials=lambda: self._special_tokens()[0], origin=origin)
 
     def piece(self, token: int, special: bool = False) -> bytes:
         """The bytes a token stands for (a control token's text only with ``special``)."""

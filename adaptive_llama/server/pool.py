@@ -26,7 +26,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from ..runtime.chat_template import ChatTemplate
+from ..runtime.chat_template import ChatTemplate, TemplateError
 from ..runtime.engine import ContextOverflow, Engine, InvalidArgument
 from ..runtime.gguf_header import GGUFHeader, read_header
 from ..runtime.models import BUNDLED
@@ -124,8 +124,11 @@ class ServedModel:
     def calls_tools(self) -> bool:
         """Whether its template shows tools and asks for calls this server reads back."""
         source = self.template_source
-        return bool(source) and ChatTemplate(source, bos="", eos="",
-                                             specials=lambda: None).tool_calls_hermes
+        try:
+            return bool(source) and ChatTemplate(source, bos="", eos="",
+                                                 specials=lambda: None).tool_calls_hermes
+        except TemplateError:  # loading the model says what is wrong with it
+            return False
 
     def answers_to(self, name: str) -> bool:
         """Whether a request naming ``name`` means this model: its name (with ollama's
