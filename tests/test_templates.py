@@ -1,0 +1,206 @@
+"""Chat templates are untrusted input (a GGUF's comes with a downloaded model): a render is
+bounded in time, steps and size, and a template that is no Jinja or passes the bounds on a
+short conversation is refused when it is loaded, in one line naming it."""
+
+import subprocess
+import sys
+import time
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from test_server import raw, serving
+
+from adaptive_llama.runtime.chat_template import ChatTemplate, TemplateError, load_template
+from adaptive_llama.runtime.template_sandbox import (
+    MAX_CHARS,
+    MAX_RENDER_S,
+    MAX_STEPS,
+    TemplateBudgetError,
+)
+
+HI = [{"role": "user", "content": "hi"}]
+
+
+def template(source: str) -> ChatTemplate:
+    return ChatTemplate(source, bos="<s>", eos="</s>", specials=lambda: None)
+
+
+# Each template passes one bound on any conversation: refused at load, within the budget.
+HOSTILE = {
+    "nested range loops": "{% for i in range(100000) %}{% for j in range(100000) %}"
+                          "{% endfor %}{% endfor %}",
+    "a huge repetition": "{% set s = 'x' * 200000000 %}{{ s|length }}",
+    "doubling by ~": "{% set ns = namespace(s='x') %}{% for i in range(40) %}"
+                     "{% set ns.s = ns.s ~ ns.s %}{% endfor %}{{ ns.s|length }}",
+    "doubling by +": "{% set ns = namespace(s=['x']) %}{% for i in range(40) %}"
+                     "{% set ns.s = ns.s + ns.s %}{% endfor %}",
+    "a wide centre": "{{ 'x'.center(1000000000) }}",
+    "a wide centre filter": "{{ 'x'|center(1000000000) }}",
+    "a wide format": "{{ '%0999999999d' % 1 }}",
+    "a wide str.format": "{{ '{:999999999}'.format(1) }}",
+    "a huge join": "{{ ('x' * 1000000).join(range(100000)|list) }}",
+    "a huge replace": "{{ ('x' * 100000).replace('', 'y' * 1000) }}",
+    "a huge power": "{{ 10 ** 100000000 }}",
+    "exponential macro calls": "{% macro f(n) %}{% if n %}{{ f(n - 1) }}{{ f(n - 1) }}"
+                               "{% endif %}{% endmacro %}{{ f(40) }}",
+    "a flood of output": "{% for i in range(100000) %}{{ 'x' * 1000 }}{% endfor %}",
+}
+
+
+@pytest.mark.parametrize("name", HOSTILE)
+def test_a_template_past_the_bounds_is_refused_at_load_within_the_budget(name):
+    start = time.monotonic()
+    with pytest.raises(TemplateError) as caught:
+        ChatTemplate(HOSTILE[name], bos="", eos="", specials=lambda: None,
+                     origin="the chat template of evil.gguf")
+    assert time.monotonic() - start < MAX_RENDER_S + 1
+    message = str(caught.value)
+    assert message.startswith("the chat template of evil.gguf cannot be used")
+    assert "\n" not in message
+
+
+# 100,000 steps a message: the load's four messages pass, 30 do not.
+GREEDY = ("{% for m in messages %}<|im_start|>{{ m.role }}\n{% for n in range(100000) %}"
+          "{% endfor %}{{ m.content }}<|im_end|>\n{% endfor %}<|im_start|>assistant\n")
+
+
+def test_a_template_past_the_bounds_only_on_long_input_fails_that_render_only():
+    # Fine on the load's short conversation; a render of a long message passes the bounds.
+    greedy = template(GREEDY)
+    assert greedy.render(HI)[0]
+    start = time.monotonic()
+    with pytest.raises(TemplateBudgetError, match="more than"):
+        greedy.render(HI * 30)
+    assert time.monotonic() - start < MAX_RENDER_S + 1
+    assert greedy.render(HI)[0]  # the next render has its own budget
+
+
+def test_the_bounds_leave_room_for_real_conversations(engine):
+    # SmolLM2's own template on 4,000 messages of 1,000 characters.
+    messages = [{"role": "user" if i % 2 == 0 else "assistant", "content": "w" * 1000}
+                for i in range(4000)]
+    parts, _ = engine.chat_template.render(messages)
+    assert sum(len(p) for p, text in parts if text) == 4_000_000
+    assert MAX_CHARS > 4_000_000 and MAX_STEPS > 10 * len(messages)
+
+
+@pytest.mark.parametrize("source,line", [
+    ("{% for m in messages %}{{ m.content }\n{% endfor %}", "line 1: unexpected '}'"),
+    ("hello\n{% if x %}\nno end", "line 3: Unexpected end of template"),
+    ("{{ messages[0].content | nosuchfilter }}", "line 1: No filter named 'nosuchfilter'"),
+])
+def test_a_template_that_is_no_jinja_is_one_line_naming_it_and_the_line(source, line):
+    with pytest.raises(TemplateError) as caught:
+        ChatTemplate(source, bos="", eos="", specials=lambda: None, origin="the chat "
+                     "template of m.gguf (its tokenizer.chat_template)")
+    message = str(caught.value)
+    assert "\n" not in message and line in message
+    assert message.startswith("the chat template of m.gguf (its tokenizer.chat_template)")
+
+
+def test_the_sandbox_still_holds():
+    for source in ("{{ ''.__class__.__mro__ }}", "{{ cycler.__init__.__globals__ }}",
+                   "{{ range.__globals__ }}", "{{ raise_exception.__globals__ }}"):
+        try:
+            shown = "".join(p for p, _ in template(source).render(HI)[0])
+        except Exception as exc:  # noqa: BLE001 (a refusal is as good)
+            shown = str(exc)
+        assert "<class" not in shown and "__builtins__" not in shown and "{'" not in shown
+
+
+# ---- the same, from the command line and from a GGUF's own template ----
+
+def with_template(path, tmp_path, source: str):
+    """A copy of the GGUF whose tokenizer.chat_template is ``source``, padded to the
+    original's length with a Jinja comment (no offset in the file moves)."""
+    data = path.read_bytes()
+    from adaptive_llama.runtime.gguf_header import read_header
+    original = read_header(path).chat_template.encode()
+    padding = len(original) - len(source.encode()) - len("{##}")
+    assert padding >= 0 and data.count(original) == 1
+    copy = tmp_path / "evil.gguf"
+    copy.write_bytes(data.replace(original, source.encode() + b"{#" + b" " * padding + b"#}"))
+    return copy
+
+
+def cli(*args, timeout=120):
+    return subprocess.run([sys.executable, "-m", "adaptive_llama.cli", *args],
+                          capture_output=True, text=True, timeout=timeout)
+
+
+@pytest.mark.parametrize("source,needle", [
+    (HOSTILE["nested range loops"], "takes more than"),
+    ("{% for m in messages %}{{ m.content }\n{% endfor %}", "is not valid Jinja: line 1"),
+])
+def test_a_gguf_with_such_a_template_is_one_line_at_start(smollm2_path, tmp_path, source,
+                                                          needle):
+    evil = with_template(smollm2_path, tmp_path, source)
+    for args in (["generate", str(evil), "--chat", "--prompt", "hi", "-n", "1"],
+                 ["serve", str(evil), "--port", "0"]):
+        result = cli(*args)
+        assert result.returncode != 0
+        lines = result.stderr.strip().splitlines()
+        assert len(lines) == 1, result.stderr
+        assert "evil.gguf (its tokenizer.chat_template)" in lines[0] and needle in lines[0]
+    # A template of one's own in its place: the model's is not used.
+    fixed = cli("generate", str(evil), "--chat", "--prompt", "hi", "-n", "1",
+                "--chat-template", "chatml-tools")
+    assert fixed.returncode == 0, fixed.stderr
+
+
+def test_chat_template_file_errors_name_the_file(tmp_path):
+    bad = tmp_path / "bad.jinja"
+    bad.write_text(HOSTILE["a huge repetition"])
+    with pytest.raises(ValueError, match=f"{bad} cannot be used"):
+        load_template(str(bad))
+    result = cli("serve", "--chat-template", str(bad))
+    assert result.returncode == 2 and len(result.stderr.strip().splitlines()) == 1
+    assert str(bad) in result.stderr
+
+
+# ---- random template sources: a template, or a one-line refusal; a render that ends ----
+
+pieces = st.sampled_from([
+    "{{ messages[0].content }}", "{% for m in messages %}", "{% endfor %}",
+    "{% for i in range(N) %}", "{{ 'x' * N }}", "{{ i }}", "{% if messages %}", "{% endif %}",
+    "{% set ns = namespace(s='ab') %}", "{% set ns.s = ns.s ~ ns.s %}",
+    "{% set ns.s = ns.s + ns.s %}", "{{ ns.s|length }}", "{{ (range(N)|list)|join('x') }}",
+    "{{ 'a'.center(N) }}", "{{ '%0Nd' % 1 }}", "{{ m.content }}", "{{ raise_exception('no') }}",
+    "{{ messages[0].__class__ }}", "}}", "{%", "{{ tools|tojson }}", "{{ bos_token }}",
+])
+sizes = st.sampled_from(["2", "1000", "100000", "10000000", "1000000000"])
+
+
+@settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(parts=st.lists(st.tuples(pieces, sizes), min_size=1, max_size=8))
+def test_any_template_source_loads_and_renders_within_the_bounds_or_says_why(parts):
+    source = "".join(p.replace("N", n) for p, n in parts)
+    start = time.monotonic()
+    try:
+        loaded = ChatTemplate(source, bos="", eos="", specials=lambda: None, origin="t")
+    except TemplateError as exc:
+        assert "\n" not in str(exc) and str(exc).startswith("t ")
+        return
+    finally:
+        assert time.monotonic() - start < MAX_RENDER_S + 1
+    start = time.monotonic()
+    try:
+        parts_out, _ = loaded.render([{"role": "user", "content": "hello " * 50}])
+        assert sum(len(p) for p, _ in parts_out) <= MAX_CHARS
+    except Exception:  # noqa: BLE001 (the template's own error, or a bound)
+        pass
+    assert time.monotonic() - start < MAX_RENDER_S + 1
+
+
+def test_a_server_refuses_a_render_past_the_bounds_and_serves_the_next(smollm2_path,
+                                                                       tmp_path):
+    greedy = tmp_path / "greedy.jinja"
+    greedy.write_text(GREEDY)
+    for port in serving(smollm2_path, tmp_path / "server.log", "--chat-template", str(greedy)):
+        status, _, body = raw("POST", port, "/v1/chat/completions",
+                              {"messages": HI * 30, "max_tokens": 1})
+        assert status == 400 and "more than" in body["error"]["message"]
+        status, _, body = raw("POST", port, "/v1/chat/completions",
+                              {"messages": HI, "max_tokens": 1})
+        assert status == 200
