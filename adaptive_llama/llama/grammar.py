@@ -12,11 +12,13 @@ where it stands.
 
 from __future__ import annotations
 
+import itertools
 import json
+import os
 import re
 
 import llama_cpp
-from llama_cpp.llama_grammar import LlamaGrammar, SchemaConverter
+from llama_cpp.llama_grammar import RESERVED_NAMES, LlamaGrammar, SchemaConverter
 
 from .schema import UnsupportedSchema, check_schema
 
@@ -121,6 +123,30 @@ class _Converter(SchemaConverter):
 
     def _format_literal(self, literal: str) -> str:
         return '"' + re.sub(r'[\\\r\n"]', lambda m: _LITERAL_ESCAPES[m.group()], literal) + '"'
+
+    def visit(self, schema, name):
+        """An ``enum`` (the converter's own branch: no $ref, anyOf, list of types or const
+        before it) as a prefix tree of its values' JSON texts: the converter's flat
+        ``"a" | "b" | ...`` keeps one grammar stack per value, and 500 values sharing a
+        prefix cost 0.15 s a token."""
+        if isinstance(schema, dict) and "enum" in schema and not isinstance(
+                schema.get("type"), list) and not {"$ref", "anyOf", "oneOf", "const"} & set(schema):
+            rule_name = name + "-" if name in RESERVED_NAMES else name or "root"
+            texts = sorted({json.dumps(v) for v in schema["enum"]})
+            return self._add_rule(rule_name, self._prefix_tree(texts))
+        return super().visit(schema, name)
+
+    def _prefix_tree(self, texts: list[str]) -> str:
+        """GBNF matching exactly ``texts`` (distinct, sorted), each shared prefix once."""
+        prefix = os.path.commonprefix(texts) if len(texts) > 1 else texts[0]
+        rests = [t[len(prefix):] for t in texts]
+        head = [self._format_literal(prefix)] if prefix else []
+        if len(texts) == 1:
+            return " ".join(head) or '""'
+        branches = [self._prefix_tree(list(group))
+                    for _, group in itertools.groupby((r for r in rests if r), key=lambda r: r[0])]
+        tail = "(" + " | ".join(branches) + ")" + ("?" if "" in rests else "")
+        return " ".join([*head, tail])
 
 
 def _converted(schema: dict) -> str:

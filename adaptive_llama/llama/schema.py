@@ -22,8 +22,8 @@ import re
 
 MAX_DEPTH = 32  # schemas nested inside one another
 MAX_COUNT = 1000  # minItems, maxItems, minLength, maxLength, a pattern's {m,n}
-MAX_VALUES = 500  # enum and const values in one schema, all together
-MAX_PATTERN = 1000  # characters of one pattern
+MAX_VALUES = 1000  # enum and const values in one schema, all together
+MAX_PATTERN = 500  # characters of one pattern
 MAX_NESTED_COUNT = 128  # a pattern's nested quantifiers: the product of their largest counts
 MAX_SUBSCHEMAS = 2000  # schemas in one schema, all together
 
