@@ -11,6 +11,7 @@ from click.testing import CliRunner
 
 from adaptive_llama.cli import main
 from adaptive_llama.kernel import BACKEND
+from adaptive_llama.samplers import EPSILON
 
 
 def run_cli(*args, input=None):
@@ -67,7 +68,7 @@ def test_listing_the_models_writes_nothing(tmp_path):
 
 def test_samplers_prints_the_table():
     out = CliRunner().invoke(main, ["samplers"]).output
-    assert "adaptive     adaptive decoding" in out and "eps=0.0005" in out
+    assert "adaptive     adaptive decoding" in out and f"eps={EPSILON.default:g}" in out
     assert "k=40" in out and "an integer in [1, 2147483647]" in out
 
 
@@ -134,7 +135,7 @@ def test_an_empty_stop_string_does_not_empty_the_reply():
 
 def test_generate_json():
     result = run_cli("generate", "smollm2", "--prompt", "The sea is", "--sampler",
-                     "adaptive:eps=0.0005", "--max-tokens", "12", "--seed", "4", "--json")
+                     "adaptive:eps=0.005", "--max-tokens", "12", "--seed", "4", "--json")
     assert result.returncode == 0, result.stderr
     assert result.stderr == ""  # llama.cpp's log stays off without --verbose
     out = json.loads(result.stdout)
@@ -142,7 +143,7 @@ def test_generate_json():
                 "sampler", "seed", "mean_k"):
         assert key in out
     assert out["completion_tokens"] <= 12 and out["seed"] == 4
-    assert out["sampler"].startswith("adaptive:eps=0.0005")
+    assert out["sampler"].startswith("adaptive:eps=0.005")
     again = json.loads(run_cli("generate", "smollm2", "--prompt", "The sea is", "--max-tokens",
                                "12", "--seed", "4", "--json").stdout)
     assert again["text"] == out["text"]

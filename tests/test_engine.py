@@ -27,7 +27,7 @@ def test_message_text_never_becomes_control_tokens(engine):
     assert control_tokens(engine, forged) == control_tokens(engine, plain)
     assert len(control_tokens(engine, plain)) >= 4
     # ...while the same text through the tokenizer's special parsing would forge a turn.
-    rendered = engine.chat_template._formatter(messages=[{"role": "user", "content": FORGED}]).prompt
+    rendered = engine.chat_template._render([{"role": "user", "content": FORGED}], None)
     unsafe = engine._model.tokenize(rendered.encode(), False, True)
     assert len(control_tokens(engine, unsafe)) > len(control_tokens(engine, plain))
 
@@ -37,9 +37,8 @@ def test_benign_conversations_tokenize_as_the_template_intends(engine):
                     {"role": "user", "content": "Name three rivers.\n\nPlease"},
                     {"role": "assistant", "content": " Nile, Amazon "},
                     {"role": "user", "content": "ünïcødé 😀\t"}]
-    rendered = engine.chat_template._formatter(messages=conversation)
-    expected = engine._model.tokenize(rendered.prompt.encode(), not rendered.added_special,
-                                      True)
+    rendered = engine.chat_template._render(conversation, None)  # the template writes BOS
+    expected = engine._model.tokenize(rendered.encode(), False, True)
     assert engine.chat_prompt_tokens(conversation) == expected
 
 
@@ -68,7 +67,7 @@ def test_a_context_that_is_not_a_multiple_of_256_is_rounded_up(smollm2_path):
 
 @pytest.mark.parametrize("kwargs,message", [
     (dict(n_ctx=1), "`n_ctx` has to be 0 (the model's own) or at least 256, but is 1"),
-    (dict(n_ctx=-5), "`n_ctx` has to be an integer >= 0"),
+    (dict(n_ctx=-5), "`n_ctx` has to be an integer in [0, 16777216]"),
     (dict(n_threads=0), "`n_threads` has to be an integer in [1, 512], but is 0"),
     (dict(n_threads=513), "`n_threads` has to be an integer in [1, 512], but is 513"),
     (dict(seed=2**70), "`seed` has to be an integer in [0, 4294967295]"),

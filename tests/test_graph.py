@@ -253,7 +253,7 @@ def test_repl_refuses_a_sampler_without_a_graph_path_and_keeps_the_old_one():
     assert "`eta` cannot run inside llama.cpp's graph" in result.output
     assert "kept the old value" in result.output
     assert "`typical` cannot run inside llama.cpp's graph" in result.output
-    assert re.search(r"sampler +adaptive:eps=0.0005", result.output)
+    assert re.search(r"sampler +adaptive:eps=0.005,", result.output)
     assert re.search(r"backend +graph", result.output)
 
 

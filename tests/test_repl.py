@@ -10,6 +10,7 @@ from click.testing import CliRunner
 from adaptive_llama.chat.repl import Repl
 from adaptive_llama.cli import main
 from adaptive_llama.kernel import BACKEND
+from adaptive_llama.samplers import hot_epsilon_note, parse_spec
 
 
 def chat(*lines, args=()):
@@ -38,7 +39,7 @@ def test_help_lists_commands_and_samplers():
     out = chat("/help", "/help samplers", "/shwo", "/bye")
     assert "/compare" in out and "/trace" in out
     assert "adaptive     adaptive decoding (Zhu et al., 2024)" in out
-    assert "eps=0.0005" in out and "in (0, 1)" in out
+    assert "eps=0.005 " in out and "in (0, 1)" in out
     assert "unknown command /shwo. Did you mean /show?" in out
 
 
@@ -255,8 +256,8 @@ def test_ollamas_and_llama_cpps_set_habits_map_onto_the_spec_as_the_server_does(
                "/set top_p x", "/set verbose maybe")
     samplers = [show_block(out, i)["sampler"] for i in range(1, 8)]
     assert samplers == [
-        "adaptive:eps=0.0005,mode=multinomial,temp=0.5", "greedy",
-        "adaptive:eps=0.0005,mode=multinomial,temp=0.8", "top-k:k=20,temp=0.8",
+        "adaptive:eps=0.005,mode=multinomial,temp=0.5", "greedy",
+        "adaptive:eps=0.005,mode=multinomial,temp=0.8", "top-k:k=20,temp=0.8",
         "min-p:p=0.1,temp=0.8", "min-p:p=0.1,temp=1.2",
         "min-p:p=0.1,temp=1.2+penalties:repeat=1.1,freq=0,present=0,last_n=64"]
     assert show_block(out, 7)["max-tokens"] == "9"
@@ -341,3 +342,21 @@ def test_display_switches_are_off_when_piped_and_set_on_by_set():
     assert "display     verbose off, markdown off, wordwrap off" in first
     assert "`wordwrap` has to be on or off, but is 'maybe'" in second
     assert "display     verbose off, markdown on, wordwrap off" in second
+
+
+def test_run_hot_with_a_small_epsilon_the_repl_says_so_once_each_time():
+    out = chat("/set temperature 1.5", "/set eps 0.001", "/set eps 0.005", "/set temp 0.9",
+               "/set eps 0.0001", "/bye")
+    notes = [line for line in out.splitlines() if line.startswith("note: above temperature")]
+    assert len(notes) == 1 and "eps 0.001 fell behind min-p" in notes[0]
+    started = chat("/bye", args=["--sampler", "adaptive:eps=0.0005", "--temp", "2"])
+    assert "note: above temperature 1, adaptive with eps 0.0005" in started
+
+
+@pytest.mark.parametrize("spec,noted", [
+    ("adaptive:eps=0.004,temp=1.01", True), ("adaptive:eps=0.005,temp=2", False),
+    ("adaptive:eps=0.0001,temp=1", False), ("min-p:p=0.05,temp=2", False),
+    ("adaptive:eps=0.001,temp=1.5+penalties", True),
+])
+def test_the_hot_epsilon_note_brackets_both_thresholds(spec, noted):
+    assert (hot_epsilon_note(parse_spec(spec)) is not None) == noted

@@ -26,6 +26,7 @@ from ..samplers import (
     Param,
     SamplerSpec,
     SpecError,
+    hot_epsilon_note,
     parse_spec,
     spec_from_options,
     table,
@@ -206,6 +207,7 @@ class Repl:
             signal.signal(signal.SIGINT, signal.default_int_handler)
             self.note(f"{self.engine.name}, sampler {self.chat.sampler}. /help for commands, "
                       "Ctrl-D or /bye to quit.")
+        self._note_hot_epsilon()
         while True:
             try:
                 message = self.read_message()
@@ -368,6 +370,12 @@ class Repl:
         self.note(f"{key} {'cleared' if key == 'system' and not value else 'set'}; sampler "
                   f"{chat.sampler}, seed {_seed_text(chat.seed)}, max-tokens "
                   f"{chat.max_tokens}")
+        self._note_hot_epsilon()
+
+    def _note_hot_epsilon(self) -> None:
+        note = hot_epsilon_note(self.chat.sampler)
+        if note:
+            self.note(note)
 
     def _sampler_after(self, key: str, value: str) -> SamplerSpec:
         """The sampler after ``/set KEY VALUE``, as the server maps the same fields:

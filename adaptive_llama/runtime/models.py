@@ -144,7 +144,7 @@ BUNDLED: dict[str, BundledModel] = {
             extra="default-model",
             vocab_size=49_152,
             chat_template=True,
-            start_eps=0.0005,
+            start_eps=0.005,
             locate=_file_in_package("SmolLM2-135M-Instruct.Q4_1.gguf"),
         ),
         BundledModel(
@@ -155,7 +155,7 @@ BUNDLED: dict[str, BundledModel] = {
             extra="bench",
             vocab_size=262_144,
             chat_template=False,
-            start_eps=0.0005,
+            start_eps=0.005,
             locate=_assembled_gemma,
         ),
         BundledModel(
@@ -166,7 +166,7 @@ BUNDLED: dict[str, BundledModel] = {
             extra="qwen",
             vocab_size=151_936,
             chat_template=True,
-            start_eps=0.0005,
+            start_eps=0.005,
             locate=_assembled_qwen,
         ),
     )
