@@ -283,3 +283,29 @@ def test_a_model_file_damaged_while_serving_is_a_500_and_the_others_serve_on(
             "options": {"num_predict": 2}})
         assert status == 200 and body["done"]
     assert "Traceback" not in (tmp_path / "server.log").read_text()  # one line each
+
+
+@pytest.fixture(scope="module")
+def three(smollm2_path, tmp_path_factory):
+    """Three models, at most two loaded."""
+    folder = tmp_path_factory.mktemp("three")
+    copies = []
+    for name in ("b", "c"):
+        copies += ["-m", f"{name}={shutil.copy(smollm2_path, folder / f'{name}.gguf')}"]
+    yield from serving(smollm2_path, folder / "server.log", *copies, "--max-loaded", "2",
+                       "--keep-alive", "60s")
+
+
+def test_room_is_made_by_unloading_the_idle_model_used_least_recently(three):
+    client = ollama.Client(host=f"http://127.0.0.1:{three}",
+                           headers={"Authorization": f"Bearer {API_KEY}"}, timeout=120)
+    # Each order: the models used, then a third one; the one left out has to be the one
+    # used longest ago, not the first loaded nor the last.
+    for order, third, unloaded in ((("smollm2", "b", "smollm2"), "c", "b"),
+                                   (("c", "smollm2", "c"), "b", "smollm2"),
+                                   (("b", "c"), "smollm2", "b")):
+        for name in order:
+            client.generate(name, prompt="")
+            time.sleep(0.05)  # distinct times of last use
+        client.generate(third, prompt="")
+        assert sorted(loaded_names(three)) == sorted(set(order) - {unloaded} | {third}), order

@@ -805,3 +805,44 @@ def test_completion_token_texts_join_into_the_reply_and_offsets_index_it():
     parts = [streamed(entries[:4]), streamed(entries[4:6]), streamed(entries[6:])]
     assert [t for p in parts for t in p["tokens"]] == whole["tokens"]
     assert [o for p in parts for o in p["text_offset"]] == whole["text_offset"]
+
+
+def test_streamed_completion_offsets_run_on_across_chunks_and_index_the_text(client):
+    kwargs = dict(model="any", prompt="Once upon a time", max_tokens=24, seed=5, logprobs=1,
+                  extra_body={"sampler": "adaptive:temp=1.5"})
+    whole = client.completions.create(**kwargs).choices[0]
+    chunks = [c.choices[0] for c in client.completions.create(stream=True, **kwargs)
+              if c.choices and c.choices[0].logprobs]
+    tokens = [t for c in chunks for t in c.logprobs.tokens]
+    offsets = [o for c in chunks for o in c.logprobs.text_offset]
+    text = "".join(c.text for c in chunks)
+    assert len(chunks) > 1 and text == whole.text and tokens == whole.logprobs.tokens
+    assert offsets == whole.logprobs.text_offset  # one running count, not one per chunk
+    for token, offset in zip(tokens, offsets, strict=True):
+        assert text[offset:offset + len(token)] == token
+
+
+@pytest.mark.parametrize("path,extra", [("/v1/chat/completions", {"max_tokens": 1}),
+                                        ("/api/chat", {"model": "smollm2", "stream": False})])
+def test_each_protocol_takes_4096_messages_and_refuses_4097(roomy, path, extra):
+    at_bound = raw("POST", roomy, path, {"messages": HELLO * 4096, **extra})
+    past = raw("POST", roomy, path, {"messages": HELLO * 4097, **extra})
+    # 4,096 pass the bound (then fill no 512-token window); 4,097 do not.
+    assert at_bound[0] == 400 and "4096" not in json.dumps(at_bound[2])
+    assert "context" in json.dumps(at_bound[2])
+    assert past[0] == 400 and "at most 4096 items" in json.dumps(past[2])
+
+
+def test_413_comes_before_the_body_is_read(server):
+    # Headers alone, announcing one byte over the limit: the answer comes at once, without
+    # the server waiting for a body that never comes.
+    for length, refused in ((MAX_BODY + 1, True), (MAX_BODY, False)):
+        with socket.create_connection(("127.0.0.1", server), timeout=5) as sock:
+            sock.sendall(f"POST /v1/completions HTTP/1.1\r\nHost: localhost\r\n"
+                         f"Authorization: Bearer {API_KEY}\r\nContent-Type: application/json"
+                         f"\r\nContent-Length: {length}\r\n\r\n".encode())
+            try:
+                answer = sock.recv(200)
+            except TimeoutError:
+                answer = b""
+        assert answer.startswith(b"HTTP/1.1 413") == refused, answer
