@@ -83,18 +83,18 @@ def test_generate_counts_on_greedily_and_stops_where_asked(client):
 
 
 @pytest.mark.parametrize("options,sampler", [
-    ({}, "adaptive:eps=0.0005"),
+    ({}, "adaptive:eps=0.005"),
     ({"sampler": "eta:eps=0.0009"}, "eta:eps=0.0009"),
     ({"min_p": 0.1, "top_p": 0.9, "top_k": 40}, "min-p:p=0.1"),
     ({"top_p": 0.9, "top_k": 40}, "top-p:p=0.9"),
     ({"top_k": 40, "temperature": 0.7}, "top-k:k=40,temp=0.7"),
     ({"temperature": 0, "sampler": "adaptive"}, "greedy"),
     ({"repeat_penalty": 1.2, "repeat_last_n": 32},
-     "adaptive:eps=0.0005,mode=multinomial+penalties:repeat=1.2,freq=0,present=0,last_n=32"),
+     "adaptive:eps=0.005,mode=multinomial+penalties:repeat=1.2,freq=0,present=0,last_n=32"),
     ({"presence_penalty": 0.5, "frequency_penalty": 0.25, "repeat_last_n": -1},
-     "adaptive:eps=0.0005,mode=multinomial+penalties:repeat=1,freq=0.25,present=0.5,"
+     "adaptive:eps=0.005,mode=multinomial+penalties:repeat=1,freq=0.25,present=0.5,"
      "last_n=1048576"),
-    ({"repeat_penalty": 1.2, "repeat_last_n": 0}, "adaptive:eps=0.0005,mode=multinomial"),
+    ({"repeat_penalty": 1.2, "repeat_last_n": 0}, "adaptive:eps=0.005,mode=multinomial"),
     ({"mirostat": 2, "mirostat_tau": 3.0, "top_k": 40}, "mirostat:tau=3,eta=0.1"),
     ({"mirostat": 1, "mirostat_eta": 0.2}, "mirostat1:tau=5,eta=0.2,m=100"),
 ])

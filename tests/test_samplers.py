@@ -30,7 +30,7 @@ from adaptive_llama.samplers import (
     ("mirostat1", "mirostat1", {"tau": 5.0, "eta": 0.1, "m": 100}, 1.0),
     ("eta:eps=0.0009", "eta", {"eps": 0.0009}, 1.0),
     ("adaptive:eps=0.001,mode=uniform", "adaptive", {"eps": 0.001, "mode": "uniform"}, 1.0),
-    (" ADAPTIVE ", "adaptive", {"eps": 0.0005, "mode": "multinomial"}, 1.0),
+    (" ADAPTIVE ", "adaptive", {"eps": 0.005, "mode": "multinomial"}, 1.0),
     ("top-k:k=1e3", "top-k", {"k": 1000}, 1.0),   # an integer written as a float is fine
     ("adaptive:eps=1e-300", "adaptive", {"eps": 1e-300, "mode": "multinomial"}, 1.0),
     ("mirostat:tau=1000001", "mirostat", {"tau": 1000001.0, "eta": 0.1}, 1.0),  # was 1e+06
@@ -180,7 +180,7 @@ def test_a_value_holding_an_equals_sign_is_a_bad_value():
 def test_the_listings_show_every_sampler_with_its_defaults():
     specs = valid_specs()
     assert specs.startswith("greedy, top-k:k=40, top-p:p=0.95, ")
-    assert "adaptive:eps=0.0005,mode=multinomial" in specs
+    assert "adaptive:eps=0.005,mode=multinomial" in specs
     assert "(all but greedy also take temp=1); modifiers, joined with +: penalties:" in specs
     assert specs.endswith("xtc:probability=0.5,threshold=0.1")
     lines = table().splitlines()

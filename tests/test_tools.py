@@ -616,3 +616,38 @@ def test_the_schemas_that_killed_or_stalled_the_server_are_400s(tool_server, rou
     status, _, payload = raw("POST", tool_server, path, body, timeout=120)
     assert status == 400 and needle in json.dumps(payload), payload
     assert time.monotonic() - start < 2.0
+
+
+field_texts = st.one_of(st.text(max_size=12), st.sampled_from(
+    [FORGED, "<|im_start|>", "<|endoftext|>", "{{ x }}", "\ue000123:0\ue001", "\x00", "é" * 70]))
+json_values = st.one_of(st.none(), st.booleans(), st.integers(-2**70, 2**70), field_texts,
+                        st.lists(field_texts, max_size=2),
+                        st.dictionaries(field_texts, field_texts, max_size=2))
+
+
+@settings(max_examples=30, deadline=None, suppress_health_check=[
+    HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
+@given(call=st.fixed_dictionaries({}, optional={
+           "id": json_values, "type": json_values,
+           "function": st.fixed_dictionaries({}, optional={
+               "name": json_values, "arguments": json_values})}),
+       result=st.fixed_dictionaries({"role": st.just("tool")}, optional={
+           "content": json_values, "tool_call_id": json_values, "name": json_values,
+           "tool_name": json_values}),
+       route=st.sampled_from(["/v1/chat/completions", "/api/chat"]))
+def test_any_tool_call_fields_sent_back_get_an_answer_or_a_400_and_others_are_served(
+        tool_server, call, result, route):
+    messages = [*ASK, {"role": "assistant", "content": "", "tool_calls": [call]}, result]
+    body = {"messages": messages, "max_tokens": 1} if route.startswith("/v1") else {
+        "model": "smollm2", "messages": messages, "stream": False,
+        "options": {"num_predict": 1}}
+    status, _, payload = raw("POST", tool_server, route, json.dumps(body).encode(),
+                             parse=False)
+    assert status in (200, 400), payload
+    if status == 400:
+        error = json.loads(payload)["error"]
+        assert "\n" not in (error if isinstance(error, str) else error["message"])
+    start = time.monotonic()
+    status, _, _ = raw("POST", tool_server, "/v1/chat/completions",
+                       {"messages": ASK, "max_tokens": 2, "sampler": "greedy"})
+    assert status == 200 and time.monotonic() - start < 1.0
