@@ -186,8 +186,8 @@ def test_the_listings_show_every_sampler_with_its_defaults():
     lines = table().splitlines()
     assert lines[0] == "Samplers (one per spec):"
     assert lines[1].startswith("  greedy       argmax")
-    eps_line = next(line for line in lines if line.lstrip().startswith("eps=0.0005"))
-    assert eps_line == " " * 16 + f"{'eps=0.0005':<22} in (0, 1): threshold epsilon"
+    eps_line = next(line for line in lines if line.lstrip().startswith("eps=0.005"))
+    assert eps_line == " " * 16 + f"{'eps=0.005':<22} in (0, 1): threshold epsilon"
     modifiers = lines.index(next(line for line in lines if line.startswith("Modifiers")))
     assert "order: penalties, dry, top-n-sigma, temp, the sampler, xtc" in lines[modifiers]
     assert lines[modifiers + 1].startswith("  penalties    ")
