@@ -413,3 +413,113 @@ def test_any_schema_is_a_grammar_llama_cpp_takes_or_a_clear_refusal(engine, sche
     tokens = engine.tokenize("x")
     request = engine.request(tokens, sampler="greedy", max_tokens=1, grammar=grammar)
     engine.run(request).cancel()  # the chain, grammar included, is built and freed
+
+
+# ---- what mutation testing showed the tests above would miss: paths, branches, bounds ----
+
+@pytest.mark.parametrize("schema,message", [
+    # additionalProperties alone chooses the object branch, and its schema is checked
+    ({"type": "object", "additionalProperties": {"type": "integer", "maximum": 2}},
+     "`maximum` \\(at /additionalProperties\\)"),
+    ({"additionalProperties": False, "minItems": 1}, "`minItems` \\(at /\\) is not enforced "
+     "beside `properties`"),
+    ({"type": "object", "properties": {}, "additionalProperties": 3},
+     "`additionalProperties` \\(at /\\) has to be true, false or a schema"),
+    ({"type": "object", "properties": {"a": STRING}, "required": "a"},
+     "`required` \\(at /\\) has to be a list of names"),
+    ({"type": "object", "properties": {"a": STRING}, "required": [1]},
+     "`required` \\(at /\\) has to be a list of names"),
+    # a length beside a type it does not apply to; a keyword with no type at all
+    ({"type": "integer", "maxLength": 3}, "`maxLength` \\(at /\\) is not enforced beside "
+     "`type: \"integer\"`"),
+    ({"minItems": 2}, "`minItems` \\(at /\\) needs the `type` it applies to"),
+    ({"type": "string", "format": "date", "maxLength": 3}, "`maxLength` \\(at /\\) is not "
+     "enforced beside `format`"),
+    ({"type": "string", "format": "email"}, "`format: email` \\(at /\\)"),
+    ({"type": ["string", "null"], "enum": ["a", None]}, "`enum` \\(at /\\) is not enforced "
+     "beside `type: \\[\"string\", \"null\"\\]`"),
+    # schemas in containers, tuples, allOf and alternatives: each named where it stands
+    ({"$defs": {"x": {"type": "integer", "maximum": 1}}, "type": "object"},
+     "`maximum` \\(at /\\$defs/x\\)"),
+    ({"definitions": {"a/b~c": {"not": {}}}, "type": "object"},
+     "`not` \\(at /definitions/a~1b~0c\\)"),
+    ({"type": "array", "prefixItems": [STRING, {"type": "integer", "minimum": 0}]},
+     "`minimum` \\(at /prefixItems/1\\)"),
+    ({"type": "array", "items": [STRING, {"type": "integer", "minimum": 0}]},
+     "`minimum` \\(at /items/1\\)"),
+    ({"type": "array", "prefixItems": [STRING, STRING], "minItems": 3},
+     "leave no room for the 2 items"),
+    ({"type": "array", "prefixItems": []}, "`prefixItems` \\(at /\\) has to hold a schema"),
+    ({"type": "array", "items": {}}, "`items` \\(at /\\) is empty"),
+    ({"allOf": [{"properties": {"a": {"type": "integer", "minimum": 1}}}]},
+     "`minimum` \\(at /allOf/0/properties/a\\)"),
+    ({"allOf": [{"type": "string", "properties": {"a": STRING}}]}, "/allOf/0 is not"),
+    ({"allOf": [{"$ref": "#/$defs/s"}], "$defs": {"s": STRING}}, "/allOf/0 is not"),
+    ({"oneOf": [STRING, {"type": "integer", "minimum": 1}]}, "`minimum` \\(at /oneOf/1\\)"),
+    ({"oneOf": []}, "`oneOf` \\(at /\\) has to hold a schema"),
+    ({"type": [], "title": "x"}, "`type` \\(at /\\) has to list JSON types"),
+    ({"type": ["string", "text"]}, "`type` \\(at /\\) has to list JSON types"),
+    ({"type": "array", "items": {"enum": [True]}, "maxItems": 2, "minItems": "1"},
+     "`minItems` \\(at /\\) has to be an integer"),
+    ({"type": "object", "properties": {"a": {"$ref": 3}}},
+     "`\\$ref` \\(at /properties/a\\) can only point inside"),
+])
+def test_each_rule_is_named_with_where_it_stands(schema, message):
+    with pytest.raises(UnsupportedSchema, match=message):
+        json_grammar(schema)
+
+
+def test_the_count_of_schemas_is_bounded():
+    from adaptive_llama.llama.schema import MAX_SUBSCHEMAS
+
+    def wide(n):  # one object, n - 1 properties
+        return {"type": "object",
+                "properties": {f"p{i}": {"type": "integer"} for i in range(n - 1)}}
+    check_schema(wide(MAX_SUBSCHEMAS))
+    with pytest.raises(UnsupportedSchema, match=f"more than {MAX_SUBSCHEMAS} schemas"):
+        check_schema(wide(MAX_SUBSCHEMAS + 1))
+
+
+@pytest.mark.parametrize("schema", [
+    {"allOf": [{"type": "object", "properties": {"a": STRING}, "required": ["a"],
+                "description": "x"}]},
+    {"type": "object", "additionalProperties": {"type": "integer"}},
+    {"type": "object", "additionalProperties": False},
+    {"type": "integer", "enum": [1, 2.0]}, {"type": "number", "enum": [1, 2.5]},
+    {"enum": ["a", None]}, {"type": "boolean", "const": False},
+    {"type": "array", "items": [STRING]}, {"type": "array", "prefixItems": [STRING],
+                                           "minItems": 1, "maxItems": 1},
+])
+def test_the_rules_leave_what_the_grammar_enforces_alone(schema):
+    assert json_grammar(schema)._grammar
+
+
+@pytest.mark.parametrize("schema", [
+    {"type": "integer", "enum": [1, True]}, {"type": "integer", "enum": [1.5]},
+    {"type": "null", "const": 0}, {"type": "boolean", "const": 0},
+])
+def test_enum_values_of_another_type_are_refused(schema):
+    with pytest.raises(UnsupportedSchema, match="which is not of `type:"):
+        json_grammar(schema)
+
+
+# A pattern's quantifiers: what counts towards the nesting bound, and what does not.
+@pytest.mark.parametrize("pattern,refused", [
+    ("^(a{0,64})*$", False), ("^(a{0,65})*$", True),        # * counts as 2
+    ("^(a{0,64})+$", False), ("^(a{0,65})?$", True),        # so do + and ?
+    ("^(a{0,12}){8,}$", False), ("^(a{0,12}){9,}$", True),  # {m,}: m + 2
+    ("^((a{0,12})b){10}$", False), ("^((a{0,12})b){11}$", True),  # through a plain group
+    ("^(a{0,100})(b{0,100})(c{0,100})$", False),            # side by side: no product
+    ("^(a{0,12}|b{0,12}){10}$", False), ("^(a|b{0,13}){10}$", True),  # alternatives: the largest
+    ("^(a{0,64}?)*$", False), ("^(a{0,65}?)*?$", True),      # a lazy ? adds nothing
+    ("^\\(a{0,100}\\){0,100}$", False),                      # escaped parentheses: no group
+    ("^[(]a{0,100}[)]{0,100}$", False),                      # parentheses in a range
+    ("^[]()]a{0,100}[)]{0,100}$", False), ("^[\\](]a{0,100}[)]{0,100}$", False),
+    ("^a\\{0,2000\\}$", False),                              # an escaped brace: no quantifier
+    ("^a{,5}$", False), ("^a{}$", True),                      # {,n}: {0,n}; {} no count
+    ("^a{1001,}$", True), ("^(a{0,1}){1000}$", True), ("^(a){1000}$", False),
+    ("^(a{0,1}){64}$", False), ("^(a{0,1}){65}$", True), ("^(a{2}){1000}$", False),
+])
+def test_the_nesting_bound_counts_what_multiplies(pattern, refused):
+    from adaptive_llama.llama.schema import _quantifier_problem
+    assert (_quantifier_problem(pattern) is not None) == refused, _quantifier_problem(pattern)

@@ -204,3 +204,76 @@ def test_a_server_refuses_a_render_past_the_bounds_and_serves_the_next(smollm2_p
         status, _, body = raw("POST", port, "/v1/chat/completions",
                               {"messages": HI, "max_tokens": 1})
         assert status == 200
+
+
+# ---- what the bounds must not change: Jinja as Hugging Face renders chat templates ----
+
+def rendered(source: str, messages=HI) -> str:
+    return "".join(part for part, _ in template(source).render(messages)[0])
+
+
+@pytest.mark.parametrize("source,expected", [
+    ("{{ 'a' ~ 'b' ~ 1 }}", "ab1"),
+    ("{{ 3 * 4 }} {{ 'ab' * 2 }} {{ 2 * 'c' }} {{ [1] * 2 }}", "12 abab cc [1, 1]"),
+    ("{{ 1 + 2 }} {{ 'a' + 'b' }} {{ [1] + [2] }}", "3 ab [1, 2]"),
+    ("{{ 2 ** 10 }} {{ 2 ** 4096 > 0 }} {{ 7 % 3 }} {{ 'a%sb' % 'x' }} {{ 7 // 2 }}",
+     "1024 True 1 axb 3"),
+    ("{{ '{}-{}'.format(1, 2) }} {{ '%s'|format(5) }} {{ 'x'.center(5) }}|", "1-2 5   x  |"),
+    ("{{ ','.join(['a', 'b']) }} {{ ['a', 'b']|join('-') }} {{ 'aa'.replace('a', 'b') }}",
+     "a,b a-b bb"),
+    ("{{ 'abc'|replace('b', 'x') }} {{ range(3)|list }} {{ 'ab'|length }}", "axc [0, 1, 2] 2"),
+    ("{% for i in range(3) %}{{ i }}{{ loop.length }}{{ loop.last }} {% endfor %}"
+     "{{ range(5)[1] }}{{ range(5)[1:3]|list }}{{ 2 in range(3) }}{{ range(4)|length }}",
+     "03False 13False 23True 1[1, 2]True4"),
+    ("{% for i in range(5) %}{% if i == 3 %}{% break %}{% endif %}{{ i }}{% endfor %}", "012"),
+    ("{% if true %}\n  a\n{% endif %}\nb", "  a\nb"),  # trim_blocks, lstrip_blocks
+    ("  {% if true %}x{% endif %}", "x"),
+    ("{% generation %}kept{% endgeneration %}", "kept"),
+    ("{{ bos_token }}{{ eos_token }}{{ add_generation_prompt }}", "<s></s>True"),
+])
+def test_templates_render_as_jinja_does_within_the_bounds(source, expected):
+    assert rendered(source) == expected
+
+
+@pytest.mark.parametrize("source,refused", [
+    ("{{ 2 ** 4096 > 0 }}", False), ("{{ 2 ** 4097 }}", True), ("{{ 2 ** -4097 }}", True),
+    (f"{{{{ 'x' * {2**24} }}}}", False), (f"{{{{ 'x' * {2**24 + 1} }}}}", True),
+    (f"{{{{ {2**24 + 1} * 'x' }}}}", True), (f"{{{{ [0] * {2**24 + 1} }}}}", True),
+    (f"{{{{ ('x' * {2**23}) + ('y' * {2**23}) }}}}", False),
+    (f"{{{{ ('x' * {2**23}) + ('y' * {2**23 + 1}) }}}}", True),
+    (f"{{{{ ('x' * {2**23}) ~ ('y' * {2**23 + 1}) }}}}", True),
+    (f"{{{{ 'x'.ljust({2**24}) }}}}", False), (f"{{{{ 'x'.ljust({2**24 + 1}) }}}}", True),
+    (f"{{{{ 'x'|center({2**24 + 1}) }}}}", True),
+    (f"{{{{ '%0{2**24 + 1}d' % 1 }}}}", True), (f"{{{{ '%0{2**24 + 1}d'|format(1) }}}}", True),
+    (f"{{{{ ('x' * {2**12}).replace('', 'y' * {2**12}) }}}}", True),
+    (f"{{{{ ('x' * {2**12})|replace('x', 'y' * {2**13}) }}}}", True),
+    (f"{{{{ ('x' * {2**12}).join(range({2**12})|list) }}}}", True),
+    (f"{{{{ (range({2**12})|list)|join('y' * {2**12}) }}}}", True),
+    ("{{ range(100000)|length }}", False), ("{{ range(100001)|length }}", True),
+])
+def test_each_size_bound_takes_its_limit_and_refuses_past_it(source, refused):
+    if refused:  # at load, or at the first render
+        with pytest.raises((TemplateError, TemplateBudgetError),
+                           match="more than|power|width"):
+            rendered(source)
+    else:
+        assert rendered(source)
+
+
+def test_the_step_bound_is_counted_not_timed(monkeypatch):
+    from adaptive_llama.runtime import template_sandbox
+    monkeypatch.setattr(template_sandbox, "MAX_STEPS", 1000)
+    assert rendered("{% for i in range(900) %}{% endfor %}") == ""
+    slow = template("{% for m in messages %}{% for i in range(200) %}{% endfor %}{% endfor %}")
+    with pytest.raises(TemplateBudgetError, match="more than 1,000 steps"):
+        slow.render(HI * 6)
+
+
+def test_the_time_bound_stops_a_render_that_stays_under_the_steps(monkeypatch):
+    from adaptive_llama.runtime import template_sandbox
+    monkeypatch.setattr(template_sandbox, "MAX_RENDER_S", 0.2)
+    start = time.monotonic()
+    with pytest.raises(TemplateError, match="more than 0.2 s"):
+        rendered("{% for i in range(100000) %}{% for j in range(100000) %}"
+                 "{% endfor %}{% endfor %}")
+    assert time.monotonic() - start < 1.5

@@ -149,18 +149,35 @@ class BoundedEnvironment(ImmutableSandboxedEnvironment):
         return super().getitem(obj, argument)
 
 
-def _bounded_range(*args) -> Iterator[int]:
+def _bounded_range(*args) -> _CountedRange:
     numbers = range(*args)
     if len(numbers) > MAX_RANGE:
         raise TemplateBudgetError(f"range() of {len(numbers):,} items, more than the "
                                   f"{MAX_RANGE:,} allowed")
-    return _counted(numbers)
+    return _CountedRange(numbers)
 
 
-def _counted(numbers: range) -> Iterator[int]:
-    for number in numbers:
-        step()
-        yield number
+class _CountedRange:
+    """A range whose every turn of a loop is a step (``loop.length``, ``|length`` and
+    indexing work as on a range)."""
+
+    def __init__(self, numbers: range):
+        self._numbers = numbers
+
+    def __iter__(self) -> Iterator[int]:
+        for number in self._numbers:
+            step()
+            yield number
+
+    def __len__(self) -> int:
+        return len(self._numbers)
+
+    def __getitem__(self, index):
+        item = self._numbers[index]
+        return _CountedRange(item) if isinstance(item, range) else item
+
+    def __contains__(self, value) -> bool:
+        return value in self._numbers
 
 
 def _bounded_filter(f):
