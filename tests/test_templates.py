@@ -247,6 +247,8 @@ def test_templates_render_as_jinja_does_within_the_bounds(source, expected):
     (f"{{{{ 'x'.ljust({2**24}) }}}}", False), (f"{{{{ 'x'.ljust({2**24 + 1}) }}}}", True),
     (f"{{{{ 'x'|center({2**24 + 1}) }}}}", True),
     (f"{{{{ '%0{2**24 + 1}d' % 1 }}}}", True), (f"{{{{ '%0{2**24 + 1}d'|format(1) }}}}", True),
+    (f"{{{{ '{{:{2**24 + 1}}}'.format(1) }}}}", True),
+    (f"{{{{ '{{x:{2**24 + 1}}}'.format_map({{'x': 1}}) }}}}", True),
     (f"{{{{ ('x' * {2**12}).replace('', 'y' * {2**12}) }}}}", True),
     (f"{{{{ ('x' * {2**12})|replace('x', 'y' * {2**13}) }}}}", True),
     (f"{{{{ ('x' * {2**12}).join(range({2**12})|list) }}}}", True),

@@ -132,13 +132,20 @@ class BoundedEnvironment(ImmutableSandboxedEnvironment):
         owner = getattr(__obj, "__self__", None)
         name = getattr(__obj, "__name__", "")
         if isinstance(owner, str):
-            if name in ("format", "format_map"):
-                _check_format(owner)
-            elif name == "join" and args:
+            if name == "join" and args:
                 _check_join(owner, args[0])
             elif name == "replace" and len(args) >= 2:
                 check_size((len(owner) + 1) * (len(str(args[1])) + 1), "a string")
         return super().call(__context, __obj, *args, **kwargs)
+
+    def wrap_str_format(self, value):
+        # The sandbox hands a template its own wrapper of str.format (no __self__ left for
+        # call() to look at): the widths are checked here, when the method is looked up.
+        owner = getattr(value, "__self__", None)
+        if isinstance(owner, str) and getattr(value, "__name__", "") in ("format",
+                                                                          "format_map"):
+            _check_format(owner)
+        return super().wrap_str_format(value)
 
     def getattr(self, obj, attribute):
         step()
