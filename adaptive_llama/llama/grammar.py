@@ -67,8 +67,8 @@ def _parsed(gbnf: str, root: str) -> LlamaGrammar:
                                                    root.encode("utf-8"))
     if not sampler:
         raise UnsupportedSchema("llama.cpp cannot parse the grammar the schema makes (it "
-                                "has too many rules, or a pattern holds what GBNF does "
-                                "not know, such as \\d or \\w: write [0-9] or [a-zA-Z0-9_])")
+                                "has too many rules, or a pattern holds an escape GBNF "
+                                "does not know, such as \\b)")
     llama_cpp.llama_sampler_free(sampler)
     grammar = LlamaGrammar.from_string(gbnf, verbose=False)
     grammar._root = root  # the start rule llama_sampler_init_grammar is given (see .chain)
