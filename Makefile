@@ -20,7 +20,27 @@ $(PY):
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade $(PIN) pip
 
-$(VENV)/.installed-%: $(DEPS) | $(PY)
+# llama.cpp always with its RPC backend (docs/distributed.md), plus whatever CMAKE_ARGS adds
+# (-DGGML_CUDA=on for an NVIDIA GPU). pip's wheel cache ignores CMake flags, so an earlier
+# build without RPC would be reused silently: the wheel is built here without pip's cache,
+# once per version and set of flags, and kept in a folder of its own.
+LLAMA_VERSION := $(shell sed -n 's/^llama_cpp_python==//p' constraints.txt)
+LLAMA_CMAKE_ARGS := -DGGML_RPC=ON $(CMAKE_ARGS)
+LLAMA_KEY := $(LLAMA_VERSION)-$(shell echo '$(LLAMA_CMAKE_ARGS) '"$$($(PYTHON) -c 'import sys; print(sys.implementation.cache_tag)')" | md5sum | cut -c1-10)
+LLAMA_WHEELS ?= $(HOME)/.cache/adaptive-llama/wheels/$(LLAMA_KEY)
+
+$(VENV)/.llama-$(LLAMA_KEY): constraints.txt | $(PY)
+	if ! ls $(LLAMA_WHEELS)/llama_cpp_python-$(LLAMA_VERSION)-*.whl >/dev/null 2>&1; then \
+	    echo "Building llama-cpp-python $(LLAMA_VERSION) with $(LLAMA_CMAKE_ARGS) (about 8 minutes on 2 cores, once)..."; \
+	    CMAKE_ARGS="$(LLAMA_CMAKE_ARGS)" $(PY) -m pip wheel -v --no-deps --no-cache-dir \
+	        -w $(LLAMA_WHEELS).tmp "llama-cpp-python==$(LLAMA_VERSION)" 2>&1 | $(PROGRESS); \
+	    mkdir -p $(LLAMA_WHEELS) && mv $(LLAMA_WHEELS).tmp/llama_cpp_python-*.whl $(LLAMA_WHEELS)/ && rmdir $(LLAMA_WHEELS).tmp; \
+	fi
+	$(PY) -m pip install --quiet --force-reinstall --no-deps $(LLAMA_WHEELS)/llama_cpp_python-$(LLAMA_VERSION)-*.whl
+	$(PY) -c 'import llama_cpp, sys; sys.exit(0 if llama_cpp.llama_supports_rpc() else "llama.cpp was built without its RPC backend")'
+	rm -f $(VENV)/.llama-* && touch $@
+
+$(VENV)/.installed-%: $(DEPS) $(VENV)/.llama-$(LLAMA_KEY) | $(PY)
 	@echo "Installing adaptive-llama[$*] into $(VENV). A first install compiles llama.cpp (about 8 minutes on 2 cores)..."
 	$(PY) -m pip install -v $(PIN) -e ".[$*]" 2>&1 | $(PROGRESS)
 	@# The evaluation's Wikipedia/TinyStories text; the package's torch is not needed.

@@ -1,4 +1,5 @@
-"""The ``adaptive-llama`` command: models, samplers, generate, run (the chat REPL), serve, eval.
+"""The ``adaptive-llama`` command: models, samplers, generate, run (the chat REPL), serve, eval,
+rpc-worker.
 
 User errors (a bad model file, a bad sampler spec, an over-long prompt) print one line,
 ``Error: ...``, and exit with status 2; no traceback.
@@ -55,7 +56,8 @@ def _spec(ctx, param, value):
 CONFIG_PARAMS = {"sampler": "sampler", "system": "system", "ctx": "n_ctx",
                  "n_gpu_layers": "n_gpu_layers", "threads": "threads",
                  "backend_sampling": "backend_sampling", "markdown": "markdown",
-                 "wordwrap": "wordwrap", "chat_template": "chat_template"}
+                 "wordwrap": "wordwrap", "chat_template": "chat_template", "rpc": "rpc",
+                 "tensor_split": "tensor_split"}
 GIVEN = (ParameterSource.COMMANDLINE, ParameterSource.ENVIRONMENT)
 
 
@@ -97,6 +99,30 @@ def _warn_misspelt_tables() -> None:
         click.echo(f"Warning: {warning}", err=True)
 
 
+def _rpc(ctx, param, value):
+    if value is None:
+        return None
+    from .llama.rpc import parse_endpoints
+
+    try:
+        return parse_endpoints(value)
+    except ValueError as exc:
+        fail(f"--rpc {exc}")
+
+
+def _tensor_split(ctx, param, value):
+    if value is None:
+        return None
+    try:
+        shares = [float(x) for x in value.split(",")]
+    except ValueError:
+        shares = []
+    if not shares or any(not 0 <= x < float("inf") for x in shares) or sum(shares) <= 0:
+        fail(f"--tensor-split: {value!r} is not a list of shares like 3,2 (non-negative "
+             "numbers, not all 0)")
+    return shares
+
+
 def model_options(fn):
     for option in reversed([
         click.option("--n-gpu-layers", type=int, default=0, show_default=True,
@@ -117,6 +143,13 @@ def model_options(fn):
                      help="A Jinja chat template in place of the model's own: a file, or "
                      "chatml-tools (ChatML with tool calls, for SmolLM2 and other ChatML "
                      "models whose template has no tools)."),
+        click.option("--rpc", default=None, metavar="HOST:PORT[,...]", callback=_rpc,
+                     help="llama.cpp RPC workers (adaptive-llama rpc-worker) that hold the "
+                     "model's layers (docs/distributed.md)."),
+        click.option("--tensor-split", default=None, metavar="W[,W...]",
+                     callback=_tensor_split, help="Share of the offloaded layers per device: "
+                     "the --rpc workers in order, then this machine's GPUs (default: by free "
+                     "memory)."),
         click.option("--verbose", is_flag=True, help="Show llama.cpp's own log."),
     ]):
         fn = option(fn)
@@ -136,14 +169,15 @@ def template_source(chat_template: str | None) -> str | None:
 
 
 def load_engine(model, n_gpu_layers, n_ctx, threads, seed, verbose, backend_sampling,
-                show_progress=False, parallel=1, sampler=None, chat_template=None):
+                show_progress=False, parallel=1, sampler=None, chat_template=None, rpc=None,
+                tensor_split=None):
     """The Engine; with ``sampler``, also one that engine can run (or a one-line exit);
-    ``chat_template``: the source of one in place of the model's own."""
+    ``chat_template``: the source of one in place of the model's own; ``rpc``: workers."""
     from .runtime.engine import Engine  # llama.cpp loads only for commands that need it
 
     if show_progress:
         click.echo(f"loading {model or 'smollm2 (bundled)'} ...", err=True)
-    if n_gpu_layers:
+    if n_gpu_layers and not rpc:
         import llama_cpp
 
         if not llama_cpp.llama_supports_gpu_offload():
@@ -153,7 +187,7 @@ def load_engine(model, n_gpu_layers, n_ctx, threads, seed, verbose, backend_samp
     engine = Engine(model, n_gpu_layers=n_gpu_layers, n_ctx=n_ctx, n_threads=threads,
                     parallel=parallel, seed=seed, verbose=verbose,
                     backend_sampling=backend_sampling,
-                    chat_template=chat_template)
+                    chat_template=chat_template, rpc=rpc, tensor_split=tensor_split)
     if sampler is not None:
         try:
             engine.check_sampler(sampler)
@@ -240,7 +274,8 @@ def _with_temperature(sampler, temperature: float | None):
 @user_errors
 @configured
 def generate(model, prompt, sampler, temperature, max_tokens, chat, stop, as_json,
-             n_gpu_layers, n_ctx, threads, seed, backend_sampling, chat_template, verbose):
+             n_gpu_layers, n_ctx, threads, seed, backend_sampling, chat_template, rpc,
+             tensor_split, verbose):
     """Generate a continuation (or, with --chat, a reply) of a prompt, with MODEL (default:
     the bundled SmolLM2-135M-Instruct)."""
     sampler = _with_temperature(sampler, temperature)
@@ -248,7 +283,8 @@ def generate(model, prompt, sampler, temperature, max_tokens, chat, stop, as_jso
         # Bytes that are not UTF-8 become U+FFFD rather than a codec error.
         prompt = sys.stdin.buffer.read().decode("utf-8", "replace")
     engine = load_engine(model, n_gpu_layers, n_ctx, threads, seed, verbose, backend_sampling,
-                         sampler=sampler, chat_template=template_source(chat_template))
+                         sampler=sampler, chat_template=template_source(chat_template),
+                         rpc=rpc, tensor_split=tensor_split)
     stream = engine.stream(engine.prompt_tokens(prompt, chat=chat), sampler=sampler,
                            max_tokens=max_tokens, stop=list(stop))
     try:
@@ -258,7 +294,8 @@ def generate(model, prompt, sampler, temperature, max_tokens, chat, stop, as_jso
     except KeyboardInterrupt:
         pass
     if as_json:
-        click.echo(json.dumps(stream.result.as_dict()))
+        placed = {"layers": engine.layers} if engine.rpc or engine.n_gpu_layers else {}
+        click.echo(json.dumps({**stream.result.as_dict(), **placed}))
     else:
         click.echo()
 
@@ -283,7 +320,8 @@ def generate(model, prompt, sampler, temperature, max_tokens, chat, stop, as_jso
 @user_errors
 @configured
 def run(model, sampler, temperature, system, max_tokens, resume, no_save, markdown, wordwrap,
-        n_gpu_layers, n_ctx, threads, seed, backend_sampling, chat_template, verbose):
+        n_gpu_layers, n_ctx, threads, seed, backend_sampling, chat_template, rpc, tensor_split,
+        verbose):
     """Chat with MODEL (default: the bundled SmolLM2-135M-Instruct). /help inside.
 
     Each chat is saved as it goes, in $XDG_STATE_HOME/adaptive-llama/chats (a reply cut off
@@ -311,7 +349,8 @@ def run(model, sampler, temperature, system, max_tokens, resume, no_save, markdo
     # The seed is the chat's (`/set seed` changes it), not the engine's.
     engine = load_engine(model, n_gpu_layers, n_ctx, threads, None, verbose,
                          backend_sampling, show_progress=interactive, sampler=sampler,
-                         chat_template=template_source(chat_template))
+                         chat_template=template_source(chat_template), rpc=rpc,
+                         tensor_split=tensor_split)
     if not engine.has_chat_template:
         fail(f"{engine.name} is a base model (no chat template in its GGUF), so it cannot "
              f"chat; continue text with it instead (adaptive-llama generate {model} "
@@ -320,6 +359,10 @@ def run(model, sampler, temperature, system, max_tokens, resume, no_save, markdo
     repl = Repl(engine, sampler=sampler, system=system, max_tokens=max_tokens, seed=seed,
                 interactive=interactive, sources=ctx.meta["sources"], store=store,
                 chat_name=resume, markdown=markdown, wordwrap=wordwrap)
+    if engine.rpc:
+        from .llama.rpc import on_abort
+
+        on_abort(repl.on_worker_lost)
     if resume is not None:
         try:
             repl.restore(check_saved_chat(saved, repl.chat))
@@ -394,10 +437,12 @@ def _continue(repl, store, name: str) -> None:
 @click.option("--n-gpu-layers", type=click.IntRange(min=-1), default=0, show_default=True,
               help="Layers to offload to the GPU (CUDA build; -1: all). Each sequence is "
                    "still sampled on the CPU: see benchmarks/eval_workers.py for a GPU machine.")
+@click.option("--rpc", default=None, metavar="HOST:PORT[,...]", callback=_rpc,
+              help="llama.cpp RPC workers that hold the model's layers (docs/distributed.md).")
 @user_errors
 def evaluate(model, tasks, methods, temperatures, batch, prompts_file, n_dev, n_test, samples,
              max_tokens, gsm8k_n, gsm8k_max_tokens, gsm8k_samplers, full, out, seed, threads,
-             n_gpu_layers):
+             n_gpu_layers, rpc):
     """Score every sampler as the paper does: rep-n, diversity, MAUVE, coherence, k, GSM8K."""
     from .eval.data import load_prompts_file
     from .eval.run import EvalConfig, Evaluator, require_extras
@@ -422,7 +467,7 @@ def evaluate(model, tasks, methods, temperatures, batch, prompts_file, n_dev, n_
     config = make(model=model, tasks=_listed(tasks, "--tasks"), batch=batch,
                   gsm8k_samplers=gsm8k_samplers,
                   prompts_file=prompts_file, out=out, seed=seed, n_threads=threads,
-                  n_gpu_layers=n_gpu_layers,
+                  n_gpu_layers=n_gpu_layers, rpc=tuple(rpc or ()),
                   command=" ".join(["adaptive-llama eval", *sys.argv[2:]]), **sizes)
     evaluator = Evaluator(config)
     try:
@@ -520,7 +565,7 @@ def _free_port(host: str, port: int) -> int:
 def serve(models, more_models, max_loaded, keep_alive, host, port, allow_remote, api_key,
           allow_origins, allow_hosts, sampler, max_queue, max_body, read_timeout, parallel,
           embedding_model, n_gpu_layers, n_ctx, threads, seed, backend_sampling,
-          chat_template, verbose):
+          chat_template, rpc, tensor_split, verbose):
     """Serve one or several models over the OpenAI and Ollama APIs (/v1/chat/completions,
     /api/chat, ...); the first loads now, the others on their first request."""
     try:
@@ -547,12 +592,16 @@ def serve(models, more_models, max_loaded, keep_alive, host, port, allow_remote,
                    f"{'' if api_key else ' with no --api-key'}.", err=True)
     port = _free_port(host, port)
     options = dict(sampler=sampler, n_gpu_layers=n_gpu_layers, n_ctx=n_ctx, threads=threads,
-                   backend_sampling=backend_sampling, chat_template=chat_template)
-    served = [_served(argument, options, parallel=parallel, seed=seed, verbose=verbose)
+                   backend_sampling=backend_sampling, chat_template=chat_template, rpc=rpc,
+                   tensor_split=tensor_split)
+    pools = []  # the pool, once made, for a model with RPC workers to reach
+    served = [_served(argument, options, parallel=parallel, seed=seed, verbose=verbose,
+                      on_workers=lambda: _answer_when_lost(pools[0]))
               for argument in (*models, *more_models) or _configured_models()]
     _warn_misspelt_tables()
     pool = ModelPool(served, max_loaded=max_loaded, keep_alive=keep_alive,
                      max_queue=max_queue)
+    pools.append(pool)
     first = pool.load_now(pool.default)
     embedder = None
     if embedding_model is not None:
@@ -570,6 +619,59 @@ def serve(models, more_models, max_loaded, keep_alive, host, port, allow_remote,
     _log_requests()
     uvicorn.run(app, host=host, port=port, http=with_read_timeout(read_timeout),
                 log_level="info" if verbose else "warning")
+
+
+@main.command("rpc-worker")
+@click.option("--host", default="127.0.0.1", show_default=True,
+              help="Address to listen on; other than loopback needs --allow-remote.")
+@click.option("--port", type=click.IntRange(1, 65535), default=50052, show_default=True)
+@click.option("--threads", type=click.IntRange(1, MAX_THREADS), default=None,
+              help="CPU threads of a CPU device (default: the physical cores available).")
+@click.option("--device", default=None, metavar="NAME[,NAME...]",
+              help="The devices to serve: cpu, cuda0, ... (default: this machine's GPUs, "
+                   "else its CPU).")
+@click.option("--cache", "cache_dir", default=None, metavar="DIR",
+              help="Keep the large tensors hosts send in DIR, so that loading the same model "
+                   "again sends only their hashes.")
+@click.option("--allow-remote", is_flag=True,
+              help="Allow a non-loopback --host. The RPC protocol has no authentication: "
+                   "anyone who reaches the port can run work on this machine.")
+@user_errors
+def rpc_worker(host, port, threads, device, cache_dir, allow_remote):
+    """Hold layers of a model for a host on another machine (llama.cpp's RPC server); the
+    host names it with --rpc HOST:PORT. Serves one host at a time."""
+    from .llama import rpc
+    from .runtime.threads import default_threads
+
+    rpc.check_available()
+    try:
+        address = socket.gethostbyname(host)
+    except OSError:
+        fail(f"--host {host}: there is no such host name here")
+    if not rpc.is_loopback(address):
+        if not allow_remote:
+            fail(f"--host {host} is reachable from other machines, and llama.cpp's RPC "
+                 "protocol has no authentication: anyone who reaches the port can run work "
+                 "here and read what it holds. Add --allow-remote on a trusted network only")
+        click.echo(f"Warning: listening on {address}:{port} with no authentication; keep the "
+                   "port closed to all but the host (a firewall, or a private network).",
+                   err=True)
+    rpc.check_bindable(address, port)
+    devices = rpc.worker_devices(device)
+    if cache_dir is not None:
+        _writable_folder(cache_dir, "--cache")
+    thread = rpc.serve_worker(address, port, threads or default_threads(), devices, cache_dir)
+    reach = f"{'THIS-MACHINE' if address == '0.0.0.0' else address}:{port}"
+    click.echo(f"RPC worker on {address}:{port} serving {rpc.describe(devices)}; the host "
+               f"runs with --rpc {reach}. Ctrl-C stops.", err=True)
+    try:
+        while thread.is_alive():
+            thread.join(0.5)
+    except KeyboardInterrupt:
+        click.echo("RPC worker stopped.", err=True)
+        sys.stdout.flush()
+        os._exit(0)  # the server thread is inside llama.cpp's accept() and cannot be joined
+    fail(f"llama.cpp's RPC server on {address}:{port} stopped (its lines above say why)")
 
 
 def _keep_alive(value: str) -> float:
@@ -596,10 +698,19 @@ def _configured_models() -> list[str]:
     return list(found.values()) or [None]
 
 
+@functools.cache
+def _answer_when_lost(pool) -> None:
+    """When llama.cpp ends the process for a lost RPC worker, answer the waiting requests
+    with an error first (once per pool)."""
+    from .llama.rpc import on_abort
+
+    on_abort(pool.fail_all)
+
+
 def _served(argument: str | None, options: dict, *, parallel: int, seed: int | None,
-            verbose: bool):
+            verbose: bool, on_workers=lambda: None):
     """One model to serve: its name, its file, its settings (the command line's, else its
-    config.toml table's), and how to load it."""
+    config.toml table's), and how to load it (``on_workers`` runs when it uses RPC)."""
     from .server.pool import ServedModel, served_name, split_named
 
     name, model = split_named(argument) if argument else (None, None)
@@ -608,10 +719,14 @@ def _served(argument: str | None, options: dict, *, parallel: int, seed: int | N
     template = template_source(settings["chat_template"])  # read once, at the start
 
     def load():
-        return load_engine(path, settings["n_gpu_layers"], settings["n_ctx"],
-                           settings["threads"], seed, verbose, settings["backend_sampling"],
-                           parallel=parallel, sampler=settings["sampler"],
-                           chat_template=template)
+        engine = load_engine(path, settings["n_gpu_layers"], settings["n_ctx"],
+                             settings["threads"], seed, verbose, settings["backend_sampling"],
+                             parallel=parallel, sampler=settings["sampler"],
+                             chat_template=template, rpc=settings["rpc"],
+                             tensor_split=settings["tensor_split"])
+        if engine.rpc:
+            on_workers()
+        return engine
 
     return ServedModel(name or served_name(model or "", path), path, load, settings["sampler"],
                        template)

@@ -423,11 +423,19 @@ class Repl:
                  f"display     {display}\n"
                  f"threads     {self.engine.threads}"
                  f"{' (adapted to the load)' if self.engine.threads_adaptive else ''}\n"
+                 f"layers      {self.engine.placement()}\n"
                  f"context     {chat.context_used()} of {self.engine.n_ctx} tokens "
                  f"({len(chat.messages)} messages{outside})")
         if self.sources:
             self.say("from        " + "; ".join(f"{key}: {source}"
                                                   for key, source in self.sources.items()))
+
+    def on_worker_lost(self, line: str) -> None:
+        """llama.cpp ends the process (an RPC worker lost): say how to go on. What was shown
+        is already in the saved chat (show_stream keeps each piece before it shows)."""
+        if self.store is not None and self.chat_name and self.chat.messages:
+            self.note(f"the chat is saved as {self.chat_name}: `adaptive-llama run --resume "
+                      f"{self.chat_name}` (with the same --rpc) continues it")
 
     def cmd_clear(self, arg):
         kept = self.chat_name if self.chat.messages else None

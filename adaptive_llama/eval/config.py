@@ -57,6 +57,7 @@ class EvalConfig:
     batch: int = 16
     n_threads: int | None = None
     n_gpu_layers: int = 0  # layers offloaded to a GPU (CUDA build; -1: all)
+    rpc: tuple[str, ...] = ()  # llama.cpp RPC workers holding the layers (HOST:PORT)
     command: str = ""
 
     @classmethod

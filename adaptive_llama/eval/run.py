@@ -48,7 +48,8 @@ class Evaluator:
         self.config = config
         self.engine = engine or Engine(config.model, seed=config.seed, n_ctx=config.n_ctx,
                                        n_threads=config.n_threads, parallel=config.batch,
-                                       n_gpu_layers=config.n_gpu_layers)
+                                       n_gpu_layers=config.n_gpu_layers,
+                                       rpc=list(config.rpc) or None)
         self.out = Path(config.out)
         self.cache = JsonLinesCache(self.out / "generations.jsonl")
         self.scores = ScoreCache(self.out / "scores.jsonl", scoring_versions())

@@ -14,11 +14,14 @@
     markdown = false                # the REPL shows replies as written
     wordwrap = true
     chat_template = "chatml-tools"  # in place of the model's own: a built-in name or a file
+    rpc = ["10.0.0.2:50052"]        # llama.cpp RPC workers holding the layers
+    tensor_split = [3, 2]           # their shares of the layers
 
 Keys: ``sampler`` (a spec), ``system`` (the REPL's system prompt), ``ctx``, ``n_gpu_layers``,
 ``threads`` (1 to 512), ``backend_sampling``, and the REPL's ``markdown`` and ``wordwrap``
 (rendering and wrapping replies; on a terminal by default), ``chat_template`` (a Jinja
-template in place of the model's own: ``chatml-tools``, or a file's path). ``run``, ``generate`` and
+template in place of the model's own: ``chatml-tools``, or a file's path), ``rpc`` and
+``tensor_split`` (workers holding the layers, docs/distributed.md). ``run``, ``generate`` and
 ``serve`` use them; the command line wins over the file, a model's table over ``[defaults]``,
 and the file over the built-in defaults. Each value comes with where it came from, which ``/show`` and
 ``adaptive-llama models`` print. The whole file is checked before anything starts: a bad one
@@ -95,6 +98,24 @@ def _chat_template(value):
     return value
 
 
+def _workers(value):
+    from ..llama.rpc import parse_endpoints  # it imports llama.cpp's bindings
+
+    if not isinstance(value, (str, list)):
+        raise ValueError(f"has to be a list of \"HOST:PORT\" texts, but is {value!r}")
+    return parse_endpoints(value)
+
+
+def _shares(value):
+    ok = isinstance(value, list) and value and all(
+        isinstance(x, (int, float)) and not isinstance(x, bool) and 0 <= x < float("inf")
+        for x in value) and sum(value) > 0
+    if not ok:
+        raise ValueError(f"has to be a list of shares like [3, 2] (non-negative numbers, not "
+                         f"all 0), but is {value!r}")
+    return [float(x) for x in value]
+
+
 # key -> check (returns the value to use, raises ValueError with what is wrong)
 KEYS = {
     "sampler": _sampler,
@@ -106,6 +127,8 @@ KEYS = {
     "markdown": _boolean,
     "wordwrap": _boolean,
     "chat_template": _chat_template,
+    "rpc": _workers,
+    "tensor_split": _shares,
 }
 
 

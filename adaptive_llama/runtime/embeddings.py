@@ -43,7 +43,7 @@ class Embedder:
     def open(cls, path: Path, threads: int) -> Embedder:
         """An embedder over the GGUF at ``path``, a model of its own (closed with it);
         ModelError for a file llama.cpp cannot load."""
-        model = load_model(path)
+        model, _ = load_model(path)
         try:
             embedder = cls(model, path.name, threads)
         except ValueError:

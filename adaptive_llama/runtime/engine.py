@@ -20,10 +20,8 @@ generates for many prompts at once.
 
 from __future__ import annotations
 
-import ctypes
 import logging
 import re
-import sys
 import threading
 from collections import deque
 from pathlib import Path
@@ -32,6 +30,7 @@ from typing import Callable, Iterator
 import llama_cpp  # noqa: E402  (after .chain, which checks its version)
 from llama_cpp import _internals  # noqa: E402
 
+from ..llama import rpc as ggml_rpc
 from ..llama.chain import SamplerChain, check_in_graph
 from ..samplers import SEED, SamplerSpec, SpecError, seed_or_fresh, spec_of
 from .batching import MAX_LOGPROBS, Decoder, Generation, GenerationResult, TokenLogprob  # noqa: F401
@@ -39,7 +38,7 @@ from .chat_template import ChatTemplate
 from .embeddings import Embedder
 from .gguf_header import quantization_name
 from .limits import MAX_CTX, MAX_THREADS
-from .loading import load_model
+from .loading import layer_devices, load_model, set_llama_log
 from .models import ModelError, resolve_model
 from .request import ContextOverflow, InvalidArgument, Request, check_int
 from .threads import ThreadTuner, default_threads
@@ -52,23 +51,6 @@ N_BATCH = 512   # tokens per llama_decode call at most (prompt chunks and genera
 
 __all__ = ["ContextOverflow", "Engine", "GenerationResult", "InvalidArgument", "Request",
            "Stream", "set_llama_log"]
-
-
-@llama_cpp.llama_log_callback
-def _quiet_log(level, text, user_data):
-    """llama.cpp's log, dropped unless the engine is verbose (then: stderr)."""
-    if _quiet_log.verbose:
-        print(text.decode("utf-8", "replace"), end="", flush=True, file=sys.stderr)
-
-
-_quiet_log.verbose = False
-
-
-def set_llama_log(verbose: bool) -> None:
-    """Route llama.cpp's own log: shown with ``verbose``, otherwise silent (errors included:
-    the engine reports them in one line)."""
-    _quiet_log.verbose = verbose
-    llama_cpp.llama_log_set(_quiet_log, ctypes.c_void_p(0))
 
 
 class Stream:
@@ -157,6 +139,13 @@ class Engine:
         chat_template: a Jinja chat template in place of the model's own (the source;
             :func:`adaptive_llama.runtime.chat_template.load_template` reads a built-in one,
             such as ``chatml-tools``, or a file).
+        rpc: llama.cpp RPC workers (``adaptive-llama rpc-worker``) to hold layers, as
+            ``"HOST:PORT,..."`` or a list of them (docs/distributed.md). Each is checked
+            before the model loads. ``n_gpu_layers`` 0 then means all layers on them (the
+            output layer too); ``n_gpu_layers`` N keeps the first layers here.
+        tensor_split: the share of the offloaded layers each device holds, in order: the
+            workers' devices, then this machine's GPUs (llama.cpp's ``--tensor-split``);
+            None: in proportion to their free memory.
 
     Raises:
         ModelError: the file is missing, not GGUF, truncated or otherwise unloadable.
@@ -166,7 +155,8 @@ class Engine:
     def __init__(self, model=None, *, n_gpu_layers: int = 0, n_ctx: int = 2048,
                  n_threads: int | None = None, parallel: int = 1, seed: int | None = None,
                  verbose: bool = False, backend_sampling: bool = False,
-                 chat_template: str | None = None):
+                 chat_template: str | None = None, rpc: str | list[str] | None = None,
+                 tensor_split: list[float] | None = None):
         check_int("n_gpu_layers", n_gpu_layers, low=-1)
         check_int("n_ctx", n_ctx, low=0, high=MAX_CTX)
         if 0 < n_ctx < CTX_STEP:
@@ -178,16 +168,34 @@ class Engine:
         if not isinstance(backend_sampling, bool):
             raise InvalidArgument(f"`backend_sampling` has to be True or False, but is "
                                   f"{backend_sampling!r}", "backend_sampling")
+        self.rpc = self._endpoints(rpc)
+        self._check_split(tensor_split)
+        if self.rpc and backend_sampling:
+            raise InvalidArgument("backend sampling runs in the graph of the device that "
+                                  "holds the output layer, which an RPC worker cannot do "
+                                  "here: drop one of the two", "backend_sampling")
         self.seed = None if seed is None else SEED.validate(seed)
         self.backend_sampling = backend_sampling
-        # Whether a token's logits are a function of the tokens before it alone (whatever
-        # the batch, the cache, the threads or the other sequences): on the CPU, yes (see
-        # _new_context); with layers on a GPU, llama.cpp's kernels depend on the batch.
-        self.batch_invariant = n_gpu_layers == 0
-        self.n_gpu_layers = n_gpu_layers
         self.path: Path = resolve_model(model)
+        if self.rpc and n_gpu_layers == 0:
+            n_gpu_layers = -1  # workers given to hold nothing would be a mistake
+        devices = ggml_rpc.connect(self.rpc) if self.rpc else []
+        if self.rpc and tensor_split:
+            self._check_split_count(len(tensor_split), len(devices),
+                                    len(ggml_rpc.local_gpus()))
+        # Whether a token's logits are a function of the tokens before it alone (whatever
+        # the batch, the cache, the threads or the other sequences): on CPUs, here or in
+        # CPU workers, yes (see _new_context); with layers on a GPU, llama.cpp's kernels
+        # depend on the batch (a worker's device is not known here: docs/distributed.md).
+        self.batch_invariant = n_gpu_layers == 0 or (bool(self.rpc)
+                                                     and not ggml_rpc.local_gpus())
+        self.n_gpu_layers = n_gpu_layers
         set_llama_log(verbose)
-        self._model = load_model(self.path, n_gpu_layers, verbose)
+        self._model, layers = load_model(
+            self.path, n_gpu_layers, verbose, tensor_split=tensor_split,
+            devices=ggml_rpc.model_devices(devices))
+        self.layers = [dict(run, device=ggml_rpc.device_label(run["device"]))
+                       for run in layer_devices(layers)]
         self._embedder: Embedder | None = None
         self._embedder_lock = threading.Lock()
         self.vocab = Vocab(self._model)
@@ -207,6 +215,34 @@ class Engine:
         self.metadata = self._model.metadata()
         self._specials: tuple[re.Pattern | None, dict[str, int]] | None = None
         self.chat_template = self._chat_template(chat_template)
+
+    @staticmethod
+    def _endpoints(value) -> list[str]:
+        if value is None or value == [] or value == "":
+            return []
+        try:
+            return ggml_rpc.parse_endpoints(value)
+        except ValueError as exc:
+            raise InvalidArgument(f"`rpc`: {exc}", "rpc") from None
+
+    @staticmethod
+    def _check_split(shares) -> None:
+        if shares is None:
+            return
+        ok = isinstance(shares, (list, tuple)) and shares and all(
+            isinstance(x, (int, float)) and not isinstance(x, bool) and 0 <= x < float("inf")
+            for x in shares) and sum(shares) > 0
+        if not ok or len(shares) > llama_cpp.llama_max_devices():
+            raise InvalidArgument(f"`tensor_split` has to be a list of up to "
+                                  f"{llama_cpp.llama_max_devices()} non-negative numbers "
+                                  f"with a positive sum, but is {shares!r}", "tensor_split")
+
+    @staticmethod
+    def _check_split_count(shares: int, workers: int, gpus: int) -> None:
+        if shares > workers + gpus:
+            raise InvalidArgument(f"`tensor_split` has {shares} shares, but there are "
+                                  f"{workers} worker and {gpus} local GPU devices",
+                                  "tensor_split")
 
     def _new_context(self, requested: int, threads: int, verbose: bool):
         params = llama_cpp.llama_context_default_params()
@@ -275,6 +311,19 @@ class Engine:
     @property
     def has_chat_template(self) -> bool:
         return self.chat_template is not None
+
+    def placement(self) -> str:
+        """Which device holds which layers, as ``CPU 0-14; RPC0 (10.0.0.2:50052) 15-29 and
+        output`` (the output layer is numbered after the last repeating one)."""
+        n_layer = llama_cpp.llama_model_n_layer(self._model.model)
+
+        def span(first: int, last: int) -> str:
+            output = last == n_layer
+            last -= output
+            text = "" if last < first else str(first) if first == last else f"{first}-{last}"
+            return " and ".join(filter(None, [text, "output" if output else ""]))
+
+        return "; ".join(f"{run['device']} {span(*run['layers'])}" for run in self.layers)
 
     @property
     def threads(self) -> int:

@@ -1,7 +1,12 @@
-"""Loading a GGUF file into llama.cpp, the same way for the engine and an embedding model."""
+"""Loading a GGUF file into llama.cpp, the same way for the engine and an embedding model;
+llama.cpp's log, and where the loaded model's layers went."""
 
 from __future__ import annotations
 
+import ctypes
+import re
+import sys
+import threading
 from pathlib import Path
 
 import llama_cpp
@@ -9,10 +14,38 @@ from llama_cpp import _internals
 
 from .models import ModelError
 
+_ASSIGNED = re.compile(r"layer +(\d+) assigned to device (\S+),")
+_load_lock = threading.Lock()  # one load at a time: the layout is read from the shared log
 
-def load_model(path: Path, n_gpu_layers: int = 0, verbose: bool = False):
+
+@llama_cpp.llama_log_callback
+def _llama_log(level, text, user_data):
+    """llama.cpp's log: dropped unless verbose (then: stderr); a load's layer placement lines
+    are kept in ``_llama_log.layers`` while one runs."""
+    line = text.decode("utf-8", "replace")
+    if _llama_log.layers is not None and (match := _ASSIGNED.search(line)):
+        _llama_log.layers.append((int(match.group(1)), match.group(2)))
+    if _llama_log.verbose:
+        print(line, end="", flush=True, file=sys.stderr)
+
+
+_llama_log.verbose = False
+_llama_log.layers = None
+
+
+def set_llama_log(verbose: bool) -> None:
+    """Route llama.cpp's own log: shown with ``verbose``, otherwise silent (errors included:
+    the engine reports them in one line)."""
+    _llama_log.verbose = verbose
+    llama_cpp.llama_log_set(_llama_log, ctypes.c_void_p(0))
+
+
+def load_model(path: Path, n_gpu_layers: int = 0, verbose: bool = False, *,
+               devices: ctypes.Array | None = None, tensor_split: list[float] | None = None):
     """The ``llama_cpp._internals.LlamaModel`` of ``path`` (``n_gpu_layers`` -1: all on the
-    GPU), or ModelError in one line for a file llama.cpp cannot load."""
+    GPU) and the device of each layer (:func:`layer_devices`), or ModelError in one line for
+    a file llama.cpp cannot load. ``devices``: a NULL-terminated array of the devices to
+    offload to (None: llama.cpp's default, every GPU); ``tensor_split``: their weights."""
     params = llama_cpp.llama_model_default_params()
     params.n_gpu_layers = 0x7FFFFFFF if n_gpu_layers == -1 else n_gpu_layers
     # No repacked weight layouts (AVX2/AVX-512 repack, AMX): they compute a row with
@@ -20,8 +53,30 @@ def load_model(path: Path, n_gpu_layers: int = 0, verbose: bool = False):
     # single rows), so a reply would depend on what else was decoded with it; and the
     # AMX path crashed (SIGSEGV in ggml_backend_amx_mul_mat) on the AMX CPUs of our CI.
     params.use_extra_bufts = False
-    try:
-        return _internals.LlamaModel(path_model=str(path), params=params, verbose=verbose)
-    except (ValueError, RuntimeError, OSError) as exc:
-        raise ModelError(f"{path}: llama.cpp could not load it; the file is truncated or "
-                         f"corrupt, or not a model llama.cpp supports ({exc})") from None
+    if devices is not None:
+        params.devices = ctypes.cast(devices, ctypes.c_void_p)
+    if tensor_split:
+        split = (ctypes.c_float * llama_cpp.llama_max_devices())(*tensor_split)
+        params.tensor_split = split
+    with _load_lock:
+        _llama_log.layers = []
+        try:
+            model = _internals.LlamaModel(path_model=str(path), params=params, verbose=verbose)
+        except (ValueError, RuntimeError, OSError) as exc:
+            raise ModelError(f"{path}: llama.cpp could not load it; the file is truncated or "
+                             f"corrupt, or not a model llama.cpp supports ({exc})") from None
+        finally:
+            layers, _llama_log.layers = _llama_log.layers, None
+    return model, layers
+
+
+def layer_devices(layers: list[tuple[int, str]]) -> list[dict]:
+    """llama.cpp's placement of the layers (the last index is the output layer) as runs:
+    ``[{"device": "CPU", "layers": [0, 14]}, {"device": "RPC0", "layers": [15, 30]}]``."""
+    runs: list[dict] = []
+    for index, device in sorted(layers):
+        if runs and runs[-1]["device"] == device and runs[-1]["layers"][1] == index - 1:
+            runs[-1]["layers"][1] = index
+        else:
+            runs.append({"device": device, "layers": [index, index]})
+    return runs

@@ -93,4 +93,5 @@ def _health_of(model: LoadedModel) -> dict:
     s = model.scheduler
     return {"name": model.name, "sampler": str(model.sampler), "slots": model.engine.parallel,
             "running": s.running, "free": model.engine.parallel - s.running,
-            "waiting": s.waiting, "threads": model.engine.threads, **s.counts}
+            "waiting": s.waiting, "threads": model.engine.threads,
+            "layers": model.engine.layers, **s.counts}

@@ -38,6 +38,7 @@ log = logging.getLogger("adaptive_llama.server")
 
 FOREVER = math.inf
 LOAD_WAIT_S = 120.0  # a request for an unloaded model waits this long for room
+FAREWELL_S = 1.0     # for the answers to requests when the process must end
 ROOM_POLL_S = 0.1
 UNLOAD_POLL_S = 0.5  # how often idle models are looked at
 RETRY_AFTER_S = 5
@@ -241,6 +242,14 @@ class ModelPool:
     @property
     def loaded(self) -> list[LoadedModel]:
         return list(self._loaded.values())
+
+    def fail_all(self, reason: str) -> None:
+        """Answer every running and waiting request with a server error saying ``reason``,
+        and give the event loop a moment to send the answers: llama.cpp is about to end the
+        process (an RPC worker lost)."""
+        for model in self.loaded:
+            model.scheduler.fail_all(RuntimeError(reason))
+        time.sleep(FAREWELL_S)
 
     def find(self, name: str | None, *, any_name_for_one: bool = False) -> ServedModel:
         """The model a request names (None: the default); with ``any_name_for_one``, any

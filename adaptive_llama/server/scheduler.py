@@ -68,6 +68,7 @@ class Scheduler:
         self.running = 0
         self.counts = dict.fromkeys(self.OUTCOMES, 0)
         self.last_done = time.monotonic()  # when the latest job ended (idle since then)
+        self._active: dict[Generation, Job] = {}  # the jobs in slots (the worker's)
         self._thread = threading.Thread(target=self._work, name="adaptive-llama-worker",
                                         daemon=True)
         self._thread.start()
@@ -89,9 +90,22 @@ class Scheduler:
         self._jobs.put(None)
         self._thread.join(timeout=30)
 
+    def fail_all(self, error: Exception) -> None:
+        """Tell every running and waiting job that it failed with ``error``: the process is
+        about to end (llama.cpp lost an RPC worker while the worker thread is inside a
+        decode, which never returns)."""
+        jobs = list(self._active.values())
+        while True:
+            try:
+                jobs.append(self._jobs.get_nowait())
+            except queue.Empty:
+                break
+        for job in filter(None, jobs):
+            job.emit("error", error)
+
     def _work(self) -> None:
         engine = self.engine
-        active: dict[Generation, Job] = {}
+        active = self._active
         while True:
             # Take new jobs into free slots; sleep on the queue only when nothing runs.
             while engine.free_slots:

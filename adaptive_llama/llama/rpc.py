@@ -1,0 +1,402 @@
+"""llama.cpp's RPC backend (ggml-rpc): a model's layers on worker processes of other machines.
+
+A worker (:func:`serve_worker`, ``adaptive-llama rpc-worker``) runs ggml's RPC server from the
+installed llama.cpp library and computes the layers it is given on its own device (CPU or a
+GPU). The host (:func:`connect`) registers each worker's devices with llama.cpp, which then
+treats them as GPU-type devices: ``n_gpu_layers`` offloads layers to them, shared by the
+``tensor_split`` weights (by the workers' free memory without them). The sampler chain runs on
+the host as always.
+
+llama.cpp aborts the process when a worker cannot be reached or stops answering
+(``GGML_ABORT`` in ggml-rpc.cpp). So :func:`connect` checks each worker itself first (a TCP
+connection and the protocol's HELLO, with timeouts), and :func:`on_abort` turns a later abort
+into handlers that keep what the user had (a chat saved, a line naming the worker) and a
+clean exit with status :data:`ABORT_STATUS`, never a core dump or a hang in gdb.
+
+The protocol has no authentication and no encryption: a worker runs whatever graph a client
+sends, so it listens on the loopback address unless told otherwise.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import ipaddress
+import logging
+import os
+import socket
+import struct
+import sys
+import threading
+from pathlib import Path
+from typing import Callable
+
+import llama_cpp
+
+log = logging.getLogger(__name__)
+
+DEFAULT_PORT = 50052
+MAX_SERVERS = 16          # GGML_RPC_MAX_SERVERS
+PROTOCOL = (7, 0)         # RPC_PROTO_MAJOR_VERSION, RPC_PROTO_MINOR_VERSION of this llama.cpp
+CONNECT_TIMEOUT_S = 5.0
+ABORT_STATUS = 3          # the exit status after llama.cpp aborted (a worker lost)
+
+_CMD_HELLO = 14           # RPC_CMD_HELLO (fixed across versions)
+_CMD_DEVICE_COUNT = 15    # RPC_CMD_DEVICE_COUNT
+_CONN_CAPS = 24           # RPC_CONN_CAPS_SIZE: the HELLO request's size
+_HELLO_REPLY = 4 + _CONN_CAPS
+
+REBUILD = ("rebuild it with the RPC backend: `make clean && make chat` in adaptive-llama's "
+           "folder, or CMAKE_ARGS=\"-DGGML_RPC=ON\" pip install --force-reinstall "
+           "--no-cache-dir llama-cpp-python==" + llama_cpp.__version__)
+
+
+class RpcError(ValueError):
+    """A worker cannot be used, or RPC is unavailable; the message is one line (a ValueError,
+    as the package's other user errors)."""
+
+
+# ---- endpoints ----
+
+def parse_endpoints(value: str | list | tuple) -> list[str]:
+    """``HOST:PORT[,HOST:PORT...]`` (or a list of them) as a list of ``host:port``; one-line
+    ValueError for a malformed, repeated or excess one."""
+    items = value.split(",") if isinstance(value, str) else list(value)
+    endpoints = []
+    for item in items:
+        if not isinstance(item, str) or not item.strip():
+            raise ValueError(f"give workers as HOST:PORT[,HOST:PORT...], but got {value!r}")
+        endpoint = _endpoint(item.strip())
+        if endpoint in endpoints:
+            raise ValueError(f"the worker {endpoint} is given twice")
+        endpoints.append(endpoint)
+    if not endpoints:
+        raise ValueError("give at least one worker as HOST:PORT")
+    if len(endpoints) > MAX_SERVERS:
+        raise ValueError(f"llama.cpp takes at most {MAX_SERVERS} workers, but {len(endpoints)} "
+                         "are given")
+    return endpoints
+
+
+def _endpoint(text: str) -> str:
+    host, sep, port = text.rpartition(":")
+    if text.startswith("[") or host.count(":"):
+        raise ValueError(f"{text}: llama.cpp's RPC backend does not take IPv6 addresses; give "
+                         "an IPv4 address or a host name")
+    if not sep or not host:
+        raise ValueError(f"{text}: give a worker as HOST:PORT (its default port is "
+                         f"{DEFAULT_PORT})")
+    if not port.isdigit() or not 1 <= int(port) <= 65535:
+        raise ValueError(f"{text}: the port has to be a number from 1 to 65535")
+    return f"{host}:{int(port)}"
+
+
+def is_loopback(host: str) -> bool:
+    """Whether ``host`` (a name or an IPv4 address) is this machine's loopback address."""
+    try:
+        return ipaddress.ip_address(socket.gethostbyname(host)).is_loopback
+    except (OSError, ValueError):
+        return False
+
+
+# ---- the library ----
+
+class _Ggml:
+    """ctypes bindings of the ggml backend registry in llama-cpp-python's own libraries."""
+
+    def __init__(self):
+        folder = Path(llama_cpp.__file__).parent / "lib"
+        self.ggml = ctypes.CDLL(str(folder / "libggml.so"))
+        self.base = ctypes.CDLL(str(folder / "libggml-base.so"))
+        vp, cp, sz = ctypes.c_void_p, ctypes.c_char_p, ctypes.c_size_t
+        for lib, name, args, res in (
+                (self.ggml, "ggml_backend_reg_by_name", [cp], vp),
+                (self.ggml, "ggml_backend_register", [vp], None),
+                (self.ggml, "ggml_backend_dev_count", [], sz),
+                (self.ggml, "ggml_backend_dev_get", [sz], vp),
+                (self.ggml, "ggml_backend_dev_by_name", [cp], vp),
+                (self.base, "ggml_backend_reg_get_proc_address", [vp, cp], vp),
+                (self.base, "ggml_backend_reg_dev_count", [vp], sz),
+                (self.base, "ggml_backend_reg_dev_get", [vp, sz], vp),
+                (self.base, "ggml_backend_reg_name", [vp], cp),
+                (self.base, "ggml_backend_dev_name", [vp], cp),
+                (self.base, "ggml_backend_dev_description", [vp], cp),
+                (self.base, "ggml_backend_dev_type", [vp], ctypes.c_int),
+                (self.base, "ggml_backend_dev_backend_reg", [vp], vp),
+                (self.base, "ggml_backend_dev_memory", [vp, ctypes.POINTER(sz),
+                                                        ctypes.POINTER(sz)], None),
+                (self.base, "ggml_set_abort_callback", [vp], vp)):
+            fn = getattr(lib, name)
+            fn.argtypes, fn.restype = args, res
+            setattr(self, name.removeprefix("ggml_"), fn)
+
+    def proc(self, name: str, signature):
+        """A function of the RPC registry (as llama.cpp's own --rpc reaches it)."""
+        reg = self.backend_reg_by_name(b"RPC")
+        address = reg and self.backend_reg_get_proc_address(reg, name.encode())
+        if not address:
+            raise RpcError(f"this llama-cpp-python has no {name}: {REBUILD}")
+        return signature(address)
+
+    def devices(self) -> list[int]:
+        return [self.backend_dev_get(i) for i in range(self.backend_dev_count())]
+
+    def name(self, dev: int) -> str:
+        return self.backend_dev_name(dev).decode()
+
+    def memory(self, dev: int) -> tuple[int, int]:
+        free, total = ctypes.c_size_t(), ctypes.c_size_t()
+        self.backend_dev_memory(dev, ctypes.byref(free), ctypes.byref(total))
+        return free.value, total.value
+
+    def is_rpc(self, dev: int) -> bool:
+        return self.backend_reg_name(self.backend_dev_backend_reg(dev)) == b"RPC"
+
+
+_ADD_SERVER = ctypes.CFUNCTYPE(ctypes.c_void_p, ctypes.c_char_p)
+_START_SERVER = ctypes.CFUNCTYPE(None, ctypes.c_char_p, ctypes.c_char_p, ctypes.c_size_t,
+                                 ctypes.c_size_t, ctypes.POINTER(ctypes.c_void_p))
+_DEVICE_CPU, _DEVICE_GPU, _DEVICE_IGPU = 0, 1, 3  # enum ggml_backend_dev_type
+_lib: _Ggml | None = None
+_lock = threading.Lock()
+_connected: dict[str, list[int]] = {}  # endpoint -> its devices, registered in this process
+
+
+def _ggml() -> _Ggml:
+    global _lib
+    if not llama_cpp.llama_supports_rpc():
+        raise RpcError(f"this llama-cpp-python was built without llama.cpp's RPC backend: "
+                       f"{REBUILD}")
+    if _lib is None:
+        _lib = _Ggml()
+    return _lib
+
+
+def check_available() -> None:
+    """RpcError, in one line saying how to rebuild, when llama.cpp has no RPC backend."""
+    _ggml()
+
+
+# ---- the host side ----
+
+def probe(endpoint: str, timeout: float = CONNECT_TIMEOUT_S) -> int:
+    """The number of devices the worker at ``endpoint`` serves, after the protocol's HELLO;
+    RpcError naming the endpoint and what is wrong otherwise (llama.cpp itself would abort
+    the process)."""
+    host, port = endpoint.rsplit(":", 1)
+    where = f"the RPC worker {endpoint}"
+    try:
+        sock = socket.create_connection((host, int(port)), timeout=timeout)
+    except socket.gaierror:
+        raise RpcError(f"{where}: there is no host {host!r} (check the name)") from None
+    except ConnectionRefusedError:
+        raise RpcError(f"{where} refused the connection: start it there with "
+                       f"`adaptive-llama rpc-worker --port {port}`") from None
+    except TimeoutError:
+        raise RpcError(f"{where} did not answer within {timeout:g} s: the machine is "
+                       "unreachable, or a firewall drops the port") from None
+    except OSError as exc:
+        raise RpcError(f"{where} cannot be reached ({exc.strerror or exc})") from None
+    with sock:
+        try:
+            sock.sendall(struct.pack("<BQ", _CMD_HELLO, _CONN_CAPS) + bytes(_CONN_CAPS))
+            size, = struct.unpack("<Q", _recv(sock, 8))
+            if size != _HELLO_REPLY:
+                raise RpcError(f"{where} answered the handshake with {size} bytes, not "
+                               f"{_HELLO_REPLY}: {_versions()}")
+            major, minor, patch = _recv(sock, size)[:3]
+            if major != PROTOCOL[0] or minor > PROTOCOL[1]:
+                raise RpcError(f"{where} speaks RPC protocol {major}.{minor}.{patch}, this "
+                               f"host {PROTOCOL[0]}.{PROTOCOL[1]}: {_versions()}")
+            sock.sendall(struct.pack("<BQ", _CMD_DEVICE_COUNT, 0))
+            _recv(sock, 8)
+            count, = struct.unpack("<I", _recv(sock, 4))
+        except TimeoutError:
+            raise RpcError(f"{where} accepted the connection but did not answer within "
+                           f"{timeout:g} s: a worker serves one host at a time, so another "
+                           "host may be using it") from None
+        except ConnectionError:
+            raise RpcError(f"{where} closed the connection at the handshake: it is not an "
+                           f"RPC worker, or {_versions()}") from None
+    if count == 0:
+        raise RpcError(f"{where} serves no device")
+    return count
+
+
+def _recv(sock: socket.socket, n: int) -> bytes:
+    data = b""
+    while len(data) < n:
+        chunk = sock.recv(n - len(data))
+        if not chunk:
+            raise ConnectionResetError
+        data += chunk
+    return data
+
+
+def _versions() -> str:
+    return (f"run the workers from the same llama-cpp-python version as this host "
+            f"({llama_cpp.__version__})")
+
+
+def connect(endpoints: list[str]) -> list[int]:
+    """The llama.cpp devices of the workers at ``endpoints``, in order: each worker checked
+    (:func:`probe`), then registered with llama.cpp once per process."""
+    lib = _ggml()
+    add_server = lib.proc("ggml_backend_rpc_add_server", _ADD_SERVER)
+    on_abort()  # from now on a lost worker ends the process with one line, not a core dump
+    with _lock:
+        for endpoint in endpoints:
+            if endpoint in _connected:
+                continue
+            probe(endpoint)
+            reg = add_server(endpoint.encode())
+            if not reg:
+                raise RpcError(f"the RPC worker {endpoint} serves no device")
+            lib.backend_register(reg)
+            _connected[endpoint] = [lib.backend_reg_dev_get(reg, i)
+                                    for i in range(lib.backend_reg_dev_count(reg))]
+        return [dev for endpoint in endpoints for dev in _connected[endpoint]]
+
+
+def model_devices(rpc_devices: list[int]) -> ctypes.Array | None:
+    """The NULL-terminated device list for ``llama_model_params.devices``: these workers'
+    devices, then this machine's GPUs. None (llama.cpp's default, every GPU-type device)
+    while no worker is registered in this process; otherwise a model loaded without
+    workers would put its offloaded layers on those of another model."""
+    if not _connected:
+        return None
+    chosen = rpc_devices + local_gpus()
+    return (ctypes.c_void_p * (len(chosen) + 1))(*chosen, None)
+
+
+def local_gpus() -> list[int]:
+    """This machine's own GPU devices (CUDA, Vulkan, ...) known to llama.cpp."""
+    lib = _ggml()
+    return [dev for dev in lib.devices()
+            if lib.backend_dev_type(dev) in (_DEVICE_GPU, _DEVICE_IGPU) and not lib.is_rpc(dev)]
+
+
+def device_label(name: str) -> str:
+    """A device as users know it: ``RPC0`` becomes ``RPC0 (10.0.0.2:50052)``."""
+    for endpoint, devices in _connected.items():
+        if any(_lib.name(dev) == name for dev in devices):
+            return f"{name} ({endpoint})"
+    return name
+
+
+def endpoints_down(endpoints: list[str], timeout: float = 1.0) -> list[str]:
+    """Those of ``endpoints`` that refuse or do not take a new TCP connection now."""
+    down = []
+    for endpoint in endpoints:
+        host, port = endpoint.rsplit(":", 1)
+        try:
+            socket.create_connection((host, int(port)), timeout=timeout).close()
+        except OSError:
+            down.append(endpoint)
+    return down
+
+
+# ---- when llama.cpp aborts ----
+
+_handlers: list[Callable[[str], None]] = []
+_abort_callback = None
+
+
+def on_abort(handler: Callable[[str], None] | None = None) -> Callable[[], None]:
+    """If llama.cpp aborts the process (a worker lost mid-reply): print one line on stderr
+    saying what happened, run ``handler(line)`` (it may add what the user keeps), and exit
+    with status ABORT_STATUS. Returns a function that removes the handler."""
+    global _abort_callback
+    with _lock:
+        if _abort_callback is None:
+            _abort_callback = ctypes.CFUNCTYPE(None, ctypes.c_char_p)(_aborting)
+            _ggml().set_abort_callback(ctypes.cast(_abort_callback, ctypes.c_void_p))
+        if handler is not None:
+            _handlers.append(handler)
+    return lambda: _handlers.remove(handler) if handler in _handlers else None
+
+
+def abort_line(message: str) -> str:
+    """What llama.cpp's abort ``message`` means for the user, in one line."""
+    text = message.split(": ", 1)[-1].strip() if ".cpp:" in message else message.strip()
+    workers = list(_connected)
+    if "RPC" not in text or not workers:
+        return f"llama.cpp stopped the process: {text}"
+    down = endpoints_down(workers)
+    lost = (f"the RPC worker{'s' if len(down) > 1 else ''} {', '.join(down)} stopped "
+            "answering" if down else f"an RPC worker ({', '.join(workers)}) failed")
+    return f"{lost} ({text}); restart it and start again"
+
+
+def _aborting(message: bytes) -> None:
+    """ggml's abort callback: runs in the thread that aborts, with llama.cpp's message; the
+    process must not return to llama.cpp (it would call abort())."""
+    try:
+        line = abort_line(message.decode("utf-8", "replace"))
+        print(f"\nError: {line}", file=sys.stderr, flush=True)
+        for handler in list(_handlers):
+            try:
+                handler(line)
+            except Exception as exc:  # noqa: BLE001 - the others still run
+                print(f"Error while stopping: {exc}", file=sys.stderr, flush=True)
+    finally:
+        for stream in (sys.stdout, sys.stderr):
+            try:
+                stream.flush()
+            except (OSError, ValueError):
+                pass
+        os._exit(ABORT_STATUS)
+
+
+# ---- the worker side ----
+
+def worker_devices(names: str | None) -> list[int]:
+    """The devices a worker serves: those named (``cpu``, ``cuda0``, comma-separated, any
+    case), else this machine's GPUs, else its CPU; ValueError listing the devices there are
+    for an unknown name."""
+    lib = _ggml()
+    local = [dev for dev in lib.devices() if not lib.is_rpc(dev)]
+    if names:
+        by_name = {lib.name(dev).lower(): dev for dev in local}
+        chosen = []
+        for name in (n.strip().lower() for n in names.split(",")):
+            if name not in by_name:
+                raise ValueError(f"--device: there is no device {name!r} here; there are "
+                                 f"{', '.join(lib.name(dev) for dev in local)}")
+            chosen.append(by_name[name])
+        return chosen
+    gpus = [dev for dev in local if lib.backend_dev_type(dev) in (_DEVICE_GPU, _DEVICE_IGPU)]
+    return gpus or [dev for dev in local if lib.backend_dev_type(dev) == _DEVICE_CPU][:1]
+
+
+def describe(devices: list[int]) -> str:
+    lib = _ggml()
+    return ", ".join(f"{lib.name(dev)} ({lib.memory(dev)[1] / 2**30:.1f} GiB)"
+                     for dev in devices)
+
+
+def check_bindable(host: str, port: int) -> None:
+    """OSError-free check that the worker can listen on ``host:port`` (as ggml does, with
+    SO_REUSEADDR); ValueError in one line otherwise."""
+    try:
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            sock.bind((host, port))
+            sock.listen(1)
+    except OSError as exc:
+        raise ValueError(f"cannot listen on {host}:{port} ({exc.strerror or exc}): choose "
+                         "another --port") from None
+
+
+def serve_worker(host: str, port: int, threads: int, devices: list[int],
+                 cache_dir: str | None) -> threading.Thread:
+    """Start ggml's RPC server on ``host:port`` (an IPv4 address) in a daemon thread, which
+    ends only if the server could not start; the caller waits on it (Ctrl-C stays with the
+    main thread)."""
+    start = _ggml().proc("ggml_backend_rpc_start_server", _START_SERVER)
+    array = (ctypes.c_void_p * len(devices))(*devices)
+    endpoint = f"{host}:{port}".encode()
+    cache = cache_dir.encode() if cache_dir else None
+    thread = threading.Thread(target=start, args=(endpoint, cache, threads, len(devices), array),
+                              name="rpc-worker", daemon=True)
+    thread.start()
+    return thread
