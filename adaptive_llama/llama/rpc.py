@@ -23,6 +23,7 @@ import ctypes
 import ipaddress
 import logging
 import os
+import re
 import socket
 import struct
 import sys
@@ -104,9 +105,12 @@ class _Ggml:
     """ctypes bindings of the ggml backend registry in llama-cpp-python's own libraries."""
 
     def __init__(self):
+        # By the names libllama was linked against: the wheel holds copies, not links, for
+        # the unversioned names, and a copy would be a second ggml with its own registry and
+        # its own abort callback.
         folder = Path(llama_cpp.__file__).parent / "lib"
-        self.ggml = ctypes.CDLL(str(folder / "libggml.so"))
-        self.base = ctypes.CDLL(str(folder / "libggml-base.so"))
+        self.ggml = ctypes.CDLL(str(folder / "libggml.so.0"))
+        self.base = ctypes.CDLL(str(folder / "libggml-base.so.0"))
         vp, cp, sz = ctypes.c_void_p, ctypes.c_char_p, ctypes.c_size_t
         for lib, name, args, res in (
                 (self.ggml, "ggml_backend_reg_by_name", [cp], vp),
@@ -317,7 +321,7 @@ def on_abort(handler: Callable[[str], None] | None = None) -> Callable[[], None]
 
 def abort_line(message: str) -> str:
     """What llama.cpp's abort ``message`` means for the user, in one line."""
-    text = message.split(": ", 1)[-1].strip() if ".cpp:" in message else message.strip()
+    text = re.sub(r"^\S+:\d+: ", "", message.strip())  # ggml's "file:line: " prefix
     workers = list(_connected)
     if "RPC" not in text or not workers:
         return f"llama.cpp stopped the process: {text}"

@@ -1,0 +1,463 @@
+"""Models split over llama.cpp RPC workers (docs/distributed.md): real `adaptive-llama
+rpc-worker` processes on loopback ports, the bundled model's layers on them, and what happens
+when a worker is down, of another version, or killed in the middle of a reply."""
+
+import json
+import signal
+import socket
+import struct
+import subprocess
+import sys
+import threading
+import time
+
+import llama_cpp
+import openai
+import pytest
+from click.testing import CliRunner
+from test_server import free_port, raw
+
+from adaptive_llama import Engine
+from adaptive_llama.chat.saved import ChatStore
+from adaptive_llama.cli import main
+from adaptive_llama.llama import rpc
+from adaptive_llama.runtime import config
+from adaptive_llama.runtime.loading import layer_devices
+
+CLI = [sys.executable, "-m", "adaptive_llama.cli"]
+SMOLLM2_LAYERS = 30
+LONG_STORY = "Write a very long story about a dragon, in many chapters."
+
+
+def start_worker(port: int, *options: str) -> subprocess.Popen:
+    """An `adaptive-llama rpc-worker` on 127.0.0.1:port, returned once it answers."""
+    proc = subprocess.Popen([*CLI, "rpc-worker", "--port", str(port), "--threads", "1",
+                             *options], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True)
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        try:
+            rpc.probe(f"127.0.0.1:{port}", timeout=2)
+            return proc
+        except rpc.RpcError:
+            if proc.poll() is not None:
+                pytest.fail(f"the worker did not start: {proc.communicate()}")
+            time.sleep(0.2)
+    proc.kill()
+    pytest.fail("the worker did not answer within 30 s")
+
+
+def stop(proc: subprocess.Popen) -> None:
+    if proc.poll() is None:
+        proc.kill()
+    proc.communicate(timeout=10)
+
+
+@pytest.fixture(scope="module")
+def workers():
+    """Two workers for the engines of this test process (a worker serves one host at a
+    time, and this process keeps its connection)."""
+    ports = [free_port(), free_port()]
+    procs = [start_worker(port) for port in ports]
+    yield [f"127.0.0.1:{port}" for port in ports]
+    for proc in procs:
+        stop(proc)
+
+
+@pytest.fixture
+def own_worker():
+    """A worker for one test's own host process, stopped after it."""
+    port = free_port()
+    proc = start_worker(port)
+    yield f"127.0.0.1:{port}", proc
+    stop(proc)
+
+
+@pytest.fixture(scope="module")
+def split_engine(workers, smollm2_path):
+    engine = Engine(smollm2_path, seed=1, n_ctx=1024, parallel=2, rpc=workers)
+    yield engine
+    engine.close()
+
+
+# ---- endpoints and settings ----
+
+@pytest.mark.parametrize("text, expected", [
+    ("127.0.0.1:50052", ["127.0.0.1:50052"]),
+    (" a:1 , b.example:65535", ["a:1", "b.example:65535"]),
+    (["10.0.0.2:007"], ["10.0.0.2:7"]),
+])
+def test_endpoints_parse(text, expected):
+    assert rpc.parse_endpoints(text) == expected
+
+
+@pytest.mark.parametrize("text, message", [
+    ("127.0.0.1", "give a worker as HOST:PORT"),
+    (":50052", "give a worker as HOST:PORT"),
+    ("a:0", "from 1 to 65535"),
+    ("a:65536", "from 1 to 65535"),
+    ("a:x", "from 1 to 65535"),
+    ("[::1]:50052", "IPv6"),
+    ("::1:50052", "IPv6"),
+    ("a:1,a:1", "given twice"),
+    ("a:1,,b:2", "HOST:PORT[,HOST:PORT...]"),
+    ("", "HOST:PORT"),
+    ([], "at least one"),
+    (",".join(f"h:{p}" for p in range(1, 18)), "at most 16"),
+])
+def test_bad_endpoints_are_one_line(text, message):
+    with pytest.raises(ValueError, match=message.replace("[", r"\[").replace(".", r"\.")) as e:
+        rpc.parse_endpoints(text)
+    assert "\n" not in str(e.value)
+
+
+def test_config_takes_workers_and_shares(tmp_path, monkeypatch):
+    monkeypatch.setenv("XDG_CONFIG_HOME", str(tmp_path))
+    (tmp_path / "adaptive-llama").mkdir()
+    path = config.config_path()
+    path.write_text('[defaults]\nrpc = ["127.0.0.1:50052", "h:2"]\ntensor_split = [3, 2]\n'
+                    '[models.smollm2]\nrpc = "h:9"\n')
+    assert config.settings_for("other").values["rpc"] == ["127.0.0.1:50052", "h:2"]
+    assert config.settings_for("other").values["tensor_split"] == [3.0, 2.0]
+    assert config.settings_for("smollm2").values["rpc"] == ["h:9"]
+    for bad, why in (('rpc = ["h"]', "HOST:PORT"), ("rpc = 5", "HOST:PORT"),
+                     ("tensor_split = [0, 0]", "not all 0"),
+                     ('tensor_split = [1, "a"]', "shares"), ("tensor_split = [-1]", "shares")):
+        path.write_text(f"[defaults]\n{bad}\n")
+        with pytest.raises(config.ConfigError, match=why):
+            config.load()
+
+
+@pytest.mark.parametrize("option, value, message", [
+    ("--rpc", "nohost", "--rpc nohost: give a worker as HOST:PORT"),
+    ("--tensor-split", "3,x", "--tensor-split: '3,x' is not a list of shares"),
+    ("--tensor-split", "0,0", "is not a list of shares"),
+    ("--tensor-split", "1,-2", "is not a list of shares"),
+])
+def test_bad_options_are_one_line(option, value, message):
+    result = CliRunner().invoke(main, ["generate", "--prompt", "x", option, value])
+    assert result.exit_code == 2
+    assert message in result.output and "Traceback" not in result.output
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    (dict(rpc="h:1", backend_sampling=True), "backend sampling"),
+    (dict(rpc="h"), "`rpc`: h: give a worker"),
+    (dict(tensor_split=[0, 0]), "`tensor_split` has to be a list"),
+    (dict(tensor_split=[1, float("nan")]), "`tensor_split` has to be a list"),
+    (dict(tensor_split=[True]), "`tensor_split` has to be a list"),
+    (dict(tensor_split=[1.0] * (llama_cpp.llama_max_devices() + 1)), "up to"),
+])
+def test_engine_checks_its_arguments(smollm2_path, kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        Engine(smollm2_path, **kwargs)
+
+
+def test_layer_runs():
+    layers = [(2, "RPC1"), (0, "CPU"), (1, "CPU"), (3, "RPC1"), (4, "CPU")]
+    assert layer_devices(layers) == [{"device": "CPU", "layers": [0, 1]},
+                                     {"device": "RPC1", "layers": [2, 3]},
+                                     {"device": "CPU", "layers": [4, 4]}]
+    assert layer_devices([]) == []
+
+
+def test_a_build_without_rpc_says_how_to_rebuild(monkeypatch, smollm2_path):
+    monkeypatch.setattr(llama_cpp, "llama_supports_rpc", lambda: False)
+    with pytest.raises(rpc.RpcError, match="built without llama.cpp's RPC backend: rebuild "
+                       r"it .*make clean && make chat.*-DGGML_RPC=ON"):
+        Engine(smollm2_path, rpc="127.0.0.1:1")
+    result = CliRunner().invoke(main, ["rpc-worker"])
+    assert result.exit_code == 2 and "built without llama.cpp's RPC backend" in result.output
+
+
+# ---- workers that cannot be used: checked before llama.cpp (which would abort) ----
+
+def fake_worker(answer):
+    """A TCP server on a free loopback port whose one connection gets ``answer(sock)``."""
+    server = socket.create_server(("127.0.0.1", 0))
+
+    def serve():
+        conn, _ = server.accept()
+        with conn:
+            answer(conn)
+        server.close()
+
+    threading.Thread(target=serve, daemon=True).start()
+    return f"127.0.0.1:{server.getsockname()[1]}"
+
+
+def hello_of(major, minor, patch):
+    def answer(conn):
+        conn.recv(1 + 8 + 24)
+        conn.sendall(struct.pack("<Q", 28) + bytes([major, minor, patch, 0]) + bytes(24))
+        conn.recv(1)
+    return answer
+
+
+def test_worker_down_is_named(smollm2_path):
+    endpoint = f"127.0.0.1:{free_port()}"
+    with pytest.raises(rpc.RpcError, match=f"the RPC worker {endpoint} refused the "
+                       "connection: start it there with `adaptive-llama rpc-worker --port"):
+        Engine(smollm2_path, rpc=[endpoint])
+
+
+def test_unknown_host_is_named():
+    with pytest.raises(rpc.RpcError, match="there is no host 'nosuchhost.invalid'"):
+        rpc.probe("nosuchhost.invalid:50052")
+
+
+def test_worker_of_another_protocol_is_named(smollm2_path):
+    endpoint = fake_worker(hello_of(6, 0, 1))
+    with pytest.raises(rpc.RpcError, match=f"the RPC worker {endpoint} speaks RPC protocol "
+                       "6.0.1, this host 7.0: run the workers from the same "
+                       "llama-cpp-python version"):
+        Engine(smollm2_path, rpc=endpoint)
+
+
+def test_newer_minor_version_is_refused_and_older_taken():
+    with pytest.raises(rpc.RpcError, match="speaks RPC protocol 7.1.0"):
+        rpc.probe(fake_worker(hello_of(7, 1, 0)), timeout=5)
+    endpoint = fake_worker(lambda conn: _hello_and_count(conn, 2))
+    assert rpc.probe(endpoint, timeout=5) == 2
+
+
+def _hello_and_count(conn, count):
+    conn.recv(1 + 8 + 24)
+    conn.sendall(struct.pack("<Q", 28) + bytes([7, 0, 0, 0]) + bytes(24))
+    conn.recv(1 + 8)
+    conn.sendall(struct.pack("<QI", 4, count))
+
+
+@pytest.mark.parametrize("answer, message", [
+    (lambda conn: None, "closed the connection at the handshake"),
+    (lambda conn: conn.sendall(struct.pack("<Q", 3) + b"abc"), "answered the handshake "
+     "with 3 bytes"),
+    (lambda conn: time.sleep(2), "did not answer within 0.5 s: a worker serves one host at "
+     "a time"),
+])
+def test_not_a_worker_is_named(answer, message):
+    endpoint = fake_worker(answer)
+    with pytest.raises(rpc.RpcError, match=f"the RPC worker {endpoint} .*{message}"):
+        rpc.probe(endpoint, timeout=0.5)
+
+
+def test_abort_lines(monkeypatch):
+    down = f"127.0.0.1:{free_port()}"
+    up = socket.create_server(("127.0.0.1", 0))
+    with up:
+        alive = f"127.0.0.1:{up.getsockname()[1]}"
+        monkeypatch.setattr(rpc, "_connected", {alive: [], down: []})
+        assert rpc.abort_line("/x/ggml-rpc.cpp:566: Remote RPC server crashed or returned "
+                              "malformed response") == (
+            f"the RPC worker {down} stopped answering (Remote RPC server crashed or returned "
+            "malformed response); restart it and start again")
+        assert rpc.abort_line("/x/ggml.c:10: GGML_ASSERT(x) failed") == \
+            "llama.cpp stopped the process: GGML_ASSERT(x) failed"
+
+
+# ---- the worker command ----
+
+def test_worker_refuses_a_public_address_without_allow_remote():
+    result = CliRunner().invoke(main, ["rpc-worker", "--host", "0.0.0.0"])
+    assert result.exit_code == 2
+    assert "no authentication" in result.output and "--allow-remote" in result.output
+
+
+def test_worker_on_a_port_in_use_is_one_line():
+    with socket.create_server(("127.0.0.1", 0)) as busy:
+        port = busy.getsockname()[1]
+        result = subprocess.run([*CLI, "rpc-worker", "--port", str(port)],
+                                capture_output=True, text=True, timeout=60)
+    assert result.returncode == 2
+    assert result.stderr.strip() == (f"Error: cannot listen on 127.0.0.1:{port} (Address "
+                                     "already in use): choose another --port")
+
+
+def test_worker_device_names():
+    result = CliRunner().invoke(main, ["rpc-worker", "--device", "cuda7"])
+    assert result.exit_code == 2
+    assert "--device: there is no device 'cuda7' here; there are CPU" in result.output
+    assert rpc.worker_devices("CPU") == rpc.worker_devices("cpu")
+
+
+def test_worker_stops_cleanly_on_ctrl_c(own_worker):
+    endpoint, proc = own_worker
+    proc.send_signal(signal.SIGINT)
+    out, err = proc.communicate(timeout=10)
+    assert proc.returncode == 0
+    assert f"RPC worker on {endpoint} serving CPU" in err and "RPC worker stopped." in err
+
+
+# ---- a model split over workers ----
+
+def test_layers_are_on_the_workers(split_engine, workers):
+    first, second = workers
+    runs = split_engine.layers
+    assert [run["device"].split(" ", 1)[1] for run in runs] == [f"({first})", f"({second})"]
+    assert all(run["device"].startswith("RPC") for run in runs)
+    assert runs[0]["layers"][0] == 0 and runs[-1]["layers"][1] == SMOLLM2_LAYERS
+    assert runs[0]["layers"][1] + 1 == runs[1]["layers"][0]
+    assert split_engine.placement().endswith(f"-{SMOLLM2_LAYERS - 1} and output")
+    assert split_engine.batch_invariant
+
+
+@pytest.mark.parametrize("sampler", [
+    "greedy", "adaptive", "adaptive:eps=0.001,temp=1.5", "top-p:p=0.9", "min-p:p=0.1,temp=1.2",
+    "adaptive+penalties:repeat=1.3+dry", "typical:p=0.9", "eta", "mirostat",
+])
+def test_same_seed_same_text_as_alone(engine, split_engine, sampler):
+    alone = engine.generate("Tell me about the sea.", chat=True, sampler=sampler,
+                            max_tokens=48, seed=11)
+    split = split_engine.generate("Tell me about the sea.", chat=True, sampler=sampler,
+                                  max_tokens=48, seed=11)
+    assert split.text == alone.text and split.completion_tokens == alone.completion_tokens
+
+
+def test_batched_replies_match_alone(engine, split_engine):
+    prompts = ["The capital of France is", "Water boils at", "A haiku about rain:"]
+    alone = engine.generate_batch(prompts, sampler="adaptive", max_tokens=24, seed=5)
+    split = split_engine.generate_batch(prompts, sampler="adaptive", max_tokens=24, seed=5)
+    assert [r.text for r in split] == [r.text for r in alone]
+
+
+def test_shares_and_local_layers(workers, smollm2_path):
+    first, second = workers
+    engine = Engine(smollm2_path, n_ctx=256, rpc=workers, tensor_split=[1, 0])
+    try:
+        assert len(engine.layers) == 1 and engine.layers[0]["device"].endswith(f"({first})")
+        assert engine.layers[0]["layers"] == [0, SMOLLM2_LAYERS]
+    finally:
+        engine.close()
+    engine = Engine(smollm2_path, n_ctx=256, rpc=workers, n_gpu_layers=10)
+    try:
+        assert engine.layers[0] == {"device": "CPU", "layers": [0, SMOLLM2_LAYERS - 10]}
+        assert {run["device"].split(" ")[-1] for run in engine.layers[1:]} == \
+            {f"({first})", f"({second})"}
+    finally:
+        engine.close()
+    with pytest.raises(ValueError, match="`tensor_split` has 3 shares, but there are 2 "
+                       "worker and 0 local GPU devices"):
+        Engine(smollm2_path, rpc=workers, tensor_split=[1, 1, 1])
+
+
+def test_an_engine_without_workers_stays_on_the_cpu(split_engine, smollm2_path):
+    engine = Engine(smollm2_path, n_ctx=256, n_gpu_layers=-1)
+    try:
+        assert engine.layers == [{"device": "CPU", "layers": [0, SMOLLM2_LAYERS]}]
+    finally:
+        engine.close()
+
+
+# ---- the commands, each with its own worker ----
+
+def test_generate_json_names_the_layers(own_worker):
+    endpoint, _ = own_worker
+    result = subprocess.run([*CLI, "generate", "--rpc", endpoint, "--prompt", "Hello",
+                             "-n", "8", "--sampler", "greedy", "--json"],
+                            capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    out = json.loads(result.stdout)
+    assert out["layers"] == [{"device": f"RPC0 ({endpoint})", "layers": [0, SMOLLM2_LAYERS]}]
+    assert out["completion_tokens"] == 8
+
+
+def wait_for_text(stream, min_chars: int, timeout: float = 60) -> str:
+    """Read ``stream`` until ``min_chars`` characters have come (a reply under way)."""
+    got = ""
+    deadline = time.monotonic() + timeout
+    while len(got) < min_chars and time.monotonic() < deadline:
+        piece = stream.read(1)
+        if not piece:
+            break
+        got += piece
+    return got
+
+
+def test_worker_killed_mid_reply_ends_generate_with_one_line(own_worker):
+    endpoint, worker = own_worker
+    proc = subprocess.Popen([*CLI, "generate", "--rpc", endpoint, "--prompt", "Once upon a "
+                             "time", "-n", "5000", "--sampler", "adaptive:temp=1.5"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    shown = wait_for_text(proc.stdout, 40)
+    worker.kill()
+    out, err = proc.communicate(timeout=60)
+    assert proc.returncode == rpc.ABORT_STATUS
+    assert len(shown) >= 40
+    assert err.strip() == (f"Error: the RPC worker {endpoint} stopped answering (Remote RPC "
+                           "server crashed or returned malformed response); restart it and "
+                           "start again")
+
+
+def test_worker_killed_mid_reply_keeps_the_chat(own_worker, tmp_path):
+    endpoint, worker = own_worker
+    proc = subprocess.Popen([*CLI, "run", "--rpc", endpoint, "-n", "5000",
+                             "--sampler", "adaptive:temp=1.5"],
+                            stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    proc.stdin.write(LONG_STORY + "\n")
+    proc.stdin.flush()
+    shown = wait_for_text(proc.stdout, 200)
+    worker.kill()
+    out, err = proc.communicate(timeout=60)
+    assert proc.returncode == rpc.ABORT_STATUS
+    assert f"Error: the RPC worker {endpoint} stopped answering" in err
+    store = ChatStore()
+    name = store.latest()
+    assert f"the chat is saved as {name}: `adaptive-llama run --resume {name}`" in out
+    saved = store.load(name)
+    assert saved["messages"][0] == {"role": "user", "content": LONG_STORY}
+    reply = saved["messages"][1]["content"]
+    shown_reply = (shown + out).split("the chat is saved")[0]
+    assert len(reply) >= 150 and reply[:100] in shown_reply
+
+
+def test_server_answers_its_clients_when_a_worker_dies(own_worker, tmp_path):
+    endpoint, worker = own_worker
+    port = free_port()
+    log = tmp_path / "serve.log"
+    server = subprocess.Popen([*CLI, "serve", "--rpc", endpoint, "--port", str(port),
+                               "--parallel", "2", "--ctx", "2048"],
+                              stdout=log.open("w"), stderr=subprocess.STDOUT)
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        try:
+            status, _, body = raw("GET", port, "/health", key=None)
+            break
+        except OSError:
+            time.sleep(0.2)
+    else:
+        server.kill()
+        pytest.fail(log.read_text())
+    assert body["loaded"][0]["layers"][0]["device"].endswith(f"({endpoint})")
+    client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="x",
+                           max_retries=0, timeout=60)
+    results = {}
+
+    def waiting():  # a request answered in one piece, decoding beside the stream
+        try:
+            results["waiting"] = raw("POST", port, "/v1/chat/completions", {
+                "messages": [{"role": "user", "content": LONG_STORY}],
+                "max_tokens": 1500, "temperature": 1.5}, key=None)
+        except OSError as exc:
+            results["waiting"] = exc
+
+    thread = threading.Thread(target=waiting)
+    thread.start()
+    stream = client.chat.completions.create(
+        model="smollm2", messages=[{"role": "user", "content": LONG_STORY}], stream=True,
+        max_tokens=1500, temperature=1.5)
+    received, error = "", None
+    try:
+        for chunk in stream:
+            received += chunk.choices[0].delta.content or "" if chunk.choices else ""
+            if len(received) > 100 and worker.poll() is None:
+                worker.kill()
+    except openai.APIError as exc:
+        error = exc
+    thread.join(timeout=60)
+    assert server.wait(timeout=60) == rpc.ABORT_STATUS
+    status, _, body = results["waiting"]
+    assert status == 500
+    assert f"the RPC worker {endpoint} stopped answering" in body["error"]["message"]
+    assert error is not None and f"the RPC worker {endpoint} stopped answering" in str(error)
+    assert f"Error: the RPC worker {endpoint} stopped answering" in log.read_text()
