@@ -178,9 +178,9 @@ def load_engine(model, n_gpu_layers, n_ctx, threads, seed, verbose, backend_samp
     if show_progress:
         click.echo(f"loading {model or 'smollm2 (bundled)'} ...", err=True)
     if n_gpu_layers and not rpc:
-        import llama_cpp
+        from .llama.rpc import local_gpus
 
-        if not llama_cpp.llama_supports_gpu_offload():
+        if not local_gpus():
             click.echo(f"Note: this build of llama-cpp-python runs on the CPU only, so "
                        f"--n-gpu-layers {n_gpu_layers} changes nothing (README, 'CPU or "
                        "CUDA', says how to build it for a GPU).", err=True)

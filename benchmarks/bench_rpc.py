@@ -4,7 +4,7 @@ what one token costs on the wire (commands, round trips and bytes per worker).
 
 Workers are `adaptive-llama rpc-worker` processes on loopback ports, so this measures the
 protocol and the pipeline, not a second machine's compute: on one machine the workers share
-its cores with the host. Rounds are interleaved (alone, one worker, two workers, again) and
+its cores with the host (each worker gets the cores divided by the workers of its setup). Rounds are interleaved (alone, one worker, two workers, again) and
 figures are medians. The wire is counted through a small TCP relay in front of one more
 worker, in a separate run (the relay adds its own latency). One JSON object on stdout (also
 written to --out), progress on stderr.
@@ -23,6 +23,8 @@ import threading
 import time
 from collections import Counter
 from pathlib import Path
+
+import llama_cpp
 
 from adaptive_llama import Engine
 from adaptive_llama.llama import rpc
@@ -135,6 +137,7 @@ def prompt_rate(engine: Engine, tokens: list[int]) -> float:
     engine.clear_cache()
     start = time.perf_counter()
     engine.prefill(tokens)
+    llama_cpp.llama_synchronize(engine.ctx)  # a worker computes while llama_decode returns
     return len(tokens) / (time.perf_counter() - start)
 
 
@@ -168,21 +171,21 @@ def main():
     parser.add_argument("--models", default="smollm2,gemma3-270m")
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--tokens", type=int, default=64)
-    parser.add_argument("--worker-threads", type=int, default=None,
-                        help="threads of each worker (default: the host's)")
     parser.add_argument("--out", default="benchmarks/results/bench_rpc.json")
     args = parser.parse_args()
     threads = default_threads()
-    worker_threads = args.worker_threads or threads
-    out = {"benchmark": "rpc", "threads": threads, "worker_threads": worker_threads,
+    # The machine's cores shared among the workers of a setup: ggml's CPU threads spin while
+    # they wait, so more threads than cores in all starves the worker whose turn it is.
+    out = {"benchmark": "rpc", "threads": threads,
+           "worker_threads": {"one worker": threads, "two workers": max(1, threads // 2)},
            "rounds": args.rounds,
            "decode_tokens": args.tokens, "models": {}}
     for model in args.models.split(","):
         procs = []
         try:
             endpoints = []
-            for _ in range(3):
-                proc, endpoint = start_worker(worker_threads)
+            for n in (1, 2, 2):
+                proc, endpoint = start_worker(max(1, threads // n))
                 procs.append(proc)
                 endpoints.append(endpoint)
             setups = {"alone": Engine(model, n_ctx=1024, n_threads=threads),
@@ -215,7 +218,7 @@ def main():
         finally:
             for proc in procs:
                 proc.kill()
-        row["wire"] = {name: wire_per_token(model, worker_threads, args.tokens, n)
+        row["wire"] = {name: wire_per_token(model, max(1, threads // n), args.tokens, n)
                        for name, n in (("one worker", 1), ("two workers", 2))}
         out["models"][model] = row
     text = json.dumps(out, indent=2)

@@ -140,6 +140,24 @@ def test_bad_options_are_one_line(option, value, message):
     assert message in result.output and "Traceback" not in result.output
 
 
+def test_eval_checks_its_workers():
+    result = CliRunner().invoke(main, ["eval", "--rpc", "x"])
+    assert result.exit_code == 2 and "--rpc x: give a worker as HOST:PORT" in result.output
+
+
+def test_workers_from_config_are_used(tmp_path, monkeypatch):
+    monkeypatch.setenv("XDG_CONFIG_HOME", str(tmp_path))
+    (tmp_path / "adaptive-llama").mkdir()
+    endpoint = f"127.0.0.1:{free_port()}"
+    config.config_path().write_text(f'[models.smollm2]\nrpc = ["{endpoint}"]\n')
+    result = subprocess.run([*CLI, "generate", "smollm2", "--prompt", "Hi", "-n", "1"],
+                            capture_output=True, text=True, timeout=120)
+    assert result.returncode == 2
+    assert result.stderr.strip() == (
+        f"Error: the RPC worker {endpoint} refused the connection: start it there with "
+        f"`adaptive-llama rpc-worker --port {endpoint.rsplit(':', 1)[1]}`")
+
+
 @pytest.mark.parametrize("kwargs, message", [
     (dict(rpc="h:1", backend_sampling=True), "backend sampling"),
     (dict(rpc="h"), "`rpc`: h: give a worker"),
@@ -338,6 +356,16 @@ def test_shares_and_local_layers(workers, smollm2_path):
     with pytest.raises(ValueError, match="`tensor_split` has 3 shares, but there are 2 "
                        "worker and 0 local GPU devices"):
         Engine(smollm2_path, rpc=workers, tensor_split=[1, 1, 1])
+
+
+def test_placement_text(engine, workers, smollm2_path):
+    assert engine.placement() == f"CPU 0-{SMOLLM2_LAYERS - 1} and output"
+    split = Engine(smollm2_path, n_ctx=256, rpc=workers[:1], n_gpu_layers=1)
+    try:  # only the output layer offloaded
+        assert split.placement() == (f"CPU 0-{SMOLLM2_LAYERS - 1}; {split.layers[1]['device']} "
+                                     "output")
+    finally:
+        split.close()
 
 
 def test_an_engine_without_workers_stays_on_the_cpu(split_engine, smollm2_path):

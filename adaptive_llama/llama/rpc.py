@@ -165,14 +165,19 @@ _lock = threading.Lock()
 _connected: dict[str, list[int]] = {}  # endpoint -> its devices, registered in this process
 
 
-def _ggml() -> _Ggml:
+def _registry() -> _Ggml:
     global _lib
-    if not llama_cpp.llama_supports_rpc():
-        raise RpcError(f"this llama-cpp-python was built without llama.cpp's RPC backend: "
-                       f"{REBUILD}")
     if _lib is None:
         _lib = _Ggml()
     return _lib
+
+
+def _ggml() -> _Ggml:
+    """The registry, where llama.cpp has its RPC backend; RpcError otherwise."""
+    if not llama_cpp.llama_supports_rpc():
+        raise RpcError(f"this llama-cpp-python was built without llama.cpp's RPC backend: "
+                       f"{REBUILD}")
+    return _registry()
 
 
 def check_available() -> None:
@@ -274,7 +279,7 @@ def model_devices(rpc_devices: list[int]) -> ctypes.Array | None:
 
 def local_gpus() -> list[int]:
     """This machine's own GPU devices (CUDA, Vulkan, ...) known to llama.cpp."""
-    lib = _ggml()
+    lib = _registry()
     return [dev for dev in lib.devices()
             if lib.backend_dev_type(dev) in (_DEVICE_GPU, _DEVICE_IGPU) and not lib.is_rpc(dev)]
 
@@ -368,8 +373,7 @@ def worker_devices(names: str | None) -> list[int]:
                                  f"{', '.join(lib.name(dev) for dev in local)}")
             chosen.append(by_name[name])
         return chosen
-    gpus = [dev for dev in local if lib.backend_dev_type(dev) in (_DEVICE_GPU, _DEVICE_IGPU)]
-    return gpus or [dev for dev in local if lib.backend_dev_type(dev) == _DEVICE_CPU][:1]
+    return local_gpus() or [dev for dev in local if lib.backend_dev_type(dev) == _DEVICE_CPU][:1]
 
 
 def describe(devices: list[int]) -> str:
@@ -379,8 +383,8 @@ def describe(devices: list[int]) -> str:
 
 
 def check_bindable(host: str, port: int) -> None:
-    """OSError-free check that the worker can listen on ``host:port`` (as ggml does, with
-    SO_REUSEADDR); ValueError in one line otherwise."""
+    """ValueError in one line unless a worker can listen on ``host:port`` (tried as ggml
+    binds it, with SO_REUSEADDR), before its server starts (which would only print)."""
     try:
         with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
             sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
