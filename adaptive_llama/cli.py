@@ -113,14 +113,16 @@ def _rpc(ctx, param, value):
 def _tensor_split(ctx, param, value):
     if value is None:
         return None
+    import llama_cpp
+
+    from .runtime.request import check_shares
+
     try:
-        shares = [float(x) for x in value.split(",")]
+        return check_shares("tensor_split", [float(x) for x in value.split(",")],
+                            llama_cpp.llama_max_devices())
     except ValueError:
-        shares = []
-    if not shares or any(not 0 <= x < float("inf") for x in shares) or sum(shares) <= 0:
         fail(f"--tensor-split: {value!r} is not a list of shares like 3,2 (non-negative "
              "numbers, not all 0)")
-    return shares
 
 
 def model_options(fn):

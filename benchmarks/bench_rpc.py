@@ -4,10 +4,11 @@ what one token costs on the wire (commands, round trips and bytes per worker).
 
 Workers are `adaptive-llama rpc-worker` processes on loopback ports, so this measures the
 protocol and the pipeline, not a second machine's compute: on one machine the workers share
-its cores with the host (each worker gets the cores divided by the workers of its setup). Rounds are interleaved (alone, one worker, two workers, again) and
-figures are medians. The wire is counted through a small TCP relay in front of one more
-worker, in a separate run (the relay adds its own latency). One JSON object on stdout (also
-written to --out), progress on stderr.
+its cores with the host (each worker gets the cores divided by the workers of its setup).
+Rounds are interleaved (alone, one worker, two workers, again) and figures are medians. The
+wire is counted through a small TCP relay in front of each of one and of two more workers,
+in separate runs (the relay adds its own latency). One JSON object on stdout (also written
+to --out), progress on stderr.
 """
 
 from __future__ import annotations

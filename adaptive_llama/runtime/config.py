@@ -45,6 +45,7 @@ else:  # pragma: no cover - Python 3.10
 
 from ..samplers import SpecError, parse_spec
 from .limits import MAX_CTX, MAX_THREADS
+from .request import check_shares
 
 DEFAULTS_TABLE = "defaults"
 MODELS_TABLE = "models"
@@ -107,13 +108,12 @@ def _workers(value):
 
 
 def _shares(value):
-    ok = isinstance(value, list) and value and all(
-        isinstance(x, (int, float)) and not isinstance(x, bool) and 0 <= x < float("inf")
-        for x in value) and sum(value) > 0
-    if not ok:
-        raise ValueError(f"has to be a list of shares like [3, 2] (non-negative numbers, not "
-                         f"all 0), but is {value!r}")
-    return [float(x) for x in value]
+    import llama_cpp
+
+    try:
+        return check_shares("tensor_split", value, llama_cpp.llama_max_devices())
+    except ValueError as exc:
+        raise ValueError(str(exc).removeprefix("`tensor_split` ")) from None
 
 
 # key -> check (returns the value to use, raises ValueError with what is wrong)

@@ -40,7 +40,7 @@ from .gguf_header import quantization_name
 from .limits import MAX_CTX, MAX_THREADS
 from .loading import layer_devices, load_model, set_llama_log
 from .models import ModelError, resolve_model
-from .request import ContextOverflow, InvalidArgument, Request, check_int
+from .request import ContextOverflow, InvalidArgument, Request, check_int, check_shares
 from .threads import ThreadTuner, default_threads
 from .vocab import Vocab
 
@@ -169,7 +169,9 @@ class Engine:
             raise InvalidArgument(f"`backend_sampling` has to be True or False, but is "
                                   f"{backend_sampling!r}", "backend_sampling")
         self.rpc = self._endpoints(rpc)
-        self._check_split(tensor_split)
+        if tensor_split is not None:
+            tensor_split = check_shares("tensor_split", tensor_split,
+                                        llama_cpp.llama_max_devices())
         if self.rpc and backend_sampling:
             raise InvalidArgument("backend sampling runs in the graph of the device that "
                                   "holds the output layer, which an RPC worker cannot do "
@@ -224,18 +226,6 @@ class Engine:
             return ggml_rpc.parse_endpoints(value)
         except ValueError as exc:
             raise InvalidArgument(f"`rpc`: {exc}", "rpc") from None
-
-    @staticmethod
-    def _check_split(shares) -> None:
-        if shares is None:
-            return
-        ok = isinstance(shares, (list, tuple)) and shares and all(
-            isinstance(x, (int, float)) and not isinstance(x, bool) and 0 <= x < float("inf")
-            for x in shares) and sum(shares) > 0
-        if not ok or len(shares) > llama_cpp.llama_max_devices():
-            raise InvalidArgument(f"`tensor_split` has to be a list of up to "
-                                  f"{llama_cpp.llama_max_devices()} non-negative numbers "
-                                  f"with a positive sum, but is {shares!r}", "tensor_split")
 
     @staticmethod
     def _check_split_count(shares: int, workers: int, gpus: int) -> None:

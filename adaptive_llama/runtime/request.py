@@ -10,6 +10,7 @@ the result). What carries a request never checks it again.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Any
 
@@ -48,6 +49,18 @@ class Request:
     logprobs: int | None = None
     grammar: Any = None
     record_stats: bool = True
+
+
+def check_shares(name: str, value, most: int) -> list[float]:
+    """``value`` as floats if it is a list of up to ``most`` non-negative finite numbers (not
+    bools) with a positive sum (``tensor_split``), else InvalidArgument."""
+    ok = isinstance(value, (list, tuple)) and 0 < len(value) <= most and all(
+        isinstance(x, (int, float)) and not isinstance(x, bool) and 0 <= x < math.inf
+        for x in value) and sum(value) > 0
+    if not ok:
+        raise InvalidArgument(f"`{name}` has to be a list of up to {most} shares like [3, 2] "
+                              f"(non-negative numbers, not all 0), but is {value!r}", name)
+    return [float(x) for x in value]
 
 
 def check_int(name: str, value, low: int, high: int | None = None) -> int:
