@@ -24,7 +24,7 @@ def chat(*lines, args=()):
 def show_block(out: str, index: int = -1) -> dict:
     """One /show block as {field: value}."""
     block = out.split("model       ")[index]
-    rows = [line.split(None, 1) for line in ("model " + block).splitlines()[:9]]
+    rows = [line.split(None, 1) for line in ("model " + block).splitlines()[:10]]
     return {row[0]: row[1] if len(row) > 1 else "" for row in rows}
 
 
@@ -164,6 +164,7 @@ def test_save_and_load_roundtrip(tmp_path):
     assert show["sampler"].startswith("adaptive:eps=0.002") and show["seed"] == "3"
     assert show["system"] == "Be brief." and "(2 messages)" in show["context"]
     assert show["backend"].split()[0] == BACKEND
+    assert show["layers"] == "CPU 0-29 and output"  # SmolLM2's 30 layers, here
 
 
 @pytest.mark.parametrize("content,why", [

@@ -260,17 +260,22 @@ def test_not_a_worker_is_named(answer, message):
 
 
 def test_abort_lines(monkeypatch):
-    down = f"127.0.0.1:{free_port()}"
-    up = socket.create_server(("127.0.0.1", 0))
-    with up:
-        alive = f"127.0.0.1:{up.getsockname()[1]}"
-        monkeypatch.setattr(rpc, "_connected", {alive: [], down: []})
+    refused = f"127.0.0.1:{free_port()}"
+    alive = fake_worker(lambda conn: _hello_and_count(conn, 1))
+    with socket.create_server(("127.0.0.1", 0)) as silent:  # as a process being killed
+        dying = f"127.0.0.1:{silent.getsockname()[1]}"
+        monkeypatch.setattr(rpc, "_connected", {alive: [], refused: [], dying: []})
         assert rpc.abort_line("/x/ggml-rpc.cpp:566: Remote RPC server crashed or returned "
                               "malformed response") == (
-            f"the RPC worker {down} stopped answering (Remote RPC server crashed or returned "
-            "malformed response); restart it and start again")
-        assert rpc.abort_line("/x/ggml.c:10: GGML_ASSERT(x) failed") == \
-            "llama.cpp stopped the process: GGML_ASSERT(x) failed"
+            f"the RPC workers {refused}, {dying} stopped answering (Remote RPC server crashed "
+            "or returned malformed response); restart them and start again")
+    alive = fake_worker(lambda conn: _hello_and_count(conn, 1))
+    monkeypatch.setattr(rpc, "_connected", {alive: []})
+    assert rpc.abort_line("/x/ggml-rpc.cpp:566: Remote RPC server crashed") == (
+        f"an RPC worker ({alive}) failed (Remote RPC server crashed); restart it and start "
+        "again")
+    assert rpc.abort_line("/x/ggml.c:10: GGML_ASSERT(x) failed") == \
+        "llama.cpp stopped the process: GGML_ASSERT(x) failed"
 
 
 # ---- the worker command ----

@@ -423,9 +423,9 @@ class Repl:
                  f"display     {display}\n"
                  f"threads     {self.engine.threads}"
                  f"{' (adapted to the load)' if self.engine.threads_adaptive else ''}\n"
-                 f"layers      {self.engine.placement()}\n"
                  f"context     {chat.context_used()} of {self.engine.n_ctx} tokens "
-                 f"({len(chat.messages)} messages{outside})")
+                 f"({len(chat.messages)} messages{outside})\n"
+                 f"layers      {self.engine.placement()}")
         if self.sources:
             self.say("from        " + "; ".join(f"{key}: {source}"
                                                   for key, source in self.sources.items()))

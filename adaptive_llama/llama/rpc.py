@@ -293,13 +293,13 @@ def device_label(name: str) -> str:
 
 
 def endpoints_down(endpoints: list[str], timeout: float = 1.0) -> list[str]:
-    """Those of ``endpoints`` that refuse or do not take a new TCP connection now."""
+    """Those of ``endpoints`` that do not answer the protocol's handshake now. (A bare TCP
+    connection is not enough: the kernel still accepts them for a process being killed.)"""
     down = []
     for endpoint in endpoints:
-        host, port = endpoint.rsplit(":", 1)
         try:
-            socket.create_connection((host, int(port)), timeout=timeout).close()
-        except OSError:
+            probe(endpoint, timeout)
+        except RpcError:
             down.append(endpoint)
     return down
 
@@ -333,7 +333,7 @@ def abort_line(message: str) -> str:
     down = endpoints_down(workers)
     lost = (f"the RPC worker{'s' if len(down) > 1 else ''} {', '.join(down)} stopped "
             "answering" if down else f"an RPC worker ({', '.join(workers)}) failed")
-    return f"{lost} ({text}); restart it and start again"
+    return f"{lost} ({text}); restart {'them' if len(down) > 1 else 'it'} and start again"
 
 
 def _aborting(message: bytes) -> None:
