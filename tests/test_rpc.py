@@ -2,6 +2,7 @@
 rpc-worker` processes on loopback ports, the bundled model's layers on them, and what happens
 when a worker is down, of another version, or killed in the middle of a reply."""
 
+import ctypes
 import json
 import signal
 import socket
@@ -10,6 +11,7 @@ import subprocess
 import sys
 import threading
 import time
+from pathlib import Path
 
 import llama_cpp
 import openai
@@ -278,6 +280,113 @@ def test_abort_lines(monkeypatch):
         "llama.cpp stopped the process: GGML_ASSERT(x) failed"
 
 
+def test_abort_runs_the_handlers_then_exits(monkeypatch, capsys):
+    exits, seen = [], []
+
+    def fake_exit(status):
+        exits.append(status)
+        raise SystemExit(status)
+
+    def broken(line):
+        raise OSError("disk full")
+
+    monkeypatch.setattr(rpc.os, "_exit", fake_exit)
+    monkeypatch.setattr(rpc, "_connected", {})
+    monkeypatch.setattr(rpc, "_handlers", [])
+    rpc.on_abort(broken)
+    remove = rpc.on_abort(seen.append)
+    with pytest.raises(SystemExit):
+        rpc._aborting(b"/x/ggml.c:1: boom")
+    assert exits == [rpc.ABORT_STATUS] and seen == ["llama.cpp stopped the process: boom"]
+    err = capsys.readouterr().err
+    assert "Error: llama.cpp stopped the process: boom" in err
+    assert "Error while stopping: disk full" in err
+    remove()
+    assert rpc._handlers == [broken]
+    remove()  # twice: nothing to remove
+    assert rpc._handlers == [broken]
+
+
+def test_the_abort_callback_is_llamas(monkeypatch):
+    """Installed in the ggml that libllama uses (not in a copy of the library)."""
+    monkeypatch.setattr(rpc, "_handlers", [])
+    rpc.on_abort()
+    lib = rpc._registry()
+    ours = ctypes.cast(rpc._abort_callback, ctypes.c_void_p).value
+    assert lib.set_abort_callback(ctypes.cast(rpc._abort_callback, ctypes.c_void_p)) == ours
+    libllama = ctypes.CDLL(str(Path(llama_cpp.__file__).parent / "lib" / "libllama.so"))
+    assert ctypes.cast(libllama.ggml_abort, ctypes.c_void_p).value == \
+        ctypes.cast(lib.base.ggml_abort, ctypes.c_void_p).value
+
+
+def test_a_real_abort_is_one_line_and_status_3():
+    """llama.cpp aborts on a worker it cannot connect to (what connect() prevents by
+    checking first): the handler runs and the process exits with status 3, no core dump."""
+    port = free_port()
+    code = ("from adaptive_llama.llama import rpc\n"
+            "rpc.on_abort(lambda line: print('kept:', line, flush=True))\n"
+            "add = rpc._ggml().proc('ggml_backend_rpc_add_server', rpc._ADD_SERVER)\n"
+            f"add(b'127.0.0.1:{port}')\n")
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                            timeout=60)
+    assert result.returncode == rpc.ABORT_STATUS
+    line = f"llama.cpp stopped the process: Failed to connect to 127.0.0.1:{port}"
+    assert result.stdout.strip() == f"kept: {line}"
+    assert result.stderr.strip() == f"Error: {line}"
+
+
+def test_one_worker_down_is_singular(monkeypatch):
+    down = f"127.0.0.1:{free_port()}"
+    monkeypatch.setattr(rpc, "_connected", {down: []})
+    assert rpc.abort_line("x.cpp:1: Remote RPC server crashed") == (
+        f"the RPC worker {down} stopped answering (Remote RPC server crashed); restart it "
+        "and start again")
+
+
+def test_model_devices_end_with_null(monkeypatch):
+    monkeypatch.setattr(rpc, "_connected", {})
+    assert rpc.model_devices([]) is None  # llama.cpp's own choice while no worker is known
+    monkeypatch.setattr(rpc, "_connected", {"h:1": [1234]})
+    devices = rpc.model_devices([1234])
+    assert list(devices) == [1234, *rpc.local_gpus(), None]
+
+
+def test_sixteen_workers_are_the_most():
+    assert len(rpc.parse_endpoints([f"h:{p}" for p in range(1, 17)])) == 16
+
+
+def test_loopback_names():
+    assert rpc.is_loopback("localhost") and rpc.is_loopback("127.0.0.2")
+    assert not rpc.is_loopback("10.0.0.1") and not rpc.is_loopback("nosuchhost.invalid")
+
+
+@pytest.mark.parametrize("error, message", [
+    (TimeoutError(), "did not answer within 0.5 s: the machine is unreachable, or a firewall "
+     "drops the port"),
+    (OSError(101, "Network is unreachable"), "cannot be reached (Network is unreachable)"),
+])
+def test_unreachable_workers(monkeypatch, error, message):
+    def connect(address, timeout):
+        raise error
+
+    monkeypatch.setattr(rpc.socket, "create_connection", connect)
+    with pytest.raises(rpc.RpcError) as e:
+        rpc.probe("10.1.2.3:50052", timeout=0.5)
+    assert str(e.value) == f"the RPC worker 10.1.2.3:50052 {message}"
+
+
+def test_an_answer_in_pieces_is_read_whole():
+    def answer(conn):
+        conn.recv(1 + 8 + 24)
+        for byte in struct.pack("<Q", 28) + bytes([7, 0, 0, 0]) + bytes(24):
+            conn.sendall(bytes([byte]))
+            time.sleep(0.001)
+        conn.recv(1 + 8)
+        conn.sendall(struct.pack("<QI", 4, 3))
+
+    assert rpc.probe(fake_worker(answer), timeout=5) == 3
+
+
 # ---- the worker command ----
 
 def test_worker_refuses_a_public_address_without_allow_remote():
@@ -300,7 +409,12 @@ def test_worker_device_names():
     result = CliRunner().invoke(main, ["rpc-worker", "--device", "cuda7"])
     assert result.exit_code == 2
     assert "--device: there is no device 'cuda7' here; there are CPU" in result.output
-    assert rpc.worker_devices("CPU") == rpc.worker_devices("cpu")
+    lib = rpc._registry()
+    cpu = rpc.worker_devices("CPU")
+    assert len(cpu) == 1 and lib.name(cpu[0]) == "CPU" and rpc.worker_devices("cpu") == cpu
+    assert rpc.worker_devices(" cpu ,CPU") == cpu * 2
+    assert rpc.worker_devices(None) == (rpc.local_gpus() or cpu)  # GPUs first, else the CPU
+    assert "CPU (" in rpc.describe(cpu) and "GiB)" in rpc.describe(cpu)
 
 
 def test_worker_stops_cleanly_on_ctrl_c(own_worker):
