@@ -36,7 +36,9 @@ $(VENV)/.llama-$(LLAMA_KEY): constraints.txt | $(PY)
 	        -w $(LLAMA_WHEELS).tmp "llama-cpp-python==$(LLAMA_VERSION)" 2>&1 | $(PROGRESS); \
 	    mkdir -p $(LLAMA_WHEELS) && mv $(LLAMA_WHEELS).tmp/llama_cpp_python-*.whl $(LLAMA_WHEELS)/ && rmdir $(LLAMA_WHEELS).tmp; \
 	fi
+	@# This build in place of any other of the same version, then what it needs.
 	$(PY) -m pip install --quiet --force-reinstall --no-deps $(LLAMA_WHEELS)/llama_cpp_python-$(LLAMA_VERSION)-*.whl
+	$(PY) -m pip install --quiet $(PIN) $(LLAMA_WHEELS)/llama_cpp_python-$(LLAMA_VERSION)-*.whl
 	$(PY) -c 'import llama_cpp, sys; sys.exit(0 if llama_cpp.llama_supports_rpc() else "llama.cpp was built without its RPC backend")'
 	rm -f $(VENV)/.llama-* && touch $@
 
