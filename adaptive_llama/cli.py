@@ -152,6 +152,10 @@ def model_options(fn):
                      callback=_tensor_split, help="Share of the offloaded layers per device: "
                      "the --rpc workers in order, then this machine's GPUs (default: by free "
                      "memory)."),
+        click.option("--rpc-timeout", type=click.FloatRange(min=0, min_open=True),
+                     default=300, show_default=True, metavar="SECONDS",
+                     help="Longest decode step with --rpc workers before giving them up "
+                     "(a frozen machine would stall the reply for ever)."),
         click.option("--verbose", is_flag=True, help="Show llama.cpp's own log."),
     ]):
         fn = option(fn)
@@ -172,7 +176,7 @@ def template_source(chat_template: str | None) -> str | None:
 
 def load_engine(model, n_gpu_layers, n_ctx, threads, seed, verbose, backend_sampling,
                 show_progress=False, parallel=1, sampler=None, chat_template=None, rpc=None,
-                tensor_split=None):
+                tensor_split=None, rpc_timeout=300.0):
     """The Engine; with ``sampler``, also one that engine can run (or a one-line exit);
     ``chat_template``: the source of one in place of the model's own; ``rpc``: workers."""
     from .runtime.engine import Engine  # llama.cpp loads only for commands that need it
@@ -189,7 +193,8 @@ def load_engine(model, n_gpu_layers, n_ctx, threads, seed, verbose, backend_samp
     engine = Engine(model, n_gpu_layers=n_gpu_layers, n_ctx=n_ctx, n_threads=threads,
                     parallel=parallel, seed=seed, verbose=verbose,
                     backend_sampling=backend_sampling,
-                    chat_template=chat_template, rpc=rpc, tensor_split=tensor_split)
+                    chat_template=chat_template, rpc=rpc, tensor_split=tensor_split,
+                    rpc_timeout=rpc_timeout)
     if sampler is not None:
         try:
             engine.check_sampler(sampler)
@@ -277,7 +282,7 @@ def _with_temperature(sampler, temperature: float | None):
 @configured
 def generate(model, prompt, sampler, temperature, max_tokens, chat, stop, as_json,
              n_gpu_layers, n_ctx, threads, seed, backend_sampling, chat_template, rpc,
-             tensor_split, verbose):
+             tensor_split, rpc_timeout, verbose):
     """Generate a continuation (or, with --chat, a reply) of a prompt, with MODEL (default:
     the bundled SmolLM2-135M-Instruct)."""
     sampler = _with_temperature(sampler, temperature)
@@ -286,7 +291,7 @@ def generate(model, prompt, sampler, temperature, max_tokens, chat, stop, as_jso
         prompt = sys.stdin.buffer.read().decode("utf-8", "replace")
     engine = load_engine(model, n_gpu_layers, n_ctx, threads, seed, verbose, backend_sampling,
                          sampler=sampler, chat_template=template_source(chat_template),
-                         rpc=rpc, tensor_split=tensor_split)
+                         rpc=rpc, tensor_split=tensor_split, rpc_timeout=rpc_timeout)
     stream = engine.stream(engine.prompt_tokens(prompt, chat=chat), sampler=sampler,
                            max_tokens=max_tokens, stop=list(stop))
     try:
@@ -323,7 +328,7 @@ def generate(model, prompt, sampler, temperature, max_tokens, chat, stop, as_jso
 @configured
 def run(model, sampler, temperature, system, max_tokens, resume, no_save, markdown, wordwrap,
         n_gpu_layers, n_ctx, threads, seed, backend_sampling, chat_template, rpc, tensor_split,
-        verbose):
+        rpc_timeout, verbose):
     """Chat with MODEL (default: the bundled SmolLM2-135M-Instruct). /help inside.
 
     Each chat is saved as it goes, in $XDG_STATE_HOME/adaptive-llama/chats (a reply cut off
@@ -352,7 +357,7 @@ def run(model, sampler, temperature, system, max_tokens, resume, no_save, markdo
     engine = load_engine(model, n_gpu_layers, n_ctx, threads, None, verbose,
                          backend_sampling, show_progress=interactive, sampler=sampler,
                          chat_template=template_source(chat_template), rpc=rpc,
-                         tensor_split=tensor_split)
+                         tensor_split=tensor_split, rpc_timeout=rpc_timeout)
     if not engine.has_chat_template:
         fail(f"{engine.name} is a base model (no chat template in its GGUF), so it cannot "
              f"chat; continue text with it instead (adaptive-llama generate {model} "
@@ -567,7 +572,7 @@ def _free_port(host: str, port: int) -> int:
 def serve(models, more_models, max_loaded, keep_alive, host, port, allow_remote, api_key,
           allow_origins, allow_hosts, sampler, max_queue, max_body, read_timeout, parallel,
           embedding_model, n_gpu_layers, n_ctx, threads, seed, backend_sampling,
-          chat_template, rpc, tensor_split, verbose):
+          chat_template, rpc, tensor_split, rpc_timeout, verbose):
     """Serve one or several models over the OpenAI and Ollama APIs (/v1/chat/completions,
     /api/chat, ...); the first loads now, the others on their first request."""
     try:
@@ -595,7 +600,7 @@ def serve(models, more_models, max_loaded, keep_alive, host, port, allow_remote,
     port = _free_port(host, port)
     options = dict(sampler=sampler, n_gpu_layers=n_gpu_layers, n_ctx=n_ctx, threads=threads,
                    backend_sampling=backend_sampling, chat_template=chat_template, rpc=rpc,
-                   tensor_split=tensor_split)
+                   tensor_split=tensor_split, rpc_timeout=rpc_timeout)
     pools = []  # the pool, once made, for a model with RPC workers to reach
     served = [_served(argument, options, parallel=parallel, seed=seed, verbose=verbose,
                       on_workers=lambda: _answer_when_lost(pools[0]))
@@ -725,7 +730,8 @@ def _served(argument: str | None, options: dict, *, parallel: int, seed: int | N
                              settings["threads"], seed, verbose, settings["backend_sampling"],
                              parallel=parallel, sampler=settings["sampler"],
                              chat_template=template, rpc=settings["rpc"],
-                             tensor_split=settings["tensor_split"])
+                             tensor_split=settings["tensor_split"],
+                             rpc_timeout=options["rpc_timeout"])
         if engine.rpc:
             on_workers()
         return engine

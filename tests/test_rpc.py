@@ -163,6 +163,8 @@ def test_workers_from_config_are_used(tmp_path, monkeypatch):
 @pytest.mark.parametrize("kwargs, message", [
     (dict(rpc="h:1", backend_sampling=True), "backend sampling"),
     (dict(rpc="h"), "`rpc`: h: give a worker"),
+    (dict(rpc_timeout=0), "`rpc_timeout` has to be a number of seconds above 0"),
+    (dict(rpc_timeout=float("inf")), "`rpc_timeout` has to be"),
     (dict(tensor_split=[0, 0]), "`tensor_split` has to be a list"),
     (dict(tensor_split=[1, float("nan")]), "`tensor_split` has to be a list"),
     (dict(tensor_split=[True]), "`tensor_split` has to be a list"),
@@ -487,6 +489,23 @@ def test_placement_text(engine, workers, smollm2_path):
         split.close()
 
 
+def test_the_watchdog_watches_steps_only(monkeypatch):
+    ended = []
+    monkeypatch.setattr(rpc, "_end", lambda account: ended.append(account()))
+    watchdog = rpc.Watchdog(["h:1", "h:2"], 0.2)
+    time.sleep(0.5)
+    assert ended == []  # idle between steps: nothing to watch
+    with watchdog:
+        time.sleep(0.1)
+    assert ended == []
+    with watchdog:
+        time.sleep(0.6)
+    watchdog.stop()
+    assert ended[:1] == ["no answer from the RPC workers h:1, h:2 for 0.2 s (a machine "
+                         "frozen, or the network down); restart and start again, or give a "
+                         "longer --rpc-timeout for slow workers"]
+
+
 def test_an_engine_without_workers_stays_on_the_cpu(split_engine, smollm2_path):
     engine = Engine(smollm2_path, n_ctx=256, n_gpu_layers=-1)
     try:
@@ -533,6 +552,23 @@ def test_worker_killed_mid_reply_ends_generate_with_one_line(own_worker):
     assert err.strip() == (f"Error: the RPC worker {endpoint} stopped answering (Remote RPC "
                            "server crashed or returned malformed response); restart it and "
                            "start again")
+
+
+def test_frozen_worker_ends_generate_after_the_timeout(own_worker):
+    endpoint, worker = own_worker
+    proc = subprocess.Popen([*CLI, "generate", "--rpc", endpoint, "--rpc-timeout", "3",
+                             "--prompt", "Once upon a time", "-n", "5000"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    wait_for_text(proc.stdout, 40)
+    worker.send_signal(signal.SIGSTOP)  # alive to the kernel, silent to the host
+    try:
+        out, err = proc.communicate(timeout=60)
+    finally:
+        worker.kill()
+    assert proc.returncode == rpc.ABORT_STATUS
+    assert err.strip() == (f"Error: no answer from the RPC worker {endpoint} for 3 s (a "
+                           "machine frozen, or the network down); restart and start again, "
+                           "or give a longer --rpc-timeout for slow workers")
 
 
 def test_worker_killed_mid_reply_keeps_the_chat(own_worker, tmp_path):

@@ -28,6 +28,7 @@ import socket
 import struct
 import sys
 import threading
+import time
 from pathlib import Path
 from typing import Callable
 
@@ -40,6 +41,7 @@ MAX_SERVERS = 16          # GGML_RPC_MAX_SERVERS
 PROTOCOL = (7, 0)         # RPC_PROTO_MAJOR_VERSION, RPC_PROTO_MINOR_VERSION of this llama.cpp
 CONNECT_TIMEOUT_S = 5.0
 ABORT_STATUS = 3          # the exit status after llama.cpp aborted (a worker lost)
+STEP_TIMEOUT_S = 300.0    # the longest decode step with workers before giving up on them
 
 _CMD_HELLO = 14           # RPC_CMD_HELLO (fixed across versions)
 _CMD_DEVICE_COUNT = 15    # RPC_CMD_DEVICE_COUNT
@@ -339,8 +341,13 @@ def abort_line(message: str) -> str:
 def _aborting(message: bytes) -> None:
     """ggml's abort callback: runs in the thread that aborts, with llama.cpp's message; the
     process must not return to llama.cpp (it would call abort())."""
+    _end(lambda: abort_line(message.decode("utf-8", "replace")))
+
+
+def _end(account: Callable[[], str]) -> None:
+    """Print ``account()`` as one line, run the handlers, exit with ABORT_STATUS."""
     try:
-        line = abort_line(message.decode("utf-8", "replace"))
+        line = account()
         print(f"\nError: {line}", file=sys.stderr, flush=True)
         for handler in list(_handlers):
             try:
@@ -354,6 +361,44 @@ def _aborting(message: bytes) -> None:
             except (OSError, ValueError):
                 pass
         os._exit(ABORT_STATUS)
+
+
+class Watchdog:
+    """Ends the process as a lost worker does (:func:`on_abort`'s line, handlers and status)
+    when a decode step with layers on ``endpoints`` takes longer than ``timeout_s``: llama.cpp
+    waits on a worker's connection with no timeout, so a frozen machine or a network that
+    drops without a reset would stall the reply for ever. Used as a context manager around
+    each step; one daemon thread watches."""
+
+    def __init__(self, endpoints: list[str], timeout_s: float):
+        self.endpoints = endpoints
+        self.timeout_s = timeout_s
+        self._since: float | None = None
+        self._stopped = threading.Event()
+        on_abort()  # the handlers of the process run from one place
+        threading.Thread(target=self._watch, name="rpc-watchdog", daemon=True).start()
+
+    def stop(self) -> None:
+        self._stopped.set()
+
+    def __enter__(self):
+        self._since = time.monotonic()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._since = None
+
+    def _watch(self) -> None:
+        while not self._stopped.wait(min(1.0, self.timeout_s / 4)):
+            since = self._since
+            if since is not None and time.monotonic() - since > self.timeout_s:
+                _end(self._line)
+
+    def _line(self) -> str:
+        return (f"no answer from the RPC worker{'s' if len(self.endpoints) > 1 else ''} "
+                f"{', '.join(self.endpoints)} for {self.timeout_s:g} s (a machine frozen, or "
+                "the network down); restart and start again, or give a longer --rpc-timeout "
+                "for slow workers")
 
 
 # ---- the worker side ----

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import bisect
 import codecs
+import contextlib
 import ctypes
 import math
 import statistics
@@ -196,6 +197,7 @@ class Decoder:
         self.parallel_from_s = PARALLEL_FROM_S
         self.share_from = SHARE_FROM
         self._chain_s = 0.0  # one chain's CPU time to choose a token, at the last measure
+        self.watchdog = contextlib.nullcontext()  # around each step (RPC workers: a Watchdog)
         self._steps = 0
         self._joins = 0
 
@@ -332,6 +334,10 @@ class Decoder:
         """
         if not self.live:
             return
+        with self.watchdog:
+            self._step()
+
+    def _step(self) -> None:
         generating = [g for g in self.live if g.next_token is not None]  # in slot order
         try:
             self._evaluate_prompts(max(CHUNK, self.n_batch - len(generating)))

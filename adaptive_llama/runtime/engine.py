@@ -21,6 +21,7 @@ generates for many prompts at once.
 from __future__ import annotations
 
 import logging
+import math
 import re
 import threading
 from collections import deque
@@ -146,6 +147,9 @@ class Engine:
         tensor_split: the share of the offloaded layers each device holds, in order: the
             workers' devices, then this machine's GPUs (llama.cpp's ``--tensor-split``);
             None: in proportion to their free memory.
+        rpc_timeout: seconds a decode step with workers may take before the engine gives
+            them up: one line naming them, and the process exits with status 3 (llama.cpp
+            itself would wait for ever on a frozen worker).
 
     Raises:
         ModelError: the file is missing, not GGUF, truncated or otherwise unloadable.
@@ -156,7 +160,8 @@ class Engine:
                  n_threads: int | None = None, parallel: int = 1, seed: int | None = None,
                  verbose: bool = False, backend_sampling: bool = False,
                  chat_template: str | None = None, rpc: str | list[str] | None = None,
-                 tensor_split: list[float] | None = None):
+                 tensor_split: list[float] | None = None,
+                 rpc_timeout: float = ggml_rpc.STEP_TIMEOUT_S):
         check_int("n_gpu_layers", n_gpu_layers, low=-1)
         check_int("n_ctx", n_ctx, low=0, high=MAX_CTX)
         if 0 < n_ctx < CTX_STEP:
@@ -169,6 +174,10 @@ class Engine:
             raise InvalidArgument(f"`backend_sampling` has to be True or False, but is "
                                   f"{backend_sampling!r}", "backend_sampling")
         self.rpc = self._endpoints(rpc)
+        if not (isinstance(rpc_timeout, (int, float)) and not isinstance(rpc_timeout, bool)
+                and 0 < rpc_timeout < math.inf):
+            raise InvalidArgument(f"`rpc_timeout` has to be a number of seconds above 0, but "
+                                  f"is {rpc_timeout!r}", "rpc_timeout")
         if tensor_split is not None:
             tensor_split = check_shares("tensor_split", tensor_split,
                                         llama_cpp.llama_max_devices())
@@ -212,6 +221,8 @@ class Engine:
         self.decoder = Decoder(self.ctx, self.vocab, parallel, self.n_ctx,
                                min(N_BATCH, self.n_ctx * parallel),
                                ThreadTuner(self.ctx, threads, adaptive=n_threads is None))
+        if self.rpc:
+            self.decoder.watchdog = ggml_rpc.Watchdog(self.rpc, rpc_timeout)
         if backend_sampling:
             self.backend_sampling = self._graph_can_sample()
         self.metadata = self._model.metadata()
@@ -635,6 +646,8 @@ class Engine:
         if self._embedder is not None:
             self._embedder.close()
         self.decoder.close()
+        if self.rpc:
+            self.decoder.watchdog.stop()
         self._context.close()
         self._model.close()
 
