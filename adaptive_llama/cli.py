@@ -601,14 +601,11 @@ def serve(models, more_models, max_loaded, keep_alive, host, port, allow_remote,
     options = dict(sampler=sampler, n_gpu_layers=n_gpu_layers, n_ctx=n_ctx, threads=threads,
                    backend_sampling=backend_sampling, chat_template=chat_template, rpc=rpc,
                    tensor_split=tensor_split, rpc_timeout=rpc_timeout)
-    pools = []  # the pool, once made, for a model with RPC workers to reach
-    served = [_served(argument, options, parallel=parallel, seed=seed, verbose=verbose,
-                      on_workers=lambda: _answer_when_lost(pools[0]))
+    served = [_served(argument, options, parallel=parallel, seed=seed, verbose=verbose)
               for argument in (*models, *more_models) or _configured_models()]
     _warn_misspelt_tables()
     pool = ModelPool(served, max_loaded=max_loaded, keep_alive=keep_alive,
                      max_queue=max_queue)
-    pools.append(pool)
     first = pool.load_now(pool.default)
     embedder = None
     if embedding_model is not None:
@@ -705,19 +702,10 @@ def _configured_models() -> list[str]:
     return list(found.values()) or [None]
 
 
-@functools.cache
-def _answer_when_lost(pool) -> None:
-    """When llama.cpp ends the process for a lost RPC worker, answer the waiting requests
-    with an error first (once per pool)."""
-    from .llama.rpc import on_abort
-
-    on_abort(pool.fail_all)
-
-
 def _served(argument: str | None, options: dict, *, parallel: int, seed: int | None,
-            verbose: bool, on_workers=lambda: None):
+            verbose: bool):
     """One model to serve: its name, its file, its settings (the command line's, else its
-    config.toml table's), and how to load it (``on_workers`` runs when it uses RPC)."""
+    config.toml table's), and how to load it."""
     from .server.pool import ServedModel, served_name, split_named
 
     name, model = split_named(argument) if argument else (None, None)
@@ -726,15 +714,12 @@ def _served(argument: str | None, options: dict, *, parallel: int, seed: int | N
     template = template_source(settings["chat_template"])  # read once, at the start
 
     def load():
-        engine = load_engine(path, settings["n_gpu_layers"], settings["n_ctx"],
-                             settings["threads"], seed, verbose, settings["backend_sampling"],
-                             parallel=parallel, sampler=settings["sampler"],
-                             chat_template=template, rpc=settings["rpc"],
-                             tensor_split=settings["tensor_split"],
-                             rpc_timeout=options["rpc_timeout"])
-        if engine.rpc:
-            on_workers()
-        return engine
+        return load_engine(path, settings["n_gpu_layers"], settings["n_ctx"],
+                           settings["threads"], seed, verbose, settings["backend_sampling"],
+                           parallel=parallel, sampler=settings["sampler"],
+                           chat_template=template, rpc=settings["rpc"],
+                           tensor_split=settings["tensor_split"],
+                           rpc_timeout=options["rpc_timeout"])
 
     return ServedModel(name or served_name(model or "", path), path, load, settings["sampler"],
                        template)

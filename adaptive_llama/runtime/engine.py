@@ -191,15 +191,16 @@ class Engine:
         if self.rpc and n_gpu_layers == 0:
             n_gpu_layers = -1  # workers given to hold nothing would be a mistake
         devices = ggml_rpc.connect(self.rpc) if self.rpc else []
-        if self.rpc and tensor_split:
-            self._check_split_count(len(tensor_split), len(devices),
-                                    len(ggml_rpc.local_gpus()))
+        gpus = len(ggml_rpc.local_gpus()) if self.rpc else 0
+        if self.rpc and tensor_split and len(tensor_split) > len(devices) + gpus:
+            raise InvalidArgument(f"`tensor_split` has {len(tensor_split)} shares, but there "
+                                  f"are {len(devices)} worker and {gpus} local GPU devices",
+                                  "tensor_split")
         # Whether a token's logits are a function of the tokens before it alone (whatever
         # the batch, the cache, the threads or the other sequences): on CPUs, here or in
         # CPU workers, yes (see _new_context); with layers on a GPU, llama.cpp's kernels
         # depend on the batch (a worker's device is not known here: docs/distributed.md).
-        self.batch_invariant = n_gpu_layers == 0 or (bool(self.rpc)
-                                                     and not ggml_rpc.local_gpus())
+        self.batch_invariant = n_gpu_layers == 0 or (bool(self.rpc) and gpus == 0)
         self.n_gpu_layers = n_gpu_layers
         set_llama_log(verbose)
         self._model, layers = load_model(
@@ -237,13 +238,6 @@ class Engine:
             return ggml_rpc.parse_endpoints(value)
         except ValueError as exc:
             raise InvalidArgument(f"`rpc`: {exc}", "rpc") from None
-
-    @staticmethod
-    def _check_split_count(shares: int, workers: int, gpus: int) -> None:
-        if shares > workers + gpus:
-            raise InvalidArgument(f"`tensor_split` has {shares} shares, but there are "
-                                  f"{workers} worker and {gpus} local GPU devices",
-                                  "tensor_split")
 
     def _new_context(self, requested: int, threads: int, verbose: bool):
         params = llama_cpp.llama_context_default_params()

@@ -26,6 +26,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+from ..llama import rpc
 from ..runtime.chat_template import ChatTemplate, TemplateError
 from ..runtime.engine import ContextOverflow, Engine, InvalidArgument
 from ..runtime.gguf_header import GGUFHeader, read_header
@@ -231,6 +232,7 @@ class ModelPool:
         self.models = tuple(models)
         self.max_loaded = max_loaded
         self.keep_alive = keep_alive
+        self._answers_when_lost = False  # fail_all registered with llama.cpp's abort
         self.max_queue = max_queue
         self._loaded: dict[str, LoadedModel] = {}
         self._room = asyncio.Lock()  # one load (and the unloading it needs) at a time
@@ -242,6 +244,13 @@ class ModelPool:
     @property
     def loaded(self) -> list[LoadedModel]:
         return list(self._loaded.values())
+
+    def _loaded_model(self, model: ServedModel, engine: Engine) -> LoadedModel:
+        if engine.rpc and not self._answers_when_lost:
+            # A worker lost ends the process: waiting clients get an error, not a reset.
+            rpc.on_abort(self.fail_all)
+            self._answers_when_lost = True
+        return LoadedModel(model, engine, self.max_queue, self.keep_alive)
 
     def fail_all(self, reason: str) -> None:
         """Answer every running and waiting request with a server error saying ``reason``,
@@ -267,7 +276,7 @@ class ModelPool:
     def load_now(self, model: ServedModel) -> LoadedModel:
         """Load ``model`` before serving (the default, so that a broken file stops the
         server at its start); no room is made."""
-        loaded = LoadedModel(model, model.load(), self.max_queue, self.keep_alive)
+        loaded = self._loaded_model(model, model.load())
         self._loaded[model.name] = loaded
         return loaded
 
@@ -298,7 +307,7 @@ class ModelPool:
                 log.warning("could not load %s: %s", model.name, exc)
                 raise APIError(500, f"model {model.name!r} could not be loaded: {exc}",
                                type="server_error", param="model") from None
-            loaded = LoadedModel(model, engine, self.max_queue, self.keep_alive)
+            loaded = self._loaded_model(model, engine)
             self._loaded[model.name] = loaded
             log.info("loaded %s in %.1f s", model.name, time.perf_counter() - started)
             return loaded
