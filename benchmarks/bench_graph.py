@@ -8,7 +8,7 @@ Rounds interleave the four, medians; ratios to greedy on the CPU chain of the sa
 ``serve --parallel N`` does per step). Progress on stderr, one JSON object on stdout.
 
     python benchmarks/bench_graph.py [--n-gpu-layers -1] [--rounds 5] [--tokens 128]
-                                     [--parallel 8] [--model PATH]
+                                     [--parallel 8] [--model PATH] [--spec NAME=SPEC ...]
 
 On a CPU-only machine the graph runs on ggml's CPU backend: this measures what backend
 sampling costs there, not what it saves on a GPU (benchmarks/gpu.sh runs it on one).
@@ -50,14 +50,15 @@ def one_round(engine: Engine, spec: str, tokens: int, parallel: int) -> float:
 
 def measure(path, args) -> dict:
     pair = engines(str(path), args)
-    out = {"n_vocab": pair["cpu_chain"].n_vocab,
+    specs = dict(s.split("=", 1) for s in args.spec) if args.spec else SPECS
+    out = {"n_vocab": pair["cpu_chain"].n_vocab, "specs": specs,
            "in_graph_available": pair["in_graph"].backend_sampling}
     for parallel in sorted({1, args.parallel}):
-        speeds = {f"{name}/{where}": [] for where in pair for name in SPECS}
+        speeds = {f"{name}/{where}": [] for where in pair for name in specs}
         for r in range(args.rounds):
             for key in speeds if r % 2 == 0 else reversed(list(speeds)):
                 name, where = key.split("/")
-                speeds[key].append(one_round(pair[where], SPECS[name], args.tokens, parallel))
+                speeds[key].append(one_round(pair[where], specs[name], args.tokens, parallel))
                 print(f"  {Path(path).name} x{parallel} round {r + 1} {key}: "
                       f"{speeds[key][-1]:.1f} tok/s", file=sys.stderr)
         medians = {key: round(statistics.median(v), 1) for key, v in speeds.items()}
@@ -65,8 +66,10 @@ def measure(path, args) -> dict:
         out[f"parallel_{parallel}"] = {
             "tokens_per_s": medians,
             "ratio_to_greedy_cpu_chain": {k: round(v / base, 3) for k, v in medians.items()},
-            "adaptive_in_graph_over_greedy_in_graph": round(
-                medians["adaptive/in_graph"] / medians["greedy/in_graph"], 3)}
+            **{f"{name}_over_greedy": {where: round(medians[f"{name}/{where}"]
+                                                    / medians[f"greedy/{where}"], 3)
+                                       for where in pair}
+               for name in specs if name != "greedy"}}
     for engine in pair.values():
         engine.close()
     return out
@@ -80,6 +83,9 @@ def main():
     parser.add_argument("--parallel", type=int, default=1)
     parser.add_argument("--model", default=None,
                         help="a GGUF path or bundled name (default: smollm2 and gemma3-270m)")
+    parser.add_argument("--spec", action="append", metavar="NAME=SPEC",
+                        help="the samplers to time, one per option; greedy must be among "
+                             "them (default: greedy and adaptive:eps=0.0005)")
     args = parser.parse_args()
     paths = ([args.model] if args.model else
              [m.path() for m in BUNDLED.values() if m.installed()

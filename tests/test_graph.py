@@ -26,7 +26,7 @@ from test_server import raw, serving
 
 from adaptive_llama import Engine
 from adaptive_llama.cli import main
-from adaptive_llama.kernel import adaptive_k_reference, dconf_reference
+from adaptive_llama.kernel import adaptive_k_reference, dconf_of_head, dconf_reference
 from adaptive_llama.llama import graph
 from adaptive_llama.runtime import config
 from adaptive_llama.samplers import SpecError
@@ -325,3 +325,58 @@ def test_a_device_without_an_operation_falls_back_to_the_cpu_with_one_warning(
         assert result.backend in ("c", "numba") and len(result.logprobs) == 6
     finally:
         eng.close()
+
+
+# ---- what the graph adds per sequence, and its self-check ----
+
+def test_the_sampler_adds_31_operations_per_sequence_and_30_in_uniform_mode():
+    ops = graph.graph_ops(0.005, uniform=False)
+    assert len(ops) == 31 and len(graph.graph_ops(0.005, uniform=True)) == 30
+    # one top-k over V and a sort of the K candidates only; no constant built in the graph
+    assert ops.count("TOP_K") == 1 and ops.count("ARGSORT") == 1
+    assert "ARANGE" not in ops and "CONT" not in ops
+
+
+def test_constants_are_the_formulas_terms_in_float64():
+    V, eps = 262_144, 0.005
+    K = graph.n_candidates(V, eps)
+    ln_n, spread, threshold = graph.constants(V, K, eps).reshape(3, K).astype(np.float64)
+    n = np.arange(V - K, V, dtype=np.float64)
+    np.testing.assert_allclose(ln_n, np.log(n), rtol=1e-7)
+    # ln((n+1)/n) is about 1/n: float32 could not form the ratio, float64 does
+    np.testing.assert_allclose(spread, np.log((n + 1) / n), rtol=1e-6)
+    assert np.all(threshold[:-1] == np.float32(-eps * np.log(V))) and threshold[-1] == np.float32(1e30)
+    # a vocabulary of K: n reaches 0, where the limit takes over (clamped to 1, ln 1 = 0)
+    ln_n, spread, _ = graph.constants(5, 5, 0.25).reshape(3, 5)
+    assert ln_n[0] == 0 and spread[0] == 0 and spread[1] == pytest.approx(np.log(2))
+
+
+@pytest.mark.parametrize("gap,k,expected", [(1e-5, 3, True), (1e-5, 2, True), (1e-5, 4, False),
+                                            (1e-2, 2, False)])
+def test_verdict_accepts_a_difference_only_within_tolerance_of_epsilon(gap, k, expected):
+    # Four tokens and a tail; epsilon just below dConf_3 (relative gap), so the reference's
+    # k* is 3. Stopping at 2 is a rounding of dConf_3 only if it lies within 1e-4 of
+    # epsilon; going to 4 claims dConf_4 > epsilon, far off.
+    p = np.array([0.5, 0.3, 0.1, 0.01])
+    tail, V = 0.09, 1000
+    d = dconf_of_head(p, tail, V)
+    assert d[3] < d[2] / 2
+    verdict = graph.verdict(p, tail, V, d[2] * (1 - gap), k)
+    assert verdict["k_ref"] == 3 and verdict["equal"] == (k == 3)
+    assert verdict["within_tolerance"] == expected
+    assert verdict["mass_error"] == pytest.approx(0.0, abs=1e-15)
+
+
+def test_self_check_of_a_generation_on_the_cpu_backend_matches_float64(graph_engine):
+    with graph.self_check() as records:
+        graph_engine.generate("The history of the river Thames begins", sampler="adaptive",
+                              max_tokens=24, seed=2)
+        graph_engine.generate_batch(["Once upon a time", "In 1905, Einstein"],
+                                    sampler="adaptive:eps=0.0005,temp=1.3", max_tokens=12)
+    assert len(records) == 24 + 2 * 12
+    assert all(r["equal"] for r in records), [r for r in records if not r["equal"]][:3]
+    assert max(r["mass_error"] for r in records) < 1e-5
+    assert all(r["k"] >= 1 for r in records) and len({r["k"] for r in records}) > 3
+    # outside the block nothing is recorded
+    graph_engine.generate("Once upon a time", sampler="adaptive", max_tokens=4)
+    assert len(records) == 48

@@ -55,7 +55,8 @@ table (for epsilon's range).
 
 from .checks import validate_epsilon
 from .choice import BACKEND, IMPL, AdaptiveStats, adaptive_k, adaptive_stats
-from .reference import adaptive_k_reference, dconf_reference
+from .reference import adaptive_k_reference, dconf_of_head, dconf_reference, k_from_dconf
 
 __all__ = ["AdaptiveStats", "BACKEND", "IMPL", "adaptive_k", "adaptive_k_reference",
-           "adaptive_stats", "dconf_reference", "validate_epsilon"]
+           "adaptive_stats", "dconf_of_head", "dconf_reference", "k_from_dconf",
+           "validate_epsilon"]

@@ -15,12 +15,21 @@ def dconf_reference(logits) -> np.ndarray:
     Slow (full sort) and exact; the fast kernels are tested against it.
     """
     x = np.sort(np.asarray(logits, dtype=np.float64))[::-1]
-    V = x.shape[0]
     e = np.exp(x - x[0])
-    p = e / e.sum()
-    R = np.append(np.cumsum(p[::-1])[::-1][1:], 0.0)  # R_k = sum_{j>k} p_j, summed directly
-    R_prev = np.concatenate(([1.0], R[:-1]))
-    k = np.arange(1, V + 1, dtype=np.float64)
+    return dconf_of_head(e / e.sum(), 0.0, x.shape[0])
+
+
+def dconf_of_head(p, tail: float, V: int) -> np.ndarray:
+    """dConf_1..dConf_K in float64 from the K largest probabilities ``p`` (descending) and
+    ``tail``, the mass of the V - K tokens after them: the formula needs nothing else, since
+    R_k = tail + p_{k+1} + ... + p_K. With K = V and tail 0 it is :func:`dconf_reference`;
+    the graph's self-check gives it the probabilities and tail mass the graph used."""
+    p = np.asarray(p, dtype=np.float64)
+    K = p.shape[0]
+    # R_k = sum_{j>k} p_j, summed directly (small values first), never 1 - c_k
+    R = tail + np.append(np.cumsum(p[::-1])[::-1][1:], 0.0)
+    R_prev = np.concatenate(([tail + p.sum()], R[:-1]))
+    k = np.arange(1, K + 1, dtype=np.float64)
     with np.errstate(divide="ignore", invalid="ignore"):
         formula = (
             p * np.log(p * (V - k) / R)
@@ -31,11 +40,16 @@ def dconf_reference(logits) -> np.ndarray:
     return np.where(p > 0, dconf, -np.inf)  # a token with p = 0 never counts
 
 
+def k_from_dconf(dconf, epsilon: float) -> int:
+    """k* = max(1, last k with dConf_k > epsilon)."""
+    above = np.flatnonzero(np.asarray(dconf) > epsilon)
+    return int(above[-1]) + 1 if above.size else 1
+
+
 def adaptive_k_reference(logits, epsilon: float) -> int:
     """k* = max(1, last k with dConf_k > epsilon), from :func:`dconf_reference`."""
     epsilon = validate_epsilon(epsilon)
     x = validated_logits(logits)
     if x.shape[0] == 1:
         return 1
-    above = np.flatnonzero(dconf_reference(x) > epsilon)
-    return int(above[-1]) + 1 if above.size else 1
+    return k_from_dconf(dconf_reference(x), epsilon)

@@ -369,6 +369,7 @@ class SamplerChain:
         token = self._last_token = llama_cpp.llama_sampler_sample(self.pointer, ctx, idx)
         if self.in_graph and self._adaptive is not None:
             k, kept_mass, p_chosen = graph.read_back(ctx, idx, token, self._uniform)
+            graph.checked(self._adaptive, k)
             self._graph_stats = AdaptiveStats(k=k, token=token, kept_mass=kept_mass,
                                            entropy=math.nan, conf=math.nan, p_chosen=p_chosen)
         return token

@@ -16,15 +16,19 @@ k* < K. The K tokens are put in *ascending* order of p, position j holding rank 
     R_{k-1} = T + (p_0 + ... + p_j)                  (cumsum, small values first)
     R_k     = T + (p_0 + ... + p_{j-1})              (the same cumsum shifted by one)
     n       = V - k = V - K + j
-    dConf_k ln V = p_j ln(p_j n / R_k) + R_{k-1} [ ln(R_k / R_{k-1}) + ln((n+1) / n) ]
+    dConf_k ln V = p_j [ln(p_j / R_k) + ln n] + R_{k-1} [ ln(R_k / R_{k-1}) + ln((n+1) / n) ]
     keep j  <=>  some i <= j has dConf > epsilon, or j = K - 1   (k* = max(1, last k above))
 
 which is the kernel's formula with the two logarithms of the second term split so that no
-argument leaves float32's range. Where R_k = 0 (every later token has p = 0) R_k and n are
-clamped to FLT_MIN and 1: the two terms then cancel to the continuous limit p ln(V-k+1) that
-the kernel uses; a token with p = 0 has R_{k-1} = 0 and dConf = 0. Float32 logarithms put
-each dConf within about 1e-7 of its float64 value, so k* is the float64 reference's unless
-some dConf lies within about 1e-4 (relative) of epsilon.
+argument leaves float32's range. What depends only on V, K and epsilon is computed once in
+float64 and kept on the device with the sampler (:func:`constants`): ln n, ln((n+1)/n) (a
+ratio within 4e-6 of 1 at V 262,144, which float32 could not hold) and the threshold
+-epsilon ln V, with +1e30 at j = K - 1 so that the most likely token is always above it.
+Where R_k = 0 (every later token has p = 0) R_k and n are clamped to FLT_MIN and 1: the two
+terms then cancel to the continuous limit p ln(V-k+1) that the kernel uses; a token with
+p = 0 has R_{k-1} = 0 and dConf = 0. Float32 logarithms put each dConf within about 1e-7 of
+its float64 value, so k* is the float64 reference's unless some dConf lies within about 1e-4
+(relative, :data:`TOLERANCE`) of epsilon.
 
 The kept set leaves the graph as the K log-probabilities (-inf for the tokens cut off) and
 their token ids, in that ascending order: llama.cpp's ``dist`` then samples from it. Ascending
@@ -34,10 +38,16 @@ draw, so the last position must be a kept token (the most likely one), never a c
 Mode ``uniform`` leaves 0 for every kept token instead of its log-probability. The host reads
 k (the finite entries), the kept mass and the chosen token's probability back from these K
 values (:func:`read_back`); entropy and Conf are not computed in the graph.
+
+Self-check (:func:`self_check`): the graph also keeps the K probabilities and the tail mass T
+it used, and the host recomputes k* from exactly those in float64
+(:func:`adaptive_llama.kernel.dconf_of_head`). A mismatch is then the graph's own arithmetic,
+never a difference in the logits, which is what tells on a GPU whether the graph is exact.
 """
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import functools
 import logging
@@ -46,6 +56,7 @@ from pathlib import Path
 
 import numpy as np
 
+from ..kernel import dconf_of_head, k_from_dconf
 from .abi import SamplerIface
 
 log = logging.getLogger(__name__)
@@ -55,6 +66,11 @@ GGML_TYPE_I32 = 26
 GGML_SORT_ORDER_ASC = 0
 FLT_MIN = float(np.finfo(np.float32).tiny)
 PROBE_VOCAB = 128 * 1024  # the vocabulary size llama.cpp's own support probes use
+# float32 logarithms put dConf within ~1e-7 (absolute, times ln V) of its float64 value: the
+# graph's k* may differ from the float64 reference only where some dConf lies this close
+# (relative) to epsilon.
+TOLERANCE = 1e-4
+ALWAYS = 1e30  # the threshold's entry for the most likely token: above it whatever its dConf
 
 _p = ctypes.c_void_p
 _i64 = ctypes.c_int64
@@ -75,7 +91,6 @@ _SIGNATURES = {
     "ggml_cumsum": (_p, [_p, _p]),
     "ggml_sum": (_p, [_p, _p]),
     "ggml_pad_ext": (_p, [_p, _p] + [_i] * 8),
-    "ggml_arange": (_p, [_p, _f, _f, _f]),
     "ggml_scale_bias": (_p, [_p, _p, _f, _f]),
     "ggml_clamp": (_p, [_p, _p, _f, _f]),
     "ggml_add": (_p, [_p, _p, _p]),
@@ -83,7 +98,7 @@ _SIGNATURES = {
     "ggml_div": (_p, [_p, _p, _p]),
     "ggml_log": (_p, [_p, _p]),
     "ggml_step": (_p, [_p, _p]),
-    "ggml_cont": (_p, [_p, _p]),
+    "ggml_set_output": (None, [_p]),
     "ggml_set_name": (_p, [_p, ctypes.c_char_p]),
     # graphs of our own: the support probe and the standalone evaluation
     "ggml_init": (_p, [ctypes.c_size_t, _p, ctypes.c_bool]),
@@ -100,6 +115,11 @@ _SIGNATURES = {
     "ggml_backend_buft_get_device": (_p, [_p]),
     "ggml_backend_dev_supports_op": (ctypes.c_bool, [_p, _p]),
     "ggml_backend_dev_name": (ctypes.c_char_p, [_p]),
+    # the constants' device buffer, and reading the self-check's tensors back
+    "ggml_backend_alloc_ctx_tensors_from_buft": (_p, [_p, _p]),
+    "ggml_backend_buffer_free": (None, [_p]),
+    "ggml_backend_tensor_set": (None, [_p, _p, ctypes.c_size_t, ctypes.c_size_t]),
+    "ggml_backend_tensor_get": (None, [_p, _p, ctypes.c_size_t, ctypes.c_size_t]),
 }
 
 
@@ -133,12 +153,27 @@ def n_candidates(n_vocab: int, epsilon: float) -> int:
     return min(n_vocab, math.floor(1.0 / epsilon) + 1)
 
 
-def build(ctx, logits, candidates, epsilon: float, uniform: bool):
-    """Add the adaptive sampler to a graph: (kept logits, their token ids), ascending order.
+def constants(V: int, K: int, epsilon: float) -> np.ndarray:
+    """What the graph needs that depends only on V, K and epsilon, in float64 then float32,
+    position j = K - k: rows ln n, ln((n+1)/n) with n = V - k clamped to 1 (the formula's
+    last logarithm; log1p keeps it exact where the ratio is within float32's step of 1),
+    and the threshold -epsilon ln V (ALWAYS at j = K - 1, the most likely token)."""
+    n = np.arange(V - K, V, dtype=np.float64)
+    n_safe = np.maximum(n, 1.0)
+    threshold = np.full(K, -epsilon * math.log(V))
+    threshold[-1] = ALWAYS
+    spread = np.log1p((n + 1.0 - n_safe) / n_safe)  # ln((n+1)/n); 0 where n = 0 (k = V)
+    return np.concatenate([np.log(n_safe), spread, threshold]).astype(np.float32)
+
+
+def build(ctx, logits, candidates, epsilon: float, uniform: bool, consts):
+    """Add the adaptive sampler to a graph: (kept logits, their token ids, (p, T)).
 
     ``logits``: the F32 row the chain has so far (V entries); ``candidates``: the I32 token ids
-    of those entries, or None when they are the whole vocabulary in order. Returns K entries:
-    log p (0 in ``uniform`` mode) for the kept tokens, -inf for the others, and their ids.
+    of those entries, or None when they are the whole vocabulary in order; ``consts``: an F32
+    tensor of 3K entries holding :func:`constants` (K from :func:`n_candidates`). Returns K
+    entries: log p (0 in ``uniform`` mode) for the kept tokens, -inf for the others, their
+    ids, and the K probabilities and tail mass T that decided (for the self-check).
     """
     g = ggml()
     V = g.nelements(logits)
@@ -150,36 +185,35 @@ def build(ctx, logits, candidates, epsilon: float, uniform: bool):
         return g.reshape_1d(ctx, g.get_rows(ctx, g.reshape_2d(ctx, table, 1, n), idx), K)
 
     top = g.top_k(ctx, x, K)                                     # any order
-    ids = rows(top, g.argsort(ctx, rows(x, top, V), GGML_SORT_ORDER_ASC), K)
-    p = rows(probs, ids, V)
+    p_top = rows(probs, top, V)
+    order = g.argsort(ctx, p_top, GGML_SORT_ORDER_ASC)           # a sort of K, not of V
+    ids, p = rows(top, order, K), rows(p_top, order, K)
     out_ids = ids if candidates is None else rows(candidates, ids, V)
     if K == 1:  # V = 1: the one token is k* = 1
-        return g.log(ctx, g.scale_bias(ctx, p, 0.0, 1.0) if uniform else p), out_ids
+        return (g.log(ctx, g.scale_bias(ctx, p, 0.0, 1.0) if uniform else p), out_ids,
+                (p, g.scale_bias(ctx, g.sum(ctx, p), 0.0, 0.0)))
 
-    # T: the probabilities of the tokens outside the K, summed directly (top K zeroed).
+    def const(row):
+        return g.view_1d(ctx, consts, K, row * K * 4)
+
+    # T: the probabilities of the tokens outside the K, summed directly. The top K are
+    # zeroed in place: every read of probs (p_top) comes before, since the zeros are made
+    # from p.
     zeros = g.reshape_2d(ctx, g.scale_bias(ctx, p, 0.0, 0.0), 1, K)
-    rest = g.set_rows(ctx, g.reshape_2d(ctx, g.cont(ctx, probs), 1, V), zeros, ids)
-    T = g.sum(ctx, rest)
+    T = g.sum(ctx, g.set_rows(ctx, g.reshape_2d(ctx, probs, 1, V), zeros, ids))
     cum = g.cumsum(ctx, p)                                       # p_0 + ... + p_j
     R_prev = g.add(ctx, cum, T)                                  # R_{k-1}
     cum_before = g.pad_ext(ctx, g.view_1d(ctx, cum, K - 1, 0), 1, 0, 0, 0, 0, 0, 0, 0)
-    R_k = g.add(ctx, cum_before, T)
-    n = g.arange(ctx, float(V - K), float(V), 1.0)               # V - k
-    n_safe = g.clamp(ctx, n, 1.0, math.inf)
-    R_k_safe = g.clamp(ctx, R_k, FLT_MIN, math.inf)
-    head = g.log(ctx, g.div(ctx, g.clamp(ctx, p, FLT_MIN, 1.0), R_k_safe))
-    head = g.mul(ctx, p, g.add(ctx, head, g.log(ctx, n_safe)))
-    drop = g.log(ctx, g.div(ctx, R_k_safe, g.clamp(ctx, R_prev, FLT_MIN, math.inf)))
-    spread = g.log(ctx, g.div(ctx, g.scale_bias(ctx, n, 1.0, 1.0), n_safe))
-    dconf = g.add(ctx, head, g.mul(ctx, R_prev, g.add(ctx, drop, spread)))  # dConf_k ln V
-    g.set_name(dconf, b"adaptive_dconf_lnV")
-    above = g.step(ctx, g.scale_bias(ctx, dconf, 1.0, -epsilon * math.log(V)))
-    last = g.step(ctx, g.arange(ctx, 1.5 - K, 1.5, 1.0))         # 1 at j = K - 1 (rank 1)
-    keep = g.step(ctx, g.add(ctx, g.cumsum(ctx, above), last))
-    bias = g.log(ctx, keep)                                      # 0 kept, -inf cut
-    out = bias if uniform else g.add(ctx, g.log(ctx, p), bias)
+    R_k = g.clamp(ctx, g.add(ctx, cum_before, T), FLT_MIN, math.inf)
+    head = g.log(ctx, g.div(ctx, g.clamp(ctx, p, FLT_MIN, 1.0), R_k))
+    head = g.mul(ctx, p, g.add(ctx, head, const(0)))             # + ln n
+    drop = g.log(ctx, g.div(ctx, R_k, g.clamp(ctx, R_prev, FLT_MIN, math.inf)))
+    dconf = g.add(ctx, head, g.mul(ctx, R_prev, g.add(ctx, drop, const(1))))  # dConf_k ln V
+    above = g.step(ctx, g.add(ctx, dconf, const(2)))             # dConf > eps, or rank 1
+    keep = g.step(ctx, g.cumsum(ctx, above))                     # 1 from the first above on
+    out = g.log(ctx, keep if uniform else g.mul(ctx, p, keep))   # log p kept, -inf cut
     g.set_name(out, b"adaptive_logits")
-    return out, out_ids
+    return out, out_ids, (p, T)
 
 
 # ---- graphs of our own: the standalone evaluation and the device support probe ----
@@ -204,6 +238,20 @@ class _Graph:
         ggml().free(self.ctx)
 
 
+def _const_tensor(g, ctx, V: int, epsilon: float, fill: bool):
+    """The :func:`constants` as a tensor of ``ctx`` (filled when ``ctx`` has memory)."""
+    values = constants(V, n_candidates(V, epsilon), epsilon)
+    tensor = g.new_tensor_1d(ctx, GGML_TYPE_F32, values.size)
+    if fill:
+        ctypes.memmove(g.get_data(tensor), values.ctypes.data, values.nbytes)
+    return tensor
+
+
+def _array(g, tensor, ctype, n):
+    return np.ctypeslib.as_array(ctypes.cast(g.get_data(tensor), ctypes.POINTER(ctype)),
+                                 (n,)).copy()
+
+
 def evaluate(logits, epsilon: float, uniform: bool = False, threads: int = 1):
     """Run :func:`build` on ggml's CPU backend, outside llama.cpp: (out logits, token ids).
 
@@ -215,16 +263,28 @@ def evaluate(logits, epsilon: float, uniform: bool = False, threads: int = 1):
     with _Graph(64 * 4 * x.size + (1 << 20), alloc=True) as graph:
         row = g.new_tensor_1d(graph.ctx, GGML_TYPE_F32, x.size)
         ctypes.memmove(g.get_data(row), x.ctypes.data, x.nbytes)
-        out, ids = build(graph.ctx, row, None, epsilon, uniform)
+        consts = _const_tensor(g, graph.ctx, x.size, epsilon, fill=True)
+        out, ids, _ = build(graph.ctx, row, None, epsilon, uniform, consts)
         for tensor in (out, ids):
             g.build_forward_expand(graph.gf, tensor)
         if g.graph_compute_with_ctx(graph.ctx, graph.gf, threads) != 0:
             raise RuntimeError("ggml could not compute the adaptive sampler's graph")
         K = g.nelements(out)
-        return (np.ctypeslib.as_array(ctypes.cast(g.get_data(out), ctypes.POINTER(ctypes.c_float)),
-                                      (K,)).copy(),
-                np.ctypeslib.as_array(ctypes.cast(g.get_data(ids), ctypes.POINTER(ctypes.c_int32)),
-                                      (K,)).copy())
+        return _array(g, out, ctypes.c_float, K), _array(g, ids, ctypes.c_int32, K)
+
+
+def graph_ops(epsilon: float, uniform: bool, n_vocab: int = PROBE_VOCAB) -> list[str]:
+    """The compute operations the sampler adds to llama.cpp's graph for one sequence, in
+    order (views and reshapes, which move no data, left out)."""
+    g = ggml()
+    with _Graph(0, alloc=False) as graph:
+        logits = g.new_tensor_1d(graph.ctx, GGML_TYPE_F32, n_vocab)
+        consts = _const_tensor(g, graph.ctx, n_vocab, epsilon, fill=False)
+        for tensor in build(graph.ctx, logits, None, epsilon, uniform, consts)[:2]:
+            g.build_forward_expand(graph.gf, tensor)
+        names = [g.op_desc(g.graph_node(graph.gf, i)).decode()
+                 for i in range(g.graph_n_nodes(graph.gf))]
+    return [n for n in names if n not in ("RESHAPE", "VIEW", "PERMUTE", "TRANSPOSE")]
 
 
 def unsupported_op(device, epsilon: float, uniform: bool) -> str | None:
@@ -233,7 +293,8 @@ def unsupported_op(device, epsilon: float, uniform: bool) -> str | None:
     with _Graph(0, alloc=False) as graph:
         logits = g.new_tensor_1d(graph.ctx, GGML_TYPE_F32, PROBE_VOCAB)
         candidates = g.new_tensor_1d(graph.ctx, GGML_TYPE_I32, PROBE_VOCAB)
-        for tensor in build(graph.ctx, logits, candidates, epsilon, uniform):
+        consts = _const_tensor(g, graph.ctx, PROBE_VOCAB, epsilon, fill=False)
+        for tensor in build(graph.ctx, logits, candidates, epsilon, uniform, consts)[:2]:
             g.build_forward_expand(graph.gf, tensor)
         for i in range(g.graph_n_nodes(graph.gf)):
             node = g.graph_node(graph.gf, i)
@@ -247,8 +308,44 @@ def unsupported_op(device, epsilon: float, uniform: bool) -> str | None:
 # The adaptive sampler (C or numba) gets a copy of its llama_sampler_i with backend_init and
 # backend_apply filled in; both run once per graph llama.cpp builds, not per token.
 
-_graph_samplers: dict[int, tuple[float, bool, SamplerIface]] = {}  # sampler address -> config
+
+class _InGraph:
+    """One adaptive sampler's part in llama.cpp's graph: its configuration, the interface
+    copy that holds the hooks, its constants in a buffer of the output device (made once
+    per row length), and in self-check mode the last (p, T) tensors of its graph."""
+
+    def __init__(self, epsilon: float, uniform: bool, iface, check: bool):
+        self.epsilon, self.uniform, self.iface, self.check = epsilon, uniform, iface, check
+        self.buft = None
+        self.consts: dict[int, tuple] = {}  # row length -> (ggml context, buffer, tensor)
+        self.decided = None
+
+    def constants_on_device(self, V: int):
+        if V not in self.consts:
+            g = ggml()
+            values = constants(V, n_candidates(V, self.epsilon), self.epsilon)
+            ctx = g.init(g.init_params(4 * g.tensor_overhead(), None, True))
+            tensor = g.new_tensor_1d(ctx, GGML_TYPE_F32, values.size)
+            buffer = g.backend_alloc_ctx_tensors_from_buft(ctx, self.buft)
+            if not buffer:
+                g.free(ctx)
+                raise MemoryError("the device has no memory for the adaptive sampler's "
+                                  "constants")
+            g.backend_tensor_set(tensor, values.ctypes.data, 0, values.nbytes)
+            self.consts[V] = (ctx, buffer, tensor)
+        return self.consts[V][2]
+
+    def free(self):
+        g = ggml()
+        for ctx, buffer, _ in self.consts.values():
+            g.backend_buffer_free(buffer)
+            g.free(ctx)
+        self.consts.clear()
+
+
+_graph_samplers: dict[int, _InGraph] = {}  # sampler address -> its part in the graph
 refusals: list[str] = []  # why a device could not take the sampler (newest last)
+_checks: list | None = None  # the records of :func:`self_check` while one is open
 
 
 def _address(smpl) -> int:
@@ -258,11 +355,12 @@ def _address(smpl) -> int:
 def _backend_init(smpl, buft, n_outputs_max_per_seq):
     """True when the device that holds the model's output can run every operation."""
     try:
-        epsilon, uniform, _ = _graph_samplers[_address(smpl)]
+        sampler = _graph_samplers[_address(smpl)]
+        sampler.buft = buft
         device = ggml().backend_buft_get_device(buft)
         if not device:  # llama.cpp: no device means the CPU, which runs every operation
             return True
-        missing = unsupported_op(device, epsilon, uniform)
+        missing = unsupported_op(device, sampler.epsilon, sampler.uniform)
         if missing is not None:  # the engine reports it, once
             refusals.append(f"{ggml().backend_dev_name(device).decode()} cannot run the "
                             f"{missing} operation that the adaptive sampler needs")
@@ -276,9 +374,16 @@ def _backend_init(smpl, buft, n_outputs_max_per_seq):
 
 def _backend_apply(smpl, ctx, gf, data):
     try:
-        epsilon, uniform, _ = _graph_samplers[_address(smpl)]
+        sampler = _graph_samplers[_address(smpl)]
         d = data.contents
-        d.logits, d.candidates = build(ctx, d.logits, d.candidates, epsilon, uniform)
+        g = ggml()
+        V = g.nelements(d.logits)
+        d.logits, d.candidates, decided = build(ctx, d.logits, d.candidates, sampler.epsilon,
+                                                sampler.uniform, sampler.constants_on_device(V))
+        if sampler.check:  # kept in memory after the graph runs, for checked()
+            for tensor in decided:
+                g.set_output(tensor)
+            sampler.decided = (*decided, V)
     except Exception:
         # llama.cpp would sample from the chain without the adaptive step: say so loudly.
         log.exception("backend sampling: building the adaptive sampler's graph failed")
@@ -293,7 +398,8 @@ def _hooks():
 
 
 def enable(sampler: int, epsilon: float, uniform: bool) -> None:
-    """Give the adaptive sampler at address ``sampler`` its backend-sampling hooks."""
+    """Give the adaptive sampler at address ``sampler`` its backend-sampling hooks (in
+    self-check mode while a :func:`self_check` is open)."""
     import llama_cpp
 
     smpl = llama_cpp.llama_sampler.from_address(sampler)
@@ -302,13 +408,63 @@ def enable(sampler: int, epsilon: float, uniform: bool) -> None:
     init, apply = _hooks()
     iface.backend_init = _address(init)
     iface.backend_apply = _address(apply)
-    _graph_samplers[sampler] = (epsilon, uniform, iface)  # keeps the copy alive
+    # keeps the copy alive
+    _graph_samplers[sampler] = _InGraph(epsilon, uniform, iface, check=_checks is not None)
     smpl.iface = ctypes.cast(ctypes.pointer(iface), ctypes.POINTER(llama_cpp.llama_sampler_i))
 
 
 def forget(sampler: int) -> None:
-    """After the sampler is freed: drop its hooks' configuration."""
-    _graph_samplers.pop(sampler, None)
+    """After the sampler is freed: drop its hooks' configuration and constants."""
+    part = _graph_samplers.pop(sampler, None)
+    if part is not None:
+        part.free()
+
+
+@contextlib.contextmanager
+def self_check():
+    """Self-check mode for the adaptive samplers put in a graph inside the block: each token
+    the graph samples adds a record to the list this yields: the graph's k, the float64
+    reference's k from the same K probabilities and tail mass, whether they are equal,
+    whether a difference is within :data:`TOLERANCE` (some dConf that close to epsilon), and
+    how far the K probabilities and the tail sum from 1."""
+    global _checks
+    records, outer = [], _checks
+    _checks = records
+    try:
+        yield records
+    finally:
+        _checks = outer
+
+
+def checked(sampler: int, k: int) -> None:
+    """Record the self-check of the token just sampled by ``sampler``, whose graph kept k."""
+    part = _graph_samplers.get(sampler)
+    if _checks is None or part is None or part.decided is None:
+        return
+    g = ggml()
+    p_t, T_t, V = part.decided
+    p = np.empty(g.nelements(p_t), np.float32)
+    T = np.empty(1, np.float32)
+    g.backend_tensor_get(p_t, p.ctypes.data, 0, p.nbytes)
+    g.backend_tensor_get(T_t, T.ctypes.data, 0, T.nbytes)
+    _checks.append(verdict(p[::-1], float(T[0]), V, part.epsilon, k))
+
+
+def verdict(p_desc, tail: float, V: int, epsilon: float, k: int) -> dict:
+    """How the graph's k compares with the float64 reference's from the same K probabilities
+    (descending) and tail mass: equal, or different only where dConf is within TOLERANCE of
+    epsilon. A larger k says dConf_k > epsilon; a smaller one says that no later dConf is
+    (those the reference has above must be that close)."""
+    dconf = dconf_of_head(np.asarray(p_desc, np.float64), tail, V)
+    k_ref = k_from_dconf(dconf, epsilon)
+    if k > k_ref:
+        disputed = dconf[k - 1:k]
+    else:
+        disputed = dconf[k:k_ref][dconf[k:k_ref] > epsilon]  # dConf_{k+1} .. dConf_{k_ref}
+    near = bool(np.all(np.abs(disputed - epsilon) <= TOLERANCE * epsilon))
+    return {"k": k, "k_ref": k_ref, "equal": k == k_ref,
+            "within_tolerance": k == k_ref or near,
+            "mass_error": abs(float(np.sum(p_desc, dtype=np.float64)) + tail - 1.0)}
 
 
 def read_back(ctx, idx: int, token: int, uniform: bool) -> tuple[int, float, float]:
