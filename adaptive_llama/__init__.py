@@ -6,8 +6,41 @@ the parts that run llama.cpp (:class:`Engine`, :class:`Chat`, :class:`SamplerCha
 then.
 """
 
-from .runtime.models import ModelError, resolve_model
-from .samplers import SAMPLERS, SamplerSpec, SpecError, parse_spec
+import ctypes
+import importlib.util
+import os
+from pathlib import Path
+
+
+def _preload_llama_cpp() -> None:
+    """Load llama.cpp's libraries now, before anything imports numpy.
+
+    A CUDA build of llama.cpp crashed while loading a model (a segmentation fault) in
+    processes that had imported numpy before llama_cpp (seen on an H100 machine; llama-cpp-
+    python issue #1581 describes the same order dependence); importing llama_cpp first
+    avoided it. So the package loads libllama, and with it what it links (OpenMP's runtime,
+    CUDA's libraries), from the file llama_cpp itself loads (the same handle then), without
+    importing llama_cpp or numpy: every entry point (the command line, the server, a program
+    that imports adaptive_llama first) starts in the order that works. A library that is
+    missing or does not load is left to ``import llama_cpp`` to report in its own words."""
+    override = os.environ.get("LLAMA_CPP_LIB_PATH")  # read by llama_cpp the same way
+    spec = None if override else importlib.util.find_spec("llama_cpp")
+    if override:
+        path = Path(override) / "libllama.so"
+    elif spec is not None and spec.submodule_search_locations:
+        path = Path(spec.submodule_search_locations[0]) / "lib" / "libllama.so"
+    else:
+        return
+    try:
+        ctypes.CDLL(str(path))
+    except OSError:
+        pass
+
+
+_preload_llama_cpp()
+
+from .runtime.models import ModelError, resolve_model  # noqa: E402
+from .samplers import SAMPLERS, SamplerSpec, SpecError, parse_spec  # noqa: E402
 
 __version__ = "0.1.0"
 __all__ = [

@@ -135,3 +135,18 @@ def test_ncu_csv_becomes_time_per_kernel_and_token():
     assert table["kernels_per_token"] == 1.5 and table["gpu_us_per_token"] == 2.5
     assert table["by_kernel"][0] == {"kernel": "soft_max_f32", "launches_per_token": 1.0,
                                      "us_per_token": 2.0}
+
+
+def test_importing_the_package_loads_llama_cpps_libraries_before_numpy():
+    # The import order that kept a CUDA build from crashing: libllama and what it links are
+    # in the process before numpy is, and llama_cpp later maps the same file, once.
+    code = ("import sys\nimport adaptive_llama\n"
+            "maps = open('/proc/self/maps').read()\n"
+            "assert 'numpy' not in sys.modules and 'llama_cpp' not in sys.modules\n"
+            "assert 'libllama.so' in maps and 'libggml-base.so' in maps, maps\n"
+            "import llama_cpp\n"
+            "maps = open('/proc/self/maps').read().splitlines()\n"
+            "print(len({l.split()[-1] for l in maps if 'libllama' in l}))\n")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "1"

@@ -380,3 +380,17 @@ def test_self_check_of_a_generation_on_the_cpu_backend_matches_float64(graph_eng
     # outside the block nothing is recorded
     graph_engine.generate("Once upon a time", sampler="adaptive", max_tokens=4)
     assert len(records) == 48
+
+
+def test_the_temperature_is_the_softmaxs_scale_in_the_graph_not_a_sampler_of_its_own():
+    from adaptive_llama.llama.chain import SamplerChain
+
+    with SamplerChain("adaptive:temp=0.7", 0, 1000, in_graph=True) as folded, \
+            SamplerChain("top-p:p=0.9,temp=0.7", 0, 1000, in_graph=True) as other:
+        assert "temp" not in folded.names() and "temp" in other.names()
+    x = np.random.default_rng(4).normal(0, 3, 5000).astype(np.float32)
+    out, ids = graph.evaluate(x, 0.005, temp=0.7)
+    k = int(np.isfinite(out).sum())
+    assert k == reference_k(x / np.float32(0.7), 0.005) or near_boundary(x / 0.7, 0.005)
+    p = np.exp(x.astype(np.float64) / 0.7 - x.max() / 0.7)
+    np.testing.assert_allclose(np.exp(out[-k:]), (p / p.sum())[ids[-k:]], rtol=1e-5)

@@ -196,7 +196,10 @@ class SamplerChain:
         for modifier in self.spec.stage("before"):
             modifier.sampler.add(self, modifier.params)
         sampler = self.spec.sampler
-        if sampler.takes_temp and self.spec.temp != 1.0:
+        # In the graph the adaptive sampler's softmax takes the temperature as its scale:
+        # one operation per sequence fewer than llama.cpp's temp before it.
+        folded = in_graph and sampler.name == "adaptive"
+        if sampler.takes_temp and self.spec.temp != 1.0 and not folded:
             self._chain.add_temp(self.spec.temp)
         sampler.add(self, self.spec.params)
         after = self.spec.stage("after")
@@ -272,7 +275,7 @@ class SamplerChain:
         self._stats = samplers.stats(self._adaptive)
         self._uniform = uniform
         if self.in_graph:  # in the graph it only cuts: llama.cpp's dist chooses
-            graph.enable(self._adaptive, epsilon, uniform)
+            graph.enable(self._adaptive, epsilon, uniform, self.spec.temp)
             self._chain.add_dist(self.seed)
 
     def penalties(self, last_n: int, repeat: float, freq: float, present: float) -> None:

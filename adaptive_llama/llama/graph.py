@@ -2,16 +2,16 @@ r"""Adaptive decoding as ggml operations inside llama.cpp's graph (backend sampl
 
 With backend sampling llama.cpp runs the head of a sampler chain as part of the model's own
 graph, on the device that holds the output layer, and copies back only what the chain leaves:
-here a few thousand candidates and the chosen token instead of all V logits. This module
-builds the adaptive sampler's part of that graph; temperature before it and ``dist`` after it
-are llama.cpp's own backend samplers.
+here a few hundred candidates and the chosen token instead of all V logits. This module
+builds the adaptive sampler's part of that graph, temperature included (the softmax's scale);
+``dist`` after it is llama.cpp's own backend sampler.
 
 The maths is :mod:`adaptive_llama.kernel`'s (Zhu et al., ICML 2024, Algorithm 1), evaluated
 in float32 over the K = min(V, floor(1/epsilon) + 1) most likely tokens only: dConf_k <= p_k
 (the kernel module's docstring shows why), fewer than 1/epsilon tokens have p > epsilon, so
 k* < K. The K tokens are put in *ascending* order of p, position j holding rank k = K - j::
 
-    p_j     = softmax(x)[ids_j]                      (softmax over all V logits)
+    p_j     = softmax(x / temp)[ids_j]               (softmax over all V logits)
     T       = sum of p over the V - K tokens left out (read directly, never 1 - sum)
     R_{k-1} = T + (p_0 + ... + p_j)                  (cumsum, small values first)
     R_k     = T + (p_0 + ... + p_{j-1})              (the same cumsum shifted by one)
@@ -83,7 +83,7 @@ _SIGNATURES = {
     "ggml_reshape_1d": (_p, [_p, _p, _i64]),
     "ggml_reshape_2d": (_p, [_p, _p, _i64, _i64]),
     "ggml_view_1d": (_p, [_p, _p, _i64, ctypes.c_size_t]),
-    "ggml_soft_max": (_p, [_p, _p]),
+    "ggml_soft_max_ext": (_p, [_p, _p, _p, _f, _f]),
     "ggml_top_k": (_p, [_p, _p, _i]),
     "ggml_argsort": (_p, [_p, _p, _i]),
     "ggml_get_rows": (_p, [_p, _p, _p]),
@@ -166,12 +166,14 @@ def constants(V: int, K: int, epsilon: float) -> np.ndarray:
     return np.concatenate([np.log(n_safe), spread, threshold]).astype(np.float32)
 
 
-def build(ctx, logits, candidates, epsilon: float, uniform: bool, consts):
+def build(ctx, logits, candidates, epsilon: float, uniform: bool, consts, temp: float = 1.0):
     """Add the adaptive sampler to a graph: (kept logits, their token ids, (p, T)).
 
     ``logits``: the F32 row the chain has so far (V entries); ``candidates``: the I32 token ids
     of those entries, or None when they are the whole vocabulary in order; ``consts``: an F32
-    tensor of 3K entries holding :func:`constants` (K from :func:`n_candidates`). Returns K
+    tensor of 3K entries holding :func:`constants` (K from :func:`n_candidates`); ``temp``:
+    the temperature, the softmax's scale 1/temp (the order of the logits does not change).
+    Returns K
     entries: log p (0 in ``uniform`` mode) for the kept tokens, -inf for the others, their
     ids, and the K probabilities and tail mass T that decided (for the self-check).
     """
@@ -179,7 +181,7 @@ def build(ctx, logits, candidates, epsilon: float, uniform: bool, consts):
     V = g.nelements(logits)
     K = n_candidates(V, epsilon)
     x = g.reshape_1d(ctx, logits, V)
-    probs = g.soft_max(ctx, x)
+    probs = g.soft_max_ext(ctx, x, None, 1.0 / temp, 0.0)
 
     def rows(table, idx, n):  # table[idx] for a 1-D table (ggml gathers rows)
         return g.reshape_1d(ctx, g.get_rows(ctx, g.reshape_2d(ctx, table, 1, n), idx), K)
@@ -252,7 +254,8 @@ def _array(g, tensor, ctype, n):
                                  (n,)).copy()
 
 
-def evaluate(logits, epsilon: float, uniform: bool = False, threads: int = 1):
+def evaluate(logits, epsilon: float, uniform: bool = False, threads: int = 1,
+             temp: float = 1.0):
     """Run :func:`build` on ggml's CPU backend, outside llama.cpp: (out logits, token ids).
 
     For tests and measurements: the same operations llama.cpp puts in its graph, on a row
@@ -264,7 +267,7 @@ def evaluate(logits, epsilon: float, uniform: bool = False, threads: int = 1):
         row = g.new_tensor_1d(graph.ctx, GGML_TYPE_F32, x.size)
         ctypes.memmove(g.get_data(row), x.ctypes.data, x.nbytes)
         consts = _const_tensor(g, graph.ctx, x.size, epsilon, fill=True)
-        out, ids, _ = build(graph.ctx, row, None, epsilon, uniform, consts)
+        out, ids, _ = build(graph.ctx, row, None, epsilon, uniform, consts, temp)
         for tensor in (out, ids):
             g.build_forward_expand(graph.gf, tensor)
         if g.graph_compute_with_ctx(graph.ctx, graph.gf, threads) != 0:
@@ -314,8 +317,9 @@ class _InGraph:
     copy that holds the hooks, its constants in a buffer of the output device (made once
     per row length), and in self-check mode the last (p, T) tensors of its graph."""
 
-    def __init__(self, epsilon: float, uniform: bool, iface, check: bool):
-        self.epsilon, self.uniform, self.iface, self.check = epsilon, uniform, iface, check
+    def __init__(self, epsilon: float, uniform: bool, temp: float, iface, check: bool):
+        self.epsilon, self.uniform, self.temp = epsilon, uniform, temp
+        self.iface, self.check = iface, check
         self.buft = None
         self.consts: dict[int, tuple] = {}  # row length -> (ggml context, buffer, tensor)
         self.decided = None
@@ -379,7 +383,8 @@ def _backend_apply(smpl, ctx, gf, data):
         g = ggml()
         V = g.nelements(d.logits)
         d.logits, d.candidates, decided = build(ctx, d.logits, d.candidates, sampler.epsilon,
-                                                sampler.uniform, sampler.constants_on_device(V))
+                                                sampler.uniform, sampler.constants_on_device(V),
+                                                sampler.temp)
         if sampler.check:  # kept in memory after the graph runs, for checked()
             for tensor in decided:
                 g.set_output(tensor)
@@ -397,9 +402,10 @@ def _hooks():
             llama_cpp.llama_sampler_i_backend_apply(_backend_apply))
 
 
-def enable(sampler: int, epsilon: float, uniform: bool) -> None:
-    """Give the adaptive sampler at address ``sampler`` its backend-sampling hooks (in
-    self-check mode while a :func:`self_check` is open)."""
+def enable(sampler: int, epsilon: float, uniform: bool, temp: float = 1.0) -> None:
+    """Give the adaptive sampler at address ``sampler`` its backend-sampling hooks, with the
+    temperature folded into its softmax (in self-check mode while a :func:`self_check` is
+    open)."""
     import llama_cpp
 
     smpl = llama_cpp.llama_sampler.from_address(sampler)
@@ -409,7 +415,8 @@ def enable(sampler: int, epsilon: float, uniform: bool) -> None:
     iface.backend_init = _address(init)
     iface.backend_apply = _address(apply)
     # keeps the copy alive
-    _graph_samplers[sampler] = _InGraph(epsilon, uniform, iface, check=_checks is not None)
+    _graph_samplers[sampler] = _InGraph(epsilon, uniform, temp, iface,
+                                        check=_checks is not None)
     smpl.iface = ctypes.cast(ctypes.pointer(iface), ctypes.POINTER(llama_cpp.llama_sampler_i))
 
 

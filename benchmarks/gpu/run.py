@@ -183,9 +183,15 @@ def run_device(args) -> dict:
 IMPORT_ORDERS = {
     "numpy_first_then_llama_cpp": "import numpy, llama_cpp\n{load_llama}",
     "llama_cpp_first": "import llama_cpp, numpy\n{load_llama}",
+    "numpy_first_then_libgomp": "import numpy, ctypes\nctypes.CDLL('libgomp.so.1', "
+                                "mode=ctypes.RTLD_GLOBAL)\nimport llama_cpp\n{load_llama}",
+    "adaptive_llama_then_numpy": "import adaptive_llama, numpy\nfrom adaptive_llama import "
+                                 "Engine\n{load_engine}",
     "numpy_first_then_adaptive_llama": "import numpy\nfrom adaptive_llama import Engine\n"
                                        "{load_engine}",
-    "adaptive_llama_alone": "from adaptive_llama import Engine\n{load_engine}",
+    "command_line": "import sys\nfrom adaptive_llama.cli import main\nsys.argv = ['adaptive-"
+                    "llama', 'generate', {path!r}, '--n-gpu-layers', '-1', '--max-tokens', '4', "
+                    "'--prompt', 'Hello']\nmain()",
 }
 
 
@@ -201,7 +207,8 @@ def run_import_order(args) -> dict:
         start = time.time()
         try:
             proc = subprocess.run([sys.executable, "-c", code.format(
-                load_llama=load_llama, load_engine=load_engine)], capture_output=True,
+                load_llama=load_llama, load_engine=load_engine, path=str(path))],
+                capture_output=True,
                 text=True, timeout=60)
             out[name] = {"returncode": proc.returncode, "s": round(time.time() - start, 1),
                          "tail": proc.stderr.strip().splitlines()[-1:] if proc.returncode
@@ -325,8 +332,9 @@ def kernel_table(text: str, tokens: int) -> dict:
 
 def run_huge_context(args) -> dict:
     path = str(model_path("smollm2"))
+    # llama.cpp's own log on: where it stops, if it does not fail
     code = (f"from adaptive_llama import Engine\nEngine({path!r}, n_gpu_layers=-1, "
-            "n_ctx=10_000_000)")
+            "n_ctx=10_000_000, verbose=True)")
     start = time.time()
     try:
         proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
@@ -334,7 +342,7 @@ def run_huge_context(args) -> dict:
         return {"returncode": proc.returncode, "s": round(time.time() - start, 1),
                 "last_line": (proc.stderr.strip().splitlines() or [""])[-1][:300]}
     except subprocess.TimeoutExpired as exc:
-        tail = (exc.stderr or b"").decode(errors="replace").strip().splitlines()[-5:]
+        tail = (exc.stderr or b"").decode(errors="replace").strip().splitlines()[-12:]
         return {"timed_out": args.timeout, "stderr_tail": tail}
 
 
