@@ -40,6 +40,7 @@ import platform
 import shutil
 import subprocess
 import sys
+import sysconfig
 import time
 from pathlib import Path
 
@@ -97,17 +98,19 @@ def status(manifest: dict) -> dict:
     return {item["name"]: (FILES / item["name"]).exists() for item in manifest["items"]}
 
 
-def cuda_library_dirs() -> list[str]:
-    """Folders holding the CUDA runtime and cuBLAS that llama.cpp's CUDA backend links."""
+def cuda_library_dirs() -> tuple[list[str], list[str]]:
+    """Folders holding CUDA's runtime, cuBLAS and the driver, which llama.cpp's CUDA backend
+    links, and the libraries found nowhere."""
     found = {}
-    roots = [Path("/usr/local/cuda/lib64"), Path("/usr/local/nvidia/lib64"),
-             *Path("/usr/local").glob("cuda*/lib*"), *Path("/opt").glob("**/nvidia/cu13/lib"),
-             *Path("/usr").glob("lib*/python3*/site-packages/nvidia/cu13/lib")]
+    roots = [Path("/usr/local/cuda/lib64"), Path("/usr/local/cuda/targets/x86_64-linux/lib"),
+             Path("/usr/local/nvidia/lib64"), Path("/usr/lib/x86_64-linux-gnu"),
+             Path(sysconfig.get_paths()["purelib"]) / "nvidia" / "cu13" / "lib",
+             *sorted(Path("/usr/local").glob("cuda-*/lib64"))]
     for root in roots:
         for name in CUDA_LIBS:
             if name not in found and (root / name).exists():
                 found[name] = str(root)
-    return sorted(set(found.values()))
+    return sorted(set(found.values())), [n for n in CUDA_LIBS if n not in found]
 
 
 def install(manifest: dict, log) -> dict:
@@ -134,7 +137,7 @@ def install(manifest: dict, log) -> dict:
               "--no-compile", "--target", str(SITE), str(kinds["llama-wheel"]), *map(str, wheels)],
              log)
     _run([sys.executable, "setup.py", "--quiet", "build_ext", "--inplace"], log, cwd=ROOT)
-    info["cuda_library_dirs"] = cuda_library_dirs()
+    info["cuda_library_dirs"], info["cuda_libraries_missing"] = cuda_library_dirs()
     info["install_s"] = round(time.time() - info["started"], 1)
     done.write_text(json.dumps(info))
     return info
@@ -369,45 +372,62 @@ def plan(dry_run: bool) -> list[tuple[str, list[str], float]]:
 
 
 def drive(args, log) -> dict:
+    """Receive; then install and run the steps, or, in a call that only receives, install
+    and look at the device as soon as llama-cpp-python has come (a broken install is then
+    known while the models are still on their way)."""
     start = time.time()
     manifest = receive()
     result = {"received": status(manifest), "dry_run": args.dry_run, "steps": {}}
-    if args.receive_only:
+    has_llama = any(FILES.joinpath(i["name"]).exists() for i in manifest["items"]
+                    if i["kind"].startswith("llama-"))
+    if args.receive_only and (args.dry_run or not has_llama
+                              or (THERE / "installed.json").exists()):
         return result
-    info = {} if args.dry_run else install(manifest, log)
+    try:
+        info = {} if args.dry_run else install(manifest, log)
+    except (subprocess.CalledProcessError, StopIteration) as exc:
+        result["install"] = {"error": str(exc)}  # the log says more
+        save(args.out, result)
+        return result
     result["install"] = info
+    save(args.out, result)
     env = step_env(info)
-    for name, step_args, estimate in plan(args.dry_run):
-        model = step_args[step_args.index("--model") + 1] if "--model" in step_args else None
+    for name, step_args, estimate in plan(args.dry_run)[:1 if args.receive_only else None]:
         left = args.budget - (time.time() - start)
-        if model and model_path(model) is None:
-            result["steps"][name] = {"skipped": f"the model {model} has not come"}
-            continue
-        if estimate > left and not args.dry_run:
-            result["steps"][name] = {"skipped": f"needs about {estimate} s, {left:.0f} s left"}
-            continue
-        kind = name.split("_")[0] if name.startswith(("bench", "exact", "profile")) else name
-        cmd = [sys.executable, __file__, "--step", kind, *step_args]
-        t0 = time.time()
-        log.write(f"\n=== {name}: {' '.join(cmd[2:])}\n")
-        log.flush()
-        try:
-            proc = subprocess.run(cmd, env=env, capture_output=True, text=True,
-                                  timeout=max(30.0, min(left, 3 * estimate)))
-            log.write(proc.stderr[-20000:])
-            if proc.returncode == 0:
-                entry = json.loads(proc.stdout)
-            else:
-                entry = {"error": f"exit status {proc.returncode}",
-                         "stderr_tail": proc.stderr.strip().splitlines()[-8:]}
-        except subprocess.TimeoutExpired:
-            entry = {"error": "timed out"}
-        entry_s = round(time.time() - t0, 1)
-        result["steps"][name] = {"s": entry_s, **entry} if isinstance(entry, dict) else entry
-        log.write(f"=== {name}: {entry_s} s\n")
-        log.flush()
+        result["steps"][name] = run_step(name, step_args, estimate, left, env, log, args)
+        save(args.out, result)  # what was measured comes back even if the call is cut off
     result["total_s"] = round(time.time() - start, 1)
     return result
+
+
+def run_step(name, step_args, estimate, left, env, log, args) -> dict:
+    """One step in its own process, or why it did not run."""
+    model = step_args[step_args.index("--model") + 1] if "--model" in step_args else None
+    if model and model_path(model) is None:
+        return {"skipped": f"the model {model} has not come"}
+    if estimate > left and not args.dry_run:
+        return {"skipped": f"needs about {estimate} s, {left:.0f} s left"}
+    kind = name.split("_")[0] if name.startswith(("bench", "exact", "profile")) else name
+    cmd = [sys.executable, __file__, "--step", kind, *step_args]
+    t0 = time.time()
+    log.write(f"\n=== {name}: {' '.join(cmd[2:])}\n")
+    log.flush()
+    try:
+        proc = subprocess.run(cmd, env=env, capture_output=True, text=True,
+                              timeout=max(30.0, min(left, 3 * estimate)))
+        log.write(proc.stderr[-20000:])
+        entry = json.loads(proc.stdout) if proc.returncode == 0 else {
+            "error": f"exit status {proc.returncode}",
+            "stderr_tail": proc.stderr.strip().splitlines()[-8:]}
+    except subprocess.TimeoutExpired:
+        entry = {"error": "timed out"}
+    log.write(f"=== {name}: {time.time() - t0:.1f} s\n")
+    log.flush()
+    return {"s": round(time.time() - t0, 1), **entry}
+
+
+def save(out: Path, result: dict) -> None:
+    (out / "gpu_kit.json").write_text(json.dumps(result, indent=1))
 
 
 def main(argv=None):
@@ -430,7 +450,7 @@ def main(argv=None):
     args.out.mkdir(parents=True, exist_ok=True)
     with open(args.out / "gpu_kit.log", "a") as log:
         result = drive(args, log)
-    (args.out / "gpu_kit.json").write_text(json.dumps(result, indent=1))
+    save(args.out, result)
     print(json.dumps({k: v for k, v in result.items() if k != "steps"}, indent=1))
     for name, entry in result["steps"].items():
         print(f"{name}: {entry.get('s', '-')} s "
