@@ -5,9 +5,10 @@ working tree plus the paths a call carries. This script puts everything the run 
 .gpukit/ (ignored by git), cut into one folder per call:
 
 - llama-cpp-python: a wheel built with CUDA for the lent card (--wheel; `--build-wheel`
-  builds it here when a CUDA compiler is found, about 30 minutes on 2 cores and none of the
-  lease), or its source trimmed to what CMake needs (--sdist), which run.py then builds there
-  (about 5 minutes of the lease on 16 cores);
+  builds it here when a CUDA compiler and cuBLAS are found, about 40 minutes on 2 cores and
+  none of the lease), and/or its source trimmed to what CMake needs (--sdist, 4 MB), which
+  run.py builds there when no wheel came or the wheel does not load there (about 5 minutes
+  of the lease on 16 cores);
 - the wheels of the Python packages the device's image lacks (diskcache);
 - the models, each cut into parts that run.py joins and checks against their sha256.
 
@@ -47,7 +48,7 @@ CUDA_CMAKE_ARGS = ("-DGGML_CUDA=on -DCMAKE_CUDA_ARCHITECTURES=90 -DGGML_RPC=ON "
                    "-DGGML_BMI2=ON -DLLAVA_BUILD=OFF")
 # What llama.cpp's CMake build needs of the vendored tree (the rest: tests, models, docs, UI).
 SDIST_KEEP = ("CMakeLists.txt", "cmake/", "ggml/", "src/", "include/", "common/", "vendor/",
-              "licenses/", "LICENSE", "build-info.sh", "tools/CMakeLists.txt", "tools/mtmd/")
+              "licenses/", "LICENSE", "build-info.sh", "tools/CMakeLists.txt")
 SDIST_DROP = ("ggml/src/ggml-vulkan/", "ggml/src/ggml-sycl/", "ggml/src/ggml-cann/",
               "ggml/src/ggml-musa/", "ggml/src/ggml-opencl/", "ggml/src/ggml-webgpu/",
               "ggml/src/ggml-hexagon/", "ggml/src/ggml-zdnn/", "ggml/src/ggml-metal/",
@@ -83,7 +84,7 @@ def trimmed_sdist(sdist: Path, out: Path) -> Path:
                 rel = inner.removeprefix("vendor/llama.cpp/")
                 if not rel.startswith(SDIST_KEEP) or rel.startswith(SDIST_DROP):
                     continue
-            elif inner.startswith(("docs/", "examples/", "tests/", "docker/")):
+            elif inner.startswith((".git/", "docs/", "examples/", "tests/", "docker/")):
                 continue
             dst.addfile(member, src.extractfile(member) if member.isfile() else None)
     return target
@@ -173,17 +174,20 @@ def write_calls(calls: list[list[dict]], items: list[tuple[str, Path]]) -> dict:
 
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    source = parser.add_mutually_exclusive_group(required=True)
-    source.add_argument("--wheel", type=Path, help="a llama-cpp-python wheel built with CUDA")
-    source.add_argument("--sdist", type=Path, help="llama-cpp-python's source, built there")
-    source.add_argument("--build-wheel", action="store_true", help="build the wheel here")
-    source.add_argument("--dry-run", action="store_true",
+    parser.add_argument("--wheel", type=Path, help="a llama-cpp-python wheel built with CUDA")
+    parser.add_argument("--build-wheel", action="store_true", help="build the wheel here")
+    parser.add_argument("--sdist", type=Path,
+                        help="llama-cpp-python's source, built there (with a wheel too: only "
+                             "if the wheel does not load there)")
+    parser.add_argument("--dry-run", action="store_true",
                         help="for this CPU: the installed llama-cpp-python, no downloads")
     parser.add_argument("--models", default="smollm2,gemma3-270m")
     parser.add_argument("--limit-mib", type=float, default=None,
                         help=f"what one call carries, the tree included (default {LIMIT_MIB}; "
                              "with --dry-run the tree plus 40, so that a model is cut in parts)")
     args = parser.parse_args(argv)
+    if not (args.wheel or args.build_wheel or args.sdist or args.dry_run):
+        parser.error("give --wheel, --build-wheel or --sdist (or --dry-run)")
     if args.limit_mib is None:
         args.limit_mib = tree_mib() + 40 if args.dry_run else LIMIT_MIB
 
@@ -191,11 +195,9 @@ def main(argv=None):
     staging = KIT / "staging"
     staging.mkdir(parents=True)
     items: list[tuple[str, Path]] = []
-    if args.wheel:
-        items.append(("llama-wheel", args.wheel))
-    elif args.build_wheel:
-        items.append(("llama-wheel", build_wheel(staging)))
-    elif args.sdist:
+    if args.wheel or args.build_wheel:
+        items.append(("llama-wheel", args.wheel or build_wheel(staging)))
+    if args.sdist:
         items.append(("llama-sdist", trimmed_sdist(args.sdist, staging)))
     if not args.dry_run:
         items += [("wheel", w) for w in device_wheels(staging / "wheels")]

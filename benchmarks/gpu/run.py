@@ -114,33 +114,49 @@ def cuda_library_dirs() -> tuple[list[str], list[str]]:
 
 
 def install(manifest: dict, log) -> dict:
-    """llama-cpp-python, the missing packages and the C kernel, into SITE and the tree."""
+    """llama-cpp-python (the wheel; built from the source where no wheel came or it does not
+    load here), the missing packages and the C kernel, into SITE and the tree."""
     done = THERE / "installed.json"
     if done.exists():
         return json.loads(done.read_text())
     kinds = {item["kind"]: FILES / item["name"] for item in manifest["items"]}
-    wheels = [FILES / i["name"] for i in manifest["items"] if i["kind"] == "wheel"]
+    wheels = [str(FILES / i["name"]) for i in manifest["items"] if i["kind"] == "wheel"]
     info = {"started": time.time()}
-    if "llama-sdist" in kinds and "llama-wheel" not in kinds:
+    info["cuda_library_dirs"], info["cuda_libraries_missing"] = cuda_library_dirs()
+    pip = [sys.executable, "-m", "pip", "install", "--quiet", "--no-index", "--no-deps",
+           "--no-compile", "--upgrade", "--target", str(SITE)]
+    if wheels:
+        _run(pip + wheels, log)
+    loads = False
+    if "llama-wheel" in kinds:
+        _run(pip + [str(kinds["llama-wheel"])], log)
+        loads = llama_loads(info, log)
+        info["wheel_loads"] = loads
+    if not loads and "llama-sdist" in kinds:
         sys.path.insert(0, str(ROOT / "benchmarks" / "gpu"))
         from prepare import CUDA_CMAKE_ARGS
 
-        out = THERE / "built"
+        built = THERE / "built"
         env = dict(os.environ, CMAKE_ARGS=CUDA_CMAKE_ARGS,
                    CMAKE_BUILD_PARALLEL_LEVEL=str(os.cpu_count() or 8))
         _run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation",
-              "--no-cache-dir", "-w", str(out), str(kinds["llama-sdist"])], log, env=env)
-        kinds["llama-wheel"] = next(out.glob("llama_cpp_python-*.whl"))
+              "--no-cache-dir", "-w", str(built), str(kinds["llama-sdist"])], log, env=env)
+        _run(pip + [str(next(built.glob("llama_cpp_python-*.whl")))], log)
         info["built_s"] = round(time.time() - info["started"], 1)
-    if "llama-wheel" in kinds:
-        _run([sys.executable, "-m", "pip", "install", "--quiet", "--no-index", "--no-deps",
-              "--no-compile", "--target", str(SITE), str(kinds["llama-wheel"]), *map(str, wheels)],
-             log)
+        info["built_loads"] = llama_loads(info, log)
     _run([sys.executable, "setup.py", "--quiet", "build_ext", "--inplace"], log, cwd=ROOT)
-    info["cuda_library_dirs"], info["cuda_libraries_missing"] = cuda_library_dirs()
     info["install_s"] = round(time.time() - info["started"], 1)
     done.write_text(json.dumps(info))
     return info
+
+
+def llama_loads(info: dict, log) -> bool:
+    """Whether the installed llama.cpp loads and sees a GPU of this machine (fresh process)."""
+    proc = subprocess.run([sys.executable, "-c", "import sys\nfrom adaptive_llama.llama import "
+                           "rpc\nsys.exit(0 if rpc.local_gpus() else 3)"],
+                          env=step_env(info), capture_output=True, text=True, timeout=120)
+    log.write(f"llama_cpp loads: exit status {proc.returncode}\n{proc.stderr[-3000:]}\n")
+    return proc.returncode == 0
 
 
 def step_env(info: dict) -> dict:
@@ -419,8 +435,11 @@ def run_step(name, step_args, estimate, left, env, log, args) -> dict:
         entry = json.loads(proc.stdout) if proc.returncode == 0 else {
             "error": f"exit status {proc.returncode}",
             "stderr_tail": proc.stderr.strip().splitlines()[-8:]}
-    except subprocess.TimeoutExpired:
-        entry = {"error": "timed out"}
+    except subprocess.TimeoutExpired as exc:
+        tail = (exc.stderr or b"").decode(errors="replace") if isinstance(
+            exc.stderr, bytes) else exc.stderr or ""
+        log.write(tail[-20000:])
+        entry = {"error": "timed out", "stderr_tail": tail.strip().splitlines()[-8:]}
     log.write(f"=== {name}: {time.time() - t0:.1f} s\n")
     log.flush()
     return {"s": round(time.time() - t0, 1), **entry}
