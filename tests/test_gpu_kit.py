@@ -128,7 +128,8 @@ def test_cutting_keeps_every_byte_in_order(tmp_path):
 def test_ncu_csv_becomes_time_per_kernel_and_token():
     text = ('==PROF== Connected\n"ID","Process ID","Kernel Name","Metric Name","Metric Unit",'
             '"Metric Value"\n'
-            '"0","1","soft_max_f32<true, 0, 0>(const float *)","gpu__time_duration.sum","ns","3,000"\n'
+            '"0","1","void soft_max_f32<true, 0, 0>(const float *)","gpu__time_duration.sum","ns",'
+            '"3,000"\n'
             '"1","1","k_topk(int)","gpu__time_duration.sum","ns","1000"\n'
             '"2","1","soft_max_f32<true, 0, 0>(const float *)","gpu__time_duration.sum","ns","1000"\n')
     table = run.kernel_table(text, tokens=2)

@@ -132,8 +132,10 @@ def ggml():
     """ggml's functions from the libraries llama-cpp-python ships (the ones llama.cpp uses)."""
     import llama_cpp
 
+    # By their sonames, the files llama.cpp itself links: the unversioned names in the wheel
+    # are copies, which would load a second ggml.
     lib_dir = Path(llama_cpp.__file__).parent / "lib"
-    base = ctypes.CDLL(str(lib_dir / "libggml-base.so"))
+    base = ctypes.CDLL(str(lib_dir / "libggml-base.so.0"))
     api = type("GGML", (), {})()
     for name, (restype, argtypes) in _SIGNATURES.items():
         fn = getattr(base, name)
@@ -141,7 +143,7 @@ def ggml():
         setattr(api, name.removeprefix("ggml_"), fn)
     api.init.argtypes = [_InitParams]
     api.init_params = _InitParams
-    cpu = ctypes.CDLL(str(lib_dir / "libggml-cpu.so"))
+    cpu = ctypes.CDLL(str(lib_dir / "libggml-cpu.so.0"))
     api.graph_compute_with_ctx = cpu.ggml_graph_compute_with_ctx
     api.graph_compute_with_ctx.restype = _i
     api.graph_compute_with_ctx.argtypes = [_p, _p, _i]

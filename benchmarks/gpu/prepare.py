@@ -26,6 +26,7 @@ what CI runs to keep the kit working between lent sessions).
 from __future__ import annotations
 
 import argparse
+import base64
 import hashlib
 import json
 import os
@@ -33,6 +34,7 @@ import shutil
 import subprocess
 import sys
 import tarfile
+import zipfile
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -87,6 +89,36 @@ def trimmed_sdist(sdist: Path, out: Path) -> Path:
             elif inner.startswith((".git/", "docs/", "examples/", "tests/", "docker/")):
                 continue
             dst.addfile(member, src.extractfile(member) if member.isfile() else None)
+    return target
+
+
+def slim_wheel(wheel: Path, out: Path) -> Path:
+    """The wheel with what loading llama.cpp from Python needs only: the llama_cpp package,
+    libllama.so (what llama_cpp opens) and the libraries by their sonames (what the others
+    link, and what adaptive_llama opens). scikit-build-core's wheel holds every library six
+    times (two folders, three names; a 60 MB libggml-cuda for one GPU generation), plus
+    headers and libmtmd. RECORD is written anew."""
+    target = out / wheel.name
+    kept = []
+    with zipfile.ZipFile(wheel) as src, zipfile.ZipFile(target, "w", zipfile.ZIP_DEFLATED) as dst:
+        record = next(n for n in src.namelist() if n.endswith(".dist-info/RECORD"))
+        for name in src.namelist():
+            folder, _, file = name.rpartition("/")
+            if name == record:
+                continue
+            if folder == "llama_cpp/lib":
+                if not (file == "libllama.so" or (file.startswith("libggml")
+                                                  and file.endswith(".so.0"))):
+                    continue
+            elif not name.startswith(("llama_cpp/", record.rpartition("/")[0] + "/")):
+                continue
+            data = src.read(name)
+            info = src.getinfo(name)
+            info.compress_type = zipfile.ZIP_DEFLATED
+            dst.writestr(info, data)
+            digest = base64.urlsafe_b64encode(hashlib.sha256(data).digest()).rstrip(b"=")
+            kept.append(f"{name},sha256={digest.decode()},{len(data)}")
+        dst.writestr(record, "\n".join(kept + [f"{record},,"]) + "\n")
     return target
 
 
@@ -196,7 +228,7 @@ def main(argv=None):
     staging.mkdir(parents=True)
     items: list[tuple[str, Path]] = []
     if args.wheel or args.build_wheel:
-        items.append(("llama-wheel", args.wheel or build_wheel(staging)))
+        items.append(("llama-wheel", slim_wheel(args.wheel or build_wheel(staging), staging)))
     if args.sdist:
         items.append(("llama-sdist", trimmed_sdist(args.sdist, staging)))
     if not args.dry_run:

@@ -308,7 +308,8 @@ def run_profile(args) -> dict:
         for parallel in (1, args.parallel):
             code = PROFILED.format(path=path, spec=spec, tokens=args.tokens, parallel=parallel)
             proc = subprocess.run(
-                [str(ncu), "--profile-from-start", "off", "--metrics", "gpu__time_duration.sum",
+                [str(ncu), "--profile-from-start", "off", "--clock-control", "none",
+                 "--metrics", "gpu__time_duration.sum",
                  "--csv", "--print-units", "base", "--target-processes", "all",
                  sys.executable, "-c", code], capture_output=True, text=True, timeout=150)
             out[f"{name}_x{parallel}"] = kernel_table(proc.stdout, args.tokens * parallel)
@@ -337,7 +338,7 @@ def kernel_table(text: str, tokens: int) -> dict:
     for row in csv.DictReader(io.StringIO(lines)):
         if row.get("Metric Name") != "gpu__time_duration.sum":
             continue
-        name = row["Kernel Name"].split("(")[0].split("<")[0].strip()
+        name = row["Kernel Name"].removeprefix("void ").split("(")[0].split("<")[0].strip()
         entry = totals.setdefault(name, [0, 0.0])
         entry[0] += 1
         entry[1] += float(row["Metric Value"].replace(",", "")) / 1000.0  # ns -> us
