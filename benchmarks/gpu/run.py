@@ -305,7 +305,7 @@ def run_profile(args) -> dict:
     path = str(model_path(args.model))
     out = {}
     for name, spec in (("greedy", "greedy"), ("adaptive", "adaptive")):
-        for parallel in (1, args.parallel):
+        for parallel in sorted({1, args.parallel}):
             code = PROFILED.format(path=path, spec=spec, tokens=args.tokens, parallel=parallel)
             proc = subprocess.run(
                 [str(ncu), "--profile-from-start", "off", "--clock-control", "none",
