@@ -11,7 +11,7 @@ Rounds interleave the four, medians; ratios to greedy on the CPU chain of the sa
                                      [--parallel 8] [--model PATH] [--spec NAME=SPEC ...]
 
 On a CPU-only machine the graph runs on ggml's CPU backend: this measures what backend
-sampling costs there, not what it saves on a GPU (benchmarks/gpu.sh runs it on one).
+sampling costs there, not what it saves on a GPU (the GPU kit, benchmarks/gpu/, runs it on one).
 """
 
 from __future__ import annotations

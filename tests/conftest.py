@@ -1,7 +1,7 @@
 """Shared fixtures: the bundled SmolLM2-135M-Instruct, loaded once per session.
 
 ADAPTIVE_LLAMA_TEST_GPU_LAYERS=-1 offloads the test engines' layers to the GPU (a CUDA build
-of llama-cpp-python; benchmarks/gpu.sh sets it).
+of llama-cpp-python).
 """
 
 import os
