@@ -131,7 +131,8 @@ def test_ncu_csv_becomes_time_per_kernel_and_token():
             '"0","1","void soft_max_f32<true, 0, 0>(const float *)","gpu__time_duration.sum","ns",'
             '"3,000"\n'
             '"1","1","k_topk(int)","gpu__time_duration.sum","ns","1000"\n'
-            '"2","1","soft_max_f32<true, 0, 0>(const float *)","gpu__time_duration.sum","ns","1000"\n')
+            '"2","1","soft_max_f32<true, 0, 0>(const float *)","gpu__time_duration.sum","ns",'
+            '"1000"\n')
     table = run.kernel_table(text, tokens=2)
     assert table["kernels_per_token"] == 1.5 and table["gpu_us_per_token"] == 2.5
     assert table["by_kernel"][0] == {"kernel": "soft_max_f32", "launches_per_token": 1.0,
@@ -151,3 +152,37 @@ def test_importing_the_package_loads_llama_cpps_libraries_before_numpy():
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip() == "1"
+
+
+def test_a_slimmed_wheel_keeps_what_loading_needs_and_a_true_record(tmp_path):
+    import base64
+    import hashlib
+    import zipfile
+
+    names = ["llama_cpp/__init__.py", "llama_cpp/lib/libllama.so", "llama_cpp/lib/libllama.so.0",
+             "llama_cpp/lib/libggml.so", "llama_cpp/lib/libggml.so.0",
+             "llama_cpp/lib/libggml-cuda.so.0", "llama_cpp/lib/libggml-cuda.so.0.25.3",
+             "llama_cpp/lib/libmtmd.so.0", "lib/libllama.so", "include/llama.h",
+             "llama_cpp_python-0.3.36.dist-info/METADATA",
+             "llama_cpp_python-0.3.36.dist-info/RECORD"]
+    wheel = tmp_path / "in" / "llama_cpp_python-0.3.36-py3-none-linux_x86_64.whl"
+    wheel.parent.mkdir()
+    with zipfile.ZipFile(wheel, "w") as z:
+        for name in names:
+            z.writestr(name, f"contents of {name}")
+    out = tmp_path / "out"
+    out.mkdir()
+    slim = prepare.slim_wheel(wheel, out)
+    with zipfile.ZipFile(slim) as z:
+        kept = sorted(z.namelist())
+        record = z.read("llama_cpp_python-0.3.36.dist-info/RECORD").decode().splitlines()
+        data = {n: z.read(n) for n in kept}
+    assert kept == sorted(["llama_cpp/__init__.py", "llama_cpp/lib/libllama.so",
+                           "llama_cpp/lib/libggml.so.0", "llama_cpp/lib/libggml-cuda.so.0",
+                           "llama_cpp_python-0.3.36.dist-info/METADATA",
+                           "llama_cpp_python-0.3.36.dist-info/RECORD"])
+    for line in record[:-1]:
+        name, digest, size = line.split(",")
+        expected = base64.urlsafe_b64encode(hashlib.sha256(data[name]).digest()).rstrip(b"=")
+        assert digest == f"sha256={expected.decode()}" and int(size) == len(data[name])
+    assert record[-1] == "llama_cpp_python-0.3.36.dist-info/RECORD,," and len(record) == 6
