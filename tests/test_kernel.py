@@ -381,3 +381,24 @@ def test_permutation_leaves_k_unchanged(x, eps, seed):
     assume(not near_boundary(x, eps, rel=1e-6))
     perm = np.random.default_rng(seed).permutation(x.shape[0])
     assert adaptive_k(x[perm], eps) == adaptive_k(x, eps)
+
+
+def test_k_from_dconf_counts_only_values_strictly_above_epsilon():
+    from adaptive_llama.kernel import k_from_dconf
+
+    assert k_from_dconf([0.5, 0.1, 0.1], 0.1) == 1  # equal to epsilon is not above it
+    assert k_from_dconf([0.5, 0.1, 0.1000001], 0.1) == 3
+    assert k_from_dconf([0.05, 0.5, 0.01], 0.1) == 2  # the last above, not the first
+    assert k_from_dconf([0.01, 0.02], 0.1) == 1  # none above: the most likely token
+
+
+def test_dconf_of_head_with_the_tail_is_the_full_formula():
+    from adaptive_llama.kernel import dconf_of_head
+
+    rng = np.random.default_rng(9)
+    x = rng.normal(0, 2, 3000)
+    p = np.sort(np.exp(x - x.max()) / np.exp(x - x.max()).sum())[::-1]
+    full = dconf_reference(x)
+    for K in (1, 10, 400, 3000):
+        np.testing.assert_allclose(dconf_of_head(p[:K], p[K:][::-1].sum(), 3000), full[:K],
+                                   rtol=1e-9, atol=1e-15)
