@@ -33,6 +33,8 @@ SPECS = {"greedy": "greedy", "adaptive": "adaptive:eps=0.0005"}
 
 def engines(path, args) -> dict[str, Engine]:
     common = dict(n_ctx=1024, n_gpu_layers=args.n_gpu_layers, parallel=args.parallel)
+    if args.threads:
+        common["threads"] = args.threads
     return {"cpu_chain": Engine(path, **common),
             "in_graph": Engine(path, backend_sampling=True, **common)}
 
@@ -90,6 +92,8 @@ def main():
     parser.add_argument("--parallel", type=int, default=1)
     parser.add_argument("--model", default=None,
                         help="a GGUF path or bundled name (default: smollm2 and gemma3-270m)")
+    parser.add_argument("--threads", type=int, default=None,
+                        help="llama.cpp's threads (default: the engine's)")
     parser.add_argument("--spec", action="append", metavar="NAME=SPEC",
                         help="the samplers to time, one per option; greedy must be among "
                              "them (default: greedy and adaptive:eps=0.0005)")
@@ -100,7 +104,7 @@ def main():
     results = {}
     for path in paths:
         results[Path(path).name] = measure(path, args)
-    print(json.dumps({"benchmark": "graph", "machine": platform.machine(),
+    print(json.dumps({"benchmark": "graph", "machine": platform.machine(), "threads": args.threads,
                       "n_gpu_layers": args.n_gpu_layers, "rounds": args.rounds,
                       "tokens": args.tokens, "results": results}, indent=2))
 

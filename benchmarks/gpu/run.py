@@ -246,7 +246,8 @@ def run_bench(args) -> dict:
     path = model_path(args.model)
     cmd = [sys.executable, str(ROOT / "benchmarks" / "bench_graph.py"), "--model", str(path),
            "--n-gpu-layers", "-1", "--rounds", str(args.rounds), "--tokens", str(args.tokens),
-           "--parallel", str(args.parallel)]
+           "--parallel", str(args.parallel)] + (["--threads", str(args.threads)]
+                                                  if args.threads else [])
     for name, spec in SPECS.items():
         cmd += ["--spec", f"{name}={spec}"]
     proc = subprocess.run(cmd, capture_output=True, text=True, check=True)
@@ -392,7 +393,13 @@ def plan(dry_run: bool) -> list[tuple[str, list[str], float]]:
                                       "--parallel", parallel], bench_s),
                   (f"exact_{model}", ["--model", model, "--tokens", few,
                                       "--parallel", parallel], exact_s)]
-    steps += [("huge_context", ["--timeout", "40"], 10),
+    # On the H200 adaptive's host work at V 262,144 took twice what it takes on a 2-core
+    # CPU: llama.cpp's CPU threads (one per core, spinning between graphs while the GPU does
+    # the work) may be taking the cores from it. Two threads, one sequence:
+    steps += [("bench_gemma3-270m_threads2", ["--model", "gemma3-270m", "--tokens", tokens,
+                                              "--rounds", rounds, "--parallel", "1",
+                                              "--threads", "2"], 40),
+              ("huge_context", ["--timeout", "40"], 10),
               ("profile_smollm2", ["--model", "smollm2", "--tokens", "4", "--timeout",
                                    "30" if dry_run else "100"], 200)]
     return steps
@@ -473,6 +480,7 @@ def main(argv=None):
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--parallel", type=int, default=8)
     parser.add_argument("--timeout", type=float, default=40.0)
+    parser.add_argument("--threads", type=int, default=None)
     args = parser.parse_args(argv)
     if args.step:
         print(json.dumps(STEPS[args.step](args)))
