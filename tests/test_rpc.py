@@ -422,7 +422,7 @@ def test_worker_device_names():
 def test_worker_stops_cleanly_on_ctrl_c(own_worker):
     endpoint, proc = own_worker
     proc.send_signal(signal.SIGINT)
-    out, err = proc.communicate(timeout=10)
+    out, err = proc.communicate(timeout=30)  # seconds on a quiet machine; CI may be busy
     assert proc.returncode == 0
     assert f"RPC worker on {endpoint} serving CPU" in err and "RPC worker stopped." in err
 
