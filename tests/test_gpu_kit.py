@@ -186,3 +186,13 @@ def test_a_slimmed_wheel_keeps_what_loading_needs_and_a_true_record(tmp_path):
         expected = base64.urlsafe_b64encode(hashlib.sha256(data[name]).digest()).rstrip(b"=")
         assert digest == f"sha256={expected.decode()}" and int(size) == len(data[name])
     assert record[-1] == "llama_cpp_python-0.3.36.dist-info/RECORD,," and len(record) == 6
+
+
+def test_a_toolkit_without_cublas_or_libcuda_is_named_before_a_long_build(tmp_path):
+    (tmp_path / "include").mkdir()
+    (tmp_path / "lib64" / "stubs").mkdir(parents=True)
+    assert prepare.missing_cuda_parts(tmp_path) == ["cublas_v2.h", "libcublas.so", "libcuda.so"]
+    (tmp_path / "include" / "cublas_v2.h").touch()
+    (tmp_path / "lib64" / "libcublas.so").touch()
+    (tmp_path / "lib64" / "stubs" / "libcuda.so").touch()
+    assert prepare.missing_cuda_parts(tmp_path) == []

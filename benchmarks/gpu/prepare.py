@@ -127,12 +127,25 @@ def build_wheel(out: Path) -> Path:
     and libraries; no GPU)."""
     if not shutil.which("nvcc"):
         sys.exit("--build-wheel needs a CUDA compiler (nvcc): give --wheel or --sdist instead")
+    missing = missing_cuda_parts(Path(os.path.realpath(shutil.which("nvcc"))).parents[1])
+    if missing:
+        sys.exit(f"--build-wheel: the CUDA toolkit here lacks {', '.join(missing)} "
+                 "(docs/gpu.md, 'The GPU kit', says where to get them)")
     version = _llama_version()
     env = dict(os.environ, CMAKE_ARGS=CUDA_CMAKE_ARGS,
                CMAKE_BUILD_PARALLEL_LEVEL=str(os.cpu_count() or 2))
     subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-cache-dir",
                     "-w", str(out), f"llama-cpp-python=={version}"], env=env, check=True)
     return next(out.glob(f"llama_cpp_python-{version}-*.whl"))
+
+
+def missing_cuda_parts(toolkit: Path) -> list[str]:
+    """What llama.cpp's CUDA build links that a toolkit without a GPU driver may lack:
+    cuBLAS (headers and library) and the driver's libcuda (a stub does for linking)."""
+    libs = [toolkit / folder for folder in ("lib64", "lib", "lib64/stubs", "lib/stubs")]
+    wanted = {"cublas_v2.h": [toolkit / "include"], "libcublas.so": libs, "libcuda.so": libs}
+    return [name for name, folders in wanted.items()
+            if not any((folder / name).exists() for folder in folders)]
 
 
 def _llama_version() -> str:
