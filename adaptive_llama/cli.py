@@ -11,6 +11,7 @@ import functools
 import ipaddress
 import json
 import os
+import signal
 import socket
 import sys
 from pathlib import Path
@@ -664,6 +665,11 @@ def rpc_worker(host, port, threads, device, cache_dir, allow_remote):
     devices = rpc.worker_devices(device)
     if cache_dir is not None:
         _writable_folder(cache_dir, "--cache")
+    # Ctrl-C (and kill -INT) has to stop the worker even when it was started with SIGINT
+    # ignored or blocked, as a background job of a script inherits it (Python keeps both);
+    # before the server's thread starts, which takes the main thread's mask.
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
     thread = rpc.serve_worker(address, port, threads or default_threads(), devices, cache_dir)
     reach = f"{'THIS-MACHINE' if address == '0.0.0.0' else address}:{port}"
     click.echo(f"RPC worker on {address}:{port} serving {rpc.describe(devices)}; the host "

@@ -31,11 +31,11 @@ SMOLLM2_LAYERS = 30
 LONG_STORY = "Write a very long story about a dragon, in many chapters."
 
 
-def start_worker(port: int, *options: str) -> subprocess.Popen:
+def start_worker(port: int, *options: str, started_with=None) -> subprocess.Popen:
     """An `adaptive-llama rpc-worker` on 127.0.0.1:port, returned once it answers."""
     proc = subprocess.Popen([*CLI, "rpc-worker", "--port", str(port), "--threads", "1",
                              *options], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True)
+                            text=True, preexec_fn=started_with)
     deadline = time.monotonic() + 30
     while time.monotonic() < deadline:
         try:
@@ -419,10 +419,32 @@ def test_worker_device_names():
     assert "CPU (" in rpc.describe(cpu) and "GiB)" in rpc.describe(cpu)
 
 
-def test_worker_stops_cleanly_on_ctrl_c(own_worker):
-    endpoint, proc = own_worker
+def signal_masks(pid: int) -> str:
+    """The blocked, ignored and caught signals of a process, as the kernel reports them."""
+    status = Path(f"/proc/{pid}/status").read_text().splitlines()
+    return " ".join(line for line in status if line.startswith(("SigBlk", "SigIgn", "SigCgt")))
+
+
+def ignore_sigint():
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # a background job of a script
+
+
+def block_sigint():
+    signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+
+
+@pytest.mark.parametrize("started_with", [None, ignore_sigint, block_sigint])
+def test_worker_stops_cleanly_on_ctrl_c(started_with):
+    port = free_port()
+    proc = start_worker(port, started_with=started_with)
+    endpoint = f"127.0.0.1:{port}"
+    masks = signal_masks(proc.pid)
     proc.send_signal(signal.SIGINT)
-    out, err = proc.communicate(timeout=30)  # seconds on a quiet machine; CI may be busy
+    try:
+        out, err = proc.communicate(timeout=30)  # seconds on a quiet machine; CI may be busy
+    except subprocess.TimeoutExpired:
+        stop(proc)
+        pytest.fail(f"the worker did not stop on SIGINT ({masks})")
     assert proc.returncode == 0
     assert f"RPC worker on {endpoint} serving CPU" in err and "RPC worker stopped." in err
 
