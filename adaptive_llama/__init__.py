@@ -23,16 +23,14 @@ def _preload_llama_cpp() -> None:
     importing llama_cpp or numpy: every entry point (the command line, the server, a program
     that imports adaptive_llama first) starts in the order that works. A library that is
     missing or does not load is left to ``import llama_cpp`` to report in its own words."""
-    override = os.environ.get("LLAMA_CPP_LIB_PATH")  # read by llama_cpp the same way
-    spec = None if override else importlib.util.find_spec("llama_cpp")
-    if override:
-        path = Path(override) / "libllama.so"
-    elif spec is not None and spec.submodule_search_locations:
-        path = Path(spec.submodule_search_locations[0]) / "lib" / "libllama.so"
-    else:
-        return
+    folder = os.environ.get("LLAMA_CPP_LIB_PATH")  # read by llama_cpp the same way
+    if not folder:
+        spec = importlib.util.find_spec("llama_cpp")
+        if spec is None or not spec.submodule_search_locations:
+            return
+        folder = Path(spec.submodule_search_locations[0]) / "lib"
     try:
-        ctypes.CDLL(str(path))
+        ctypes.CDLL(str(Path(folder) / "libllama.so"))
     except OSError:
         pass
 

@@ -175,9 +175,9 @@ def build(ctx, logits, candidates, epsilon: float, uniform: bool, consts, temp: 
     of those entries, or None when they are the whole vocabulary in order; ``consts``: an F32
     tensor of 3K entries holding :func:`constants` (K from :func:`n_candidates`); ``temp``:
     the temperature, the softmax's scale 1/temp (the order of the logits does not change).
-    Returns K
-    entries: log p (0 in ``uniform`` mode) for the kept tokens, -inf for the others, their
-    ids, and the K probabilities and tail mass T that decided (for the self-check).
+    Returns K entries: log p (0 in ``uniform`` mode) for the kept tokens, -inf for the
+    others, their ids, and the K probabilities and tail mass T that decided (for the
+    self-check).
     """
     g = ggml()
     V = g.nelements(logits)
@@ -242,13 +242,10 @@ class _Graph:
         ggml().free(self.ctx)
 
 
-def _const_tensor(g, ctx, V: int, epsilon: float, fill: bool):
-    """The :func:`constants` as a tensor of ``ctx`` (filled when ``ctx`` has memory)."""
+def _const_tensor(g, ctx, V: int, epsilon: float):
+    """A tensor of ``ctx`` for the :func:`constants` of a row of V, and those values."""
     values = constants(V, n_candidates(V, epsilon), epsilon)
-    tensor = g.new_tensor_1d(ctx, GGML_TYPE_F32, values.size)
-    if fill:
-        ctypes.memmove(g.get_data(tensor), values.ctypes.data, values.nbytes)
-    return tensor
+    return g.new_tensor_1d(ctx, GGML_TYPE_F32, values.size), values
 
 
 def _array(g, tensor, ctype, n):
@@ -268,7 +265,8 @@ def evaluate(logits, epsilon: float, uniform: bool = False, threads: int = 1,
     with _Graph(64 * 4 * x.size + (1 << 20), alloc=True) as graph:
         row = g.new_tensor_1d(graph.ctx, GGML_TYPE_F32, x.size)
         ctypes.memmove(g.get_data(row), x.ctypes.data, x.nbytes)
-        consts = _const_tensor(g, graph.ctx, x.size, epsilon, fill=True)
+        consts, values = _const_tensor(g, graph.ctx, x.size, epsilon)
+        ctypes.memmove(g.get_data(consts), values.ctypes.data, values.nbytes)
         out, ids, _ = build(graph.ctx, row, None, epsilon, uniform, consts, temp)
         for tensor in (out, ids):
             g.build_forward_expand(graph.gf, tensor)
@@ -284,7 +282,7 @@ def graph_ops(epsilon: float, uniform: bool, n_vocab: int = PROBE_VOCAB) -> list
     g = ggml()
     with _Graph(0, alloc=False) as graph:
         logits = g.new_tensor_1d(graph.ctx, GGML_TYPE_F32, n_vocab)
-        consts = _const_tensor(g, graph.ctx, n_vocab, epsilon, fill=False)
+        consts = _const_tensor(g, graph.ctx, n_vocab, epsilon)[0]
         for tensor in build(graph.ctx, logits, None, epsilon, uniform, consts)[:2]:
             g.build_forward_expand(graph.gf, tensor)
         names = [g.op_desc(g.graph_node(graph.gf, i)).decode()
@@ -298,7 +296,7 @@ def unsupported_op(device, epsilon: float, uniform: bool) -> str | None:
     with _Graph(0, alloc=False) as graph:
         logits = g.new_tensor_1d(graph.ctx, GGML_TYPE_F32, PROBE_VOCAB)
         candidates = g.new_tensor_1d(graph.ctx, GGML_TYPE_I32, PROBE_VOCAB)
-        consts = _const_tensor(g, graph.ctx, PROBE_VOCAB, epsilon, fill=False)
+        consts = _const_tensor(g, graph.ctx, PROBE_VOCAB, epsilon)[0]
         for tensor in build(graph.ctx, logits, candidates, epsilon, uniform, consts)[:2]:
             g.build_forward_expand(graph.gf, tensor)
         for i in range(g.graph_n_nodes(graph.gf)):
@@ -329,9 +327,8 @@ class _InGraph:
     def constants_on_device(self, V: int):
         if V not in self.consts:
             g = ggml()
-            values = constants(V, n_candidates(V, self.epsilon), self.epsilon)
             ctx = g.init(g.init_params(4 * g.tensor_overhead(), None, True))
-            tensor = g.new_tensor_1d(ctx, GGML_TYPE_F32, values.size)
+            tensor, values = _const_tensor(g, ctx, V, self.epsilon)
             buffer = g.backend_alloc_ctx_tensors_from_buft(ctx, self.buft)
             if not buffer:
                 g.free(ctx)

@@ -247,7 +247,7 @@ def main(argv=None):
     if not args.dry_run:
         items += [("wheel", w) for w in device_wheels(staging / "wheels")]
     models = [m for m in args.models.split(",") if m]
-    items += [("model", path) for path in model_files(models)]
+    items += [(f"model:{name}", path) for name, path in zip(models, model_files(models))]
 
     per_call = int((args.limit_mib - tree_mib() - MARGIN_MIB) * 2**20)
     if per_call < 2**20:

@@ -53,8 +53,6 @@ SITE = THERE / "site"
 PROMPTS = ["The history of the river Thames begins", "Once upon a time, in a small village,",
            "The three laws of thermodynamics say that", "Here is a recipe for bread:"]
 CUDA_LIBS = ("libcudart.so.13", "libcublas.so.13", "libcublasLt.so.13", "libcuda.so.1")
-MODEL_FILES = {"smollm2": "SmolLM2-135M-Instruct.Q4_1.gguf",
-               "gemma3-270m": "gemma-3-270m-q4_k_m.gguf"}
 # llama.cpp's own samplers beside adaptive, to share out its cost in the graph (no profiler
 # needed): min-p is a softmax over V and a threshold; top-k 201 one top-k over V for as many
 # candidates as adaptive's default (K = floor(1/0.005) + 1); adaptive adds its K-sized work.
@@ -183,8 +181,11 @@ def _run(cmd, log, **kwargs):
 # ---- the steps (each runs in a process of its own: python3 run.py --step NAME ...) ----
 
 def model_path(name: str) -> Path | None:
-    path = FILES / MODEL_FILES[name]
-    return path if path.exists() else None
+    """The bundled model ``name`` (prepare.py's kind "model:NAME") once it has all come."""
+    manifest = THERE / "manifest.json"
+    items = json.loads(manifest.read_text())["items"] if manifest.exists() else []
+    path = next((FILES / i["name"] for i in items if i["kind"] == f"model:{name}"), None)
+    return path if path is not None and path.exists() else None
 
 
 def run_device(args) -> dict:
