@@ -58,7 +58,7 @@ CONFIG_PARAMS = {"sampler": "sampler", "system": "system", "ctx": "n_ctx",
                  "n_gpu_layers": "n_gpu_layers", "threads": "threads",
                  "backend_sampling": "backend_sampling", "markdown": "markdown",
                  "wordwrap": "wordwrap", "chat_template": "chat_template", "rpc": "rpc",
-                 "tensor_split": "tensor_split"}
+                 "tensor_split": "tensor_split", "draft": "draft", "draft_max": "draft_max"}
 GIVEN = (ParameterSource.COMMANDLINE, ParameterSource.ENVIRONMENT)
 
 
@@ -157,6 +157,12 @@ def model_options(fn):
                      default=300, show_default=True, metavar="SECONDS",
                      help="Longest decode step with --rpc workers before giving them up "
                      "(a frozen machine would stall the reply for ever)."),
+        click.option("--draft", default=None, metavar="ngram|MODEL",
+                     help="Speculative decoding: drafts from the conversation itself (ngram) "
+                     "or from a smaller model with the same tokenizer; the same replies, "
+                     "faster where drafts are kept (docs/performance.md)."),
+        click.option("--draft-max", type=click.IntRange(1, 511), default=16,
+                     show_default=True, help="Tokens drafted per step at most."),
         click.option("--verbose", is_flag=True, help="Show llama.cpp's own log."),
     ]):
         fn = option(fn)
@@ -177,7 +183,7 @@ def template_source(chat_template: str | None) -> str | None:
 
 def load_engine(model, n_gpu_layers, n_ctx, threads, seed, verbose, backend_sampling,
                 show_progress=False, parallel=1, sampler=None, chat_template=None, rpc=None,
-                tensor_split=None, rpc_timeout=300.0):
+                tensor_split=None, rpc_timeout=300.0, draft=None, draft_max=16):
     """The Engine; with ``sampler``, also one that engine can run (or a one-line exit);
     ``chat_template``: the source of one in place of the model's own; ``rpc``: workers."""
     from .runtime.engine import Engine  # llama.cpp loads only for commands that need it
@@ -195,7 +201,7 @@ def load_engine(model, n_gpu_layers, n_ctx, threads, seed, verbose, backend_samp
                     parallel=parallel, seed=seed, verbose=verbose,
                     backend_sampling=backend_sampling,
                     chat_template=chat_template, rpc=rpc, tensor_split=tensor_split,
-                    rpc_timeout=rpc_timeout)
+                    rpc_timeout=rpc_timeout, draft=draft, draft_max=draft_max)
     if sampler is not None:
         try:
             engine.check_sampler(sampler)
@@ -283,7 +289,7 @@ def _with_temperature(sampler, temperature: float | None):
 @configured
 def generate(model, prompt, sampler, temperature, max_tokens, chat, stop, as_json,
              n_gpu_layers, n_ctx, threads, seed, backend_sampling, chat_template, rpc,
-             tensor_split, rpc_timeout, verbose):
+             tensor_split, rpc_timeout, draft, draft_max, verbose):
     """Generate a continuation (or, with --chat, a reply) of a prompt, with MODEL (default:
     the bundled SmolLM2-135M-Instruct)."""
     sampler = _with_temperature(sampler, temperature)
@@ -292,7 +298,8 @@ def generate(model, prompt, sampler, temperature, max_tokens, chat, stop, as_jso
         prompt = sys.stdin.buffer.read().decode("utf-8", "replace")
     engine = load_engine(model, n_gpu_layers, n_ctx, threads, seed, verbose, backend_sampling,
                          sampler=sampler, chat_template=template_source(chat_template),
-                         rpc=rpc, tensor_split=tensor_split, rpc_timeout=rpc_timeout)
+                         rpc=rpc, tensor_split=tensor_split, rpc_timeout=rpc_timeout,
+                         draft=draft, draft_max=draft_max)
     stream = engine.stream(engine.prompt_tokens(prompt, chat=chat), sampler=sampler,
                            max_tokens=max_tokens, stop=list(stop))
     try:
@@ -329,7 +336,7 @@ def generate(model, prompt, sampler, temperature, max_tokens, chat, stop, as_jso
 @configured
 def run(model, sampler, temperature, system, max_tokens, resume, no_save, markdown, wordwrap,
         n_gpu_layers, n_ctx, threads, seed, backend_sampling, chat_template, rpc, tensor_split,
-        rpc_timeout, verbose):
+        rpc_timeout, draft, draft_max, verbose):
     """Chat with MODEL (default: the bundled SmolLM2-135M-Instruct). /help inside.
 
     Each chat is saved as it goes, in $XDG_STATE_HOME/adaptive-llama/chats (a reply cut off
@@ -358,7 +365,8 @@ def run(model, sampler, temperature, system, max_tokens, resume, no_save, markdo
     engine = load_engine(model, n_gpu_layers, n_ctx, threads, None, verbose,
                          backend_sampling, show_progress=interactive, sampler=sampler,
                          chat_template=template_source(chat_template), rpc=rpc,
-                         tensor_split=tensor_split, rpc_timeout=rpc_timeout)
+                         tensor_split=tensor_split, rpc_timeout=rpc_timeout, draft=draft,
+                         draft_max=draft_max)
     if not engine.has_chat_template:
         fail(f"{engine.name} is a base model (no chat template in its GGUF), so it cannot "
              f"chat; continue text with it instead (adaptive-llama generate {model} "
@@ -573,7 +581,7 @@ def _free_port(host: str, port: int) -> int:
 def serve(models, more_models, max_loaded, keep_alive, host, port, allow_remote, api_key,
           allow_origins, allow_hosts, sampler, max_queue, max_body, read_timeout, parallel,
           embedding_model, n_gpu_layers, n_ctx, threads, seed, backend_sampling,
-          chat_template, rpc, tensor_split, rpc_timeout, verbose):
+          chat_template, rpc, tensor_split, rpc_timeout, draft, draft_max, verbose):
     """Serve one or several models over the OpenAI and Ollama APIs (/v1/chat/completions,
     /api/chat, ...); the first loads now, the others on their first request."""
     try:
@@ -601,7 +609,8 @@ def serve(models, more_models, max_loaded, keep_alive, host, port, allow_remote,
     port = _free_port(host, port)
     options = dict(sampler=sampler, n_gpu_layers=n_gpu_layers, n_ctx=n_ctx, threads=threads,
                    backend_sampling=backend_sampling, chat_template=chat_template, rpc=rpc,
-                   tensor_split=tensor_split, rpc_timeout=rpc_timeout)
+                   tensor_split=tensor_split, rpc_timeout=rpc_timeout, draft=draft,
+                   draft_max=draft_max)
     served = [_served(argument, options, parallel=parallel, seed=seed, verbose=verbose)
               for argument in (*models, *more_models) or _configured_models()]
     _warn_misspelt_tables()
@@ -725,7 +734,8 @@ def _served(argument: str | None, options: dict, *, parallel: int, seed: int | N
                            parallel=parallel, sampler=settings["sampler"],
                            chat_template=template, rpc=settings["rpc"],
                            tensor_split=settings["tensor_split"],
-                           rpc_timeout=options["rpc_timeout"])
+                           rpc_timeout=options["rpc_timeout"], draft=settings["draft"],
+                           draft_max=settings["draft_max"])
 
     return ServedModel(name or served_name(model or "", path), path, load, settings["sampler"],
                        template)

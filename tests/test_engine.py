@@ -8,7 +8,7 @@ import pytest
 
 from adaptive_llama import Chat, ContextOverflow, Engine, ModelError
 from adaptive_llama.runtime import batching as decoder
-from adaptive_llama.runtime.batching import _shared_prefix
+from adaptive_llama.runtime.drafting import shared_prefix
 from adaptive_llama.runtime.request import InvalidArgument
 from adaptive_llama.samplers import SpecError
 
@@ -434,7 +434,7 @@ def test_shared_prefix_counts_the_tokens_two_lists_begin_with():
         a = [rng.randrange(3) for _ in range(rng.randrange(12))]
         b = a[:rng.randrange(len(a) + 1)] + [rng.randrange(3) for _ in range(rng.randrange(5))]
         naive = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
-        assert _shared_prefix(a, b) == _shared_prefix(b, a) == naive
+        assert shared_prefix(a, b) == shared_prefix(b, a) == naive
 
 
 def test_streams_of_one_engine_share_its_steps(batched):

@@ -39,6 +39,7 @@ import llama_cpp
 import numpy as np
 
 from ..llama.chain import SamplerChain
+from .drafting import DraftLength, RowCost, shared_prefix
 from .request import Request
 from .threads import ThreadTuner
 from .vocab import Vocab
@@ -91,6 +92,9 @@ class GenerationResult:
     prompt_eval_s: float = 0.0
     time_to_first_token_s: float = 0.0
     decode_s: float = 0.0
+    drafter: str = ""             # speculation: "ngram" or the draft model's file, else ""
+    draft_tokens: int = 0         # drafted tokens the sampler checked (not those after the end)
+    draft_accepted: int = 0       # of them, those it chose too
 
     @property
     def decode_tokens_per_s(self) -> float:
@@ -116,6 +120,11 @@ class GenerationResult:
                        stdev_k=round(statistics.pstdev(ks), 3),
                        median_k=statistics.median_low(ks), max_k=ks[-1],
                        mean_conf=round(statistics.fmean(confs), 4) if confs else None)
+        if self.drafter:
+            out.update(drafter=self.drafter, draft_tokens=self.draft_tokens,
+                       draft_accepted=self.draft_accepted,
+                       draft_acceptance=round(self.draft_accepted / self.draft_tokens, 3)
+                       if self.draft_tokens else None)
         return out
 
     def as_dict(self) -> dict:
@@ -144,6 +153,8 @@ class Generation:
         self.next_token: int | None = None  # sampled, to be decoded in the next step
         self._utf8 = codecs.getincrementaldecoder("utf-8")(errors="replace")
         self._held = ""                     # text that could still begin a stop string
+        self.draft_state = None             # the drafter's view of its tokens (speculation)
+        self.draft_length: DraftLength | None = None
         self._submitted = time.perf_counter()
         self._decode_start: float | None = None
 
@@ -170,7 +181,7 @@ class Slot:
 
     def reusable(self, prompt: list[int]) -> int:
         """How many of ``prompt``'s first tokens this slot's cache can keep."""
-        return _keepable(min(_shared_prefix(self.tokens, prompt), self.canonical), prompt)
+        return _keepable(min(shared_prefix(self.tokens, prompt), self.canonical), prompt)
 
 
 class Decoder:
@@ -200,6 +211,9 @@ class Decoder:
         self.watchdog = contextlib.nullcontext()  # around each step (RPC workers: a Watchdog)
         self._steps = 0
         self._joins = 0
+        self.drafter = None  # a drafter of adaptive_llama.runtime.drafting: speculation
+        self.draft_max = 0
+        self.row_cost = RowCost()
 
     def close(self) -> None:
         for generation in list(self.live):
@@ -229,6 +243,10 @@ class Decoder:
             generation.chain.attach(self._ctx, slot.index)
         generation.todo = self._reuse(slot, prompt)
         generation.slot, slot.generation = slot, generation
+        if self.drafter is not None:
+            generation.draft_state = self.drafter.start(slot.index, prompt)
+            generation.result.drafter = self.drafter.name
+            generation.draft_length = DraftLength(self.draft_max)
         # live stays in slot order: step() lists the batch in this order
         bisect.insort(self.live, generation, key=lambda g: g.slot.index)
 
@@ -279,7 +297,7 @@ class Decoder:
         it would save ``share_from`` tokens, and the sibling is further along it (or as far,
         in a lower slot: a strict order, so someone always goes)."""
         prompt = generation.prompt_tokens
-        shared = _keepable(_shared_prefix(sibling.prompt_tokens, prompt), prompt)
+        shared = _keepable(shared_prefix(sibling.prompt_tokens, prompt), prompt)
         mine, theirs = len(generation.slot.tokens), len(sibling.slot.tokens)
         if shared - mine < self.share_from:
             return False
@@ -343,20 +361,82 @@ class Decoder:
             self._evaluate_prompts(max(CHUNK, self.n_batch - len(generating)))
             if not generating:
                 return
-            for i, generation in enumerate(generating):
-                self._put(i, generation.next_token, generation.slot, 0, True)
-            self._batch.n_tokens = len(generating)
+            drafts = self._drafts(generating)
+            firsts, rows = [], 0
+            for generation, draft in zip(generating, drafts):
+                firsts.append(rows)
+                for j, token in enumerate([generation.next_token, *draft]):
+                    self._put(rows + j, token, generation.slot, j, True)
+                rows += 1 + len(draft)
+            self._batch.n_tokens = rows
+            started = time.perf_counter()
             self._decode()
+            if self.drafter is not None:
+                self.row_cost.observe(time.perf_counter() - started, len(generating),
+                                      rows - len(generating))
             for generation in generating:  # the token it fed is in its cache now
                 generation.slot.tokens.append(generation.next_token)
                 generation.next_token = None
-            self._sample([(g, i) for i, g in enumerate(generating)])
+            if self.drafter is None:
+                self._sample([(g, i) for i, g in enumerate(generating)])
+            else:
+                self._verify(generating, drafts, firsts)
         except BaseException:
             # A Ctrl-C or an error mid-step: what the KV cells hold is no longer known.
             for generation in list(self.live):
                 self._forget(generation.slot)
                 self._finish(generation, "interrupted")
             raise
+
+    # ---- speculation (adaptive_llama.runtime.drafting) ----
+
+    def _drafts(self, generating: list[Generation]) -> list[list[int]]:
+        """Each generating sequence's draft for this step (none without a drafter), within
+        the batch, the context window and the tokens the request may still make."""
+        if self.drafter is None:
+            return [[] for _ in generating]
+        cost = self.row_cost.ratio(self.drafter.draft_s)
+        room = self.n_batch - len(generating)
+        wants = []
+        for generation in generating:
+            left = min(generation.request.max_tokens - generation.result.completion_tokens,
+                       self.n_ctx_seq - len(generation.slot.tokens)) - 2
+            n = max(0, min(generation.draft_length.next_length(cost), left, room))
+            room -= n
+            wants.append((generation.slot.index, generation.draft_state, n))
+        return self.drafter.draft(wants)
+
+    def _verify(self, generating: list[Generation], drafts: list[list[int]],
+                firsts: list[int]) -> None:
+        """Sample each sequence's chain at its rows in turn: a drafted token is kept while it
+        equals the chain's choice, and the first choice that differs ends its round (it is
+        fed in the next step). The cells of the drafts not kept leave the cache."""
+        self.tuner.observe()
+        decoded = time.perf_counter()
+        kept = [0] * len(generating)     # drafted tokens the chain chose too
+        checked = [0] * len(generating)  # drafted tokens compared (not those after the end)
+        pending = list(range(len(generating)))
+        while pending:
+            wants = [(generating[i], firsts[i] + kept[i]) for i in pending]
+            still = []
+            for i, (generation, index), token in zip(pending, wants, self._choose(wants)):
+                self._take(generation, index, token, decoded)
+                if kept[i] == len(drafts[i]):
+                    continue
+                checked[i] += 1
+                if token == drafts[i][kept[i]]:
+                    kept[i] += 1
+                    if not generation.done:
+                        generation.slot.tokens.append(token)  # its cells hold it already
+                        generation.next_token = None
+                        still.append(i)
+            pending = still
+        for generation, n_checked, n_kept in zip(generating, checked, kept):
+            generation.draft_length.record(n_checked, n_kept)
+            generation.result.draft_tokens += n_checked
+            generation.result.draft_accepted += n_kept
+            llama_cpp.llama_memory_seq_rm(self._memory, generation.slot.index,
+                                          len(generation.slot.tokens), -1)
 
     def _evaluate_prompts(self, room: int) -> None:
         """Evaluate whole chunks of the prompts still to evaluate, lower slots first, up to
@@ -467,6 +547,8 @@ class Decoder:
         stats = generation.chain.last_stats()
         if stats is not None:
             result.token_stats.append(stats)
+        if generation.draft_state is not None:
+            generation.draft_state.extend((token,))
         generation._held += generation._utf8.decode(vocab.piece(token))
         emit, generation._held, hit = split_stop(generation._held, request.stop)
         if emit:
@@ -523,21 +605,6 @@ def _keepable(shared: int, prompt: list[int]) -> int:
     """Of ``shared`` cached tokens at the start of ``prompt``, how many a cache may keep: whole
     chunks, and never the prompt's last token (evaluated again for its logits)."""
     return max(0, min(shared, len(prompt) - 1)) // CHUNK * CHUNK
-
-
-def _shared_prefix(a: list[int], b: list[int]) -> int:
-    """How many tokens ``a`` and ``b`` share at the start. A binary search over slice
-    comparisons (run in C): prompts run to thousands of tokens, and each step compares them."""
-    low, high = 0, min(len(a), len(b))  # a[:low] == b[:low]; the answer is at most high
-    if a[:high] == b[:high]:
-        return high
-    while high - low > 1:
-        middle = (low + high) // 2
-        if a[:middle] == b[:middle]:
-            low = middle
-        else:
-            high = middle
-    return low
 
 
 def split_stop(text: str, stops: list[str]) -> tuple[str, str, bool]:

@@ -16,14 +16,17 @@
     chat_template = "chatml-tools"  # in place of the model's own: a built-in name or a file
     rpc = ["10.0.0.2:50052"]        # llama.cpp RPC workers holding the layers
     tensor_split = [3, 2]           # their shares of the layers
+    draft = "ngram"                 # speculative decoding: "ngram" or a draft model
+    draft_max = 16                  # tokens drafted per step at most
 
 Keys: ``sampler`` (a spec), ``system`` (the REPL's system prompt), ``ctx``, ``n_gpu_layers``,
 ``threads`` (1 to 512), ``backend_sampling``, and the REPL's ``markdown`` and ``wordwrap``
 (rendering and wrapping replies; on a terminal by default), ``chat_template`` (a Jinja
 template in place of the model's own: ``chatml-tools``, or a file's path), ``rpc`` and
-``tensor_split`` (workers holding the layers, docs/distributed.md). ``run``, ``generate`` and
-``serve`` use them; the command line wins over the file, a model's table over ``[defaults]``,
-and the file over the built-in defaults. Each value comes with where it came from, which ``/show`` and
+``tensor_split`` (workers holding the layers, docs/distributed.md), ``draft`` and ``draft_max``
+(speculative decoding, docs/performance.md). ``run``, ``generate`` and ``serve`` use them;
+the command line wins over the file, a model's table over ``[defaults]``, and the file over
+the built-in defaults. Each value comes with where it came from, which ``/show`` and
 ``adaptive-llama models`` print. The whole file is checked before anything starts: a bad one
 is one error naming the file, the line and the key.
 """
@@ -129,6 +132,8 @@ KEYS = {
     "chat_template": _chat_template,
     "rpc": _workers,
     "tensor_split": _shares,
+    "draft": _text,
+    "draft_max": _integer(1, 511),
 }
 
 

@@ -31,11 +31,13 @@ from typing import Callable, Iterator
 import llama_cpp  # noqa: E402  (after .chain, which checks its version)
 from llama_cpp import _internals  # noqa: E402
 
+from ..llama import cpu_attention
 from ..llama import rpc as ggml_rpc
 from ..llama.chain import SamplerChain, check_in_graph
 from ..samplers import SEED, SamplerSpec, SpecError, seed_or_fresh, spec_of
 from .batching import MAX_LOGPROBS, Decoder, Generation, GenerationResult, TokenLogprob  # noqa: F401
 from .chat_template import ChatTemplate
+from .drafting import MAX_DRAFT, ModelDrafter, NgramDrafter
 from .embeddings import Embedder
 from .gguf_header import quantization_name
 from .limits import MAX_CTX, MAX_THREADS
@@ -150,6 +152,13 @@ class Engine:
         rpc_timeout: seconds a decode step with workers may take before the engine gives
             them up: one line naming them, and the process exits with status 3 (llama.cpp
             itself would wait for ever on a frozen worker).
+        draft: speculative decoding (:mod:`adaptive_llama.runtime.drafting`): "ngram"
+            (prompt lookup), or a draft model (a .gguf path or a bundled name) with the
+            model's vocabulary; None: none. Every token is still the sampler chain's own
+            choice, so on the CPU a reply is the same text as without it, only faster
+            where drafts are kept.
+        draft_max: tokens drafted per step at most (the engine drafts fewer, or none,
+            where drafts are seldom kept).
 
     Raises:
         ModelError: the file is missing, not GGUF, truncated or otherwise unloadable.
@@ -161,7 +170,8 @@ class Engine:
                  verbose: bool = False, backend_sampling: bool = False,
                  chat_template: str | None = None, rpc: str | list[str] | None = None,
                  tensor_split: list[float] | None = None,
-                 rpc_timeout: float = ggml_rpc.STEP_TIMEOUT_S):
+                 rpc_timeout: float = ggml_rpc.STEP_TIMEOUT_S, draft: str | None = None,
+                 draft_max: int = MAX_DRAFT):
         check_int("n_gpu_layers", n_gpu_layers, low=-1)
         check_int("n_ctx", n_ctx, low=0, high=MAX_CTX)
         if 0 < n_ctx < CTX_STEP:
@@ -181,6 +191,14 @@ class Engine:
         if tensor_split is not None:
             tensor_split = check_shares("tensor_split", tensor_split,
                                         llama_cpp.llama_max_devices())
+        check_int("draft_max", draft_max, low=1, high=N_BATCH - 1)
+        if draft is not None and not (isinstance(draft, (str, Path)) and str(draft)):
+            raise InvalidArgument(f"`draft` has to be \"ngram\" or a draft model, but is "
+                                  f"{draft!r}", "draft")
+        if draft is not None and backend_sampling:
+            raise InvalidArgument("speculative decoding samples at every drafted position "
+                                  "on the CPU, and backend sampling samples in the graph: "
+                                  "drop one of the two", "draft")
         if self.rpc and backend_sampling:
             raise InvalidArgument("backend sampling runs in the graph of the device that "
                                   "holds the output layer, which an RPC worker cannot do "
@@ -226,6 +244,9 @@ class Engine:
             self.decoder.watchdog = ggml_rpc.Watchdog(self.rpc, rpc_timeout)
         if backend_sampling:
             self.backend_sampling = self._graph_can_sample()
+        if draft is not None:
+            self.decoder.drafter = self._drafter(draft, threads)
+            self.decoder.draft_max = draft_max
         self.metadata = self._model.metadata()
         self._specials: tuple[re.Pattern | None, dict[str, int]] | None = None
         self.chat_template = self._chat_template(chat_template)
@@ -251,19 +272,46 @@ class Engine:
         params.n_batch = params.n_ubatch = min(N_BATCH, params.n_ctx)
         params.n_threads = params.n_threads_batch = threads
         params.no_perf = True
-        if self.batch_invariant:
-            # Batch-invariant evaluation (see batch_invariant): llama.cpp's CPU flash attention
-            # computes a row with other kernels in a batch of 64 or more rows, and splits a
-            # single row's attention over the threads once 512 cells are in view, so the
-            # logits of a token depended on how its prompt was batched, on the cache, on the
-            # thread count and on the other sequences. Without it every row is computed the
-            # same way, whatever the batch (tests/test_determinism.py checks it bit for bit).
-            params.flash_attn_type = llama_cpp.LLAMA_FLASH_ATTN_TYPE_DISABLED
         if self.backend_sampling:
             # The sampled logits, probabilities and ids take V entries per possible output:
             # at most one output per sequence per step, not n_batch of them.
             params.n_outputs_max = self.parallel
             params.n_outputs_max_per_seq = 1
+        self.attention = "flash"  # llama.cpp's own choice
+        if self.batch_invariant and not self.rpc:
+            context = self._reference_attention_context(params, requested, verbose)
+            if context is not None:
+                return context
+        if self.batch_invariant:
+            # Batch-invariant evaluation (see batch_invariant) without the reference kernel
+            # (CPU workers hold their own backends): llama.cpp's other CPU flash attention
+            # kernels compute a row otherwise in a batch of 64 rows or more, and split a
+            # single row's attention over the threads once 512 cells are in view. Without
+            # flash attention every row is computed the same way, whatever the batch.
+            params.flash_attn_type = llama_cpp.LLAMA_FLASH_ATTN_TYPE_DISABLED
+            self.attention = "off"
+        return self._create_context(params, requested, verbose)
+
+    def _reference_attention_context(self, params, requested: int, verbose: bool):
+        """The context with flash attention through ggml's reference kernel, which computes
+        each row alone (:mod:`adaptive_llama.llama.cpu_attention`); None, after one warning,
+        where it cannot be had."""
+        try:
+            with cpu_attention.reference_attention() as made:
+                params.flash_attn_type = llama_cpp.LLAMA_FLASH_ATTN_TYPE_ENABLED
+                context = self._create_context(params, requested, verbose)
+            if made():
+                self.attention = "reference"
+                return context
+            context.close()
+            reason = "llama.cpp made its CPU backend some other way"
+        except cpu_attention.Unavailable as exc:
+            reason = str(exc)
+        log.warning("flash attention is off, about 10%% slower decoding: its batch-invariant "
+                    "kernel cannot be set here (%s)", reason)
+        return None
+
+    def _create_context(self, params, requested: int, verbose: bool):
         try:
             return _internals.LlamaContext(model=self._model, params=params, verbose=verbose)
         except (ValueError, RuntimeError) as exc:
@@ -273,6 +321,24 @@ class Engine:
                 f"{f' x {self.parallel} sequences' if self.parallel > 1 else ''} (not enough "
                 "memory for its cache?): use a smaller n_ctx (--ctx), or 0 for the model's "
                 f"own ({exc})") from None
+
+    def _drafter(self, draft, threads: int):
+        if str(draft) == "ngram":
+            return NgramDrafter()
+        try:
+            return ModelDrafter(draft, self._model, n_slots=self.parallel,
+                                n_ctx_seq=self.n_ctx, threads=threads)
+        except BaseException as exc:
+            self.close()  # the engine so far: no drafter yet
+            if isinstance(exc, ModelError) and not str(exc).startswith("the draft model"):
+                raise ModelError(f"the draft model: {exc}") from None
+            raise
+
+    @property
+    def draft(self) -> str | None:
+        """What drafts for speculative decoding: "ngram", the draft model's file, or None."""
+        drafter = self.decoder.drafter
+        return drafter.name if drafter is not None else None
 
     def _graph_can_sample(self) -> bool:
         """Whether the output device runs the adaptive chain in the graph (a trial attach)."""
@@ -639,6 +705,8 @@ class Engine:
     def close(self) -> None:
         if self._embedder is not None:
             self._embedder.close()
+        if self.decoder.drafter is not None:
+            self.decoder.drafter.close()
         self.decoder.close()
         if self.rpc:
             self.decoder.watchdog.stop()

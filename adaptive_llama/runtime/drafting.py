@@ -1,0 +1,319 @@
+"""Drafts for speculative decoding, and how many tokens to draft.
+
+The decoder (:mod:`adaptive_llama.runtime.batching`) puts a sequence's drafted tokens in the
+batch after the token it feeds, and samples the target's own chain at each position in turn:
+a draft is kept while it equals the token the chain chose, and the first difference ends the
+round with the chain's token (llama.cpp's rule, common/sampling.cpp). Every token of a reply
+is therefore a sample of the target's chain, drawn with the same random numbers as without
+speculation; where the model computes a row the same way in any batch (the CPU:
+:mod:`adaptive_llama.llama.cpu_attention`), the reply is the same text.
+
+Two drafters propose tokens:
+
+- :class:`PromptLookup` ("ngram"): the tokens that followed the last earlier occurrence of the
+  sequence's last 4, 3 or 2 tokens (the longest found), anywhere in its prompt or reply. No
+  second model: it pays where a reply copies its context (code edits, quotes, summaries,
+  JSON).
+- :class:`ModelDrafter`: a smaller model with the same vocabulary drafts greedily, one
+  sequence of its own per slot, and stops where its likeliest token falls below ``p_min``.
+
+:class:`DraftLength` picks each round's length: with ``a`` the sequence's acceptance rate
+(each drafted token kept given the ones before it were) a draft of n tokens yields
+``(1 - a^(n+1)) / (1 - a)`` tokens on average, at a cost of ``1 + n * c`` single-token
+decodes, ``c`` being what one more row (and drafting it) costs, as measured. It drafts the n
+that yields most per cost, and none where no draft pays; then it still tries a one-token
+draft after ``PROBE_EVERY`` rounds (then twice as many, up to 64), so that it notices when
+drafts start to pay again.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import llama_cpp
+import numpy as np
+from llama_cpp import _internals
+
+from .loading import load_model
+from .models import ModelError, resolve_model
+
+NGRAM_SIZES = (4, 3, 2)  # longest first: a longer match predicts better
+MAX_DRAFT = 16           # tokens per round at most (llama.cpp's --draft-max default)
+P_MIN = 0.75             # a draft model stops below this probability (llama.cpp's default)
+PROBE_EVERY = 8          # rounds between one-token drafts while drafting does not pay,
+MAX_PROBE_EVERY = 64     # doubling after each probe up to this
+# llama.cpp's compatibility rule for a draft model (common/speculative.cpp): vocabularies of
+# the same type and special tokens, sizes at most this far apart, the same text for every
+# token from id 5 on.
+VOCAB_SIZE_SLACK = 128
+VOCAB_CHECK_FROM = 5
+
+
+class PromptLookup:
+    """Prompt lookup over one sequence's tokens, kept up to date as they grow: for each
+    n-gram size, the position that followed the n-gram's latest occurrence."""
+
+    def __init__(self, tokens: list[int]):
+        self.tokens: list[int] = []
+        self._after: list[dict[tuple, int]] = [{} for _ in NGRAM_SIZES]
+        self.extend(tokens)
+
+    def extend(self, tokens) -> None:
+        history = self.tokens
+        for token in tokens:
+            end = len(history)
+            for n, after in zip(NGRAM_SIZES, self._after):
+                if end >= n:
+                    after[tuple(history[end - n:end])] = end
+            history.append(token)
+
+    def draft(self, n_max: int) -> list[int]:
+        """Up to ``n_max`` tokens that followed the longest suffix seen before."""
+        history = self.tokens
+        for n, after in zip(NGRAM_SIZES, self._after):
+            if len(history) > n and (start := after.get(tuple(history[-n:]))) is not None:
+                return history[start:start + n_max]
+        return []
+
+
+@dataclass
+class DraftLength:
+    """How many tokens one sequence drafts next (see the module docstring)."""
+
+    n_max: int = MAX_DRAFT
+    drafted: float = 2.0    # decaying counts: a prior of one kept in two
+    accepted: float = 1.0
+    idle_rounds: int = 0    # rounds without a draft since the last one
+    probe_every: int = PROBE_EVERY
+
+    DECAY = 0.9  # each round's counts weigh this much less in the next
+
+    @property
+    def rate(self) -> float:
+        return self.accepted / self.drafted
+
+    def next_length(self, row_cost: float) -> int:
+        """The draft length that yields most tokens per cost, ``row_cost`` being the cost of
+        one more row relative to decoding one token. Where none pays, a one-token probe
+        now and then, less often while probes keep failing."""
+        a = min(self.rate, 0.999)
+        best, best_yield = 0, 1.0
+        for n in range(1, self.n_max + 1):
+            per_cost = (1 - a ** (n + 1)) / (1 - a) / (1 + n * row_cost)
+            if per_cost > best_yield:
+                best, best_yield = n, per_cost
+        if best:
+            self.probe_every = PROBE_EVERY
+            return best
+        self.idle_rounds += 1
+        if self.idle_rounds < self.probe_every:
+            return 0
+        self.idle_rounds = 0
+        self.probe_every = min(self.probe_every * 2, MAX_PROBE_EVERY)
+        return 1
+
+    def record(self, drafted: int, accepted: int) -> None:
+        if drafted:
+            self.drafted = self.drafted * self.DECAY + drafted
+            self.accepted = self.accepted * self.DECAY + accepted
+
+
+class RowCost:
+    """What one more row in a decode costs, relative to a decode of one row per sequence:
+    running averages of the step times with and without drafted rows."""
+
+    def __init__(self, prior: float = 0.1):
+        self.plain_s: float | None = None   # a step without drafts, per sequence
+        self.extra_s: float | None = None   # one drafted row more
+        self.prior = prior
+
+    def ratio(self, draft_s: float = 0.0) -> float:
+        """One more row, and drafting its token (``draft_s`` seconds), relative to a step."""
+        if self.plain_s is None or self.extra_s is None:
+            return self.prior
+        return (max(self.extra_s, 0.0) + draft_s) / self.plain_s
+
+    def observe(self, seconds: float, sequences: int, drafted_rows: int) -> None:
+        if drafted_rows == 0:
+            self.plain_s = _average(self.plain_s, seconds / sequences)
+        elif self.plain_s is not None:
+            extra = (seconds - self.plain_s * sequences) / drafted_rows
+            self.extra_s = _average(self.extra_s, extra)
+
+
+def _average(old: float | None, new: float, weight: float = 0.2) -> float:
+    return new if old is None else old + weight * (new - old)
+
+
+class NgramDrafter:
+    """Prompt lookup for every sequence (nothing to load)."""
+
+    name = "ngram"
+    draft_s = 0.0  # seconds per drafted token: a dictionary lookup
+
+    def start(self, slot: int, tokens: list[int]) -> PromptLookup:
+        return PromptLookup(tokens)
+
+    def draft(self, wants: list[tuple[int, PromptLookup, int]]) -> list[list[int]]:
+        """Drafts for (slot, state, tokens wanted) of several sequences."""
+        return [state.draft(n) for _, state, n in wants]
+
+    def close(self) -> None:
+        pass
+
+
+class ModelDrafter:
+    """A smaller model drafts greedily, a sequence of its own context per slot."""
+
+    def __init__(self, model, target, *, n_slots: int, n_ctx_seq: int, threads: int,
+                 p_min: float = P_MIN):
+        self.path = resolve_model(model)
+        self.name = self.path.name
+        self._model, _ = load_model(self.path)
+        try:
+            check_vocabularies(self._model, target, self.name)
+            params = llama_cpp.llama_context_default_params()
+            params.n_ctx = n_ctx_seq * n_slots
+            params.n_seq_max = n_slots
+            params.kv_unified = False
+            params.n_batch = params.n_ubatch = min(512, params.n_ctx)
+            params.n_threads = params.n_threads_batch = threads
+            params.no_perf = True
+            try:
+                self._context = _internals.LlamaContext(model=self._model, params=params,
+                                                        verbose=False)
+            except (ValueError, RuntimeError) as exc:
+                raise ValueError(f"the draft model {self.name}: llama.cpp could not create "
+                                 f"its context ({exc})") from None
+        except BaseException:
+            self._model.close()
+            raise
+        self._ctx = self._context.ctx
+        self._memory = llama_cpp.llama_get_memory(self._ctx)
+        self._batch = llama_cpp.llama_batch_init(params.n_batch, 0, 1)
+        self.n_batch = params.n_batch
+        self.n_vocab = self._model.n_vocab()
+        self.target_vocab = target.n_vocab()
+        self.p_min = p_min
+        self.draft_s = 0.0  # seconds per drafted token, measured
+        self._held: dict[int, list[int]] = {}  # slot -> the tokens its draft cache holds
+
+    def start(self, slot: int, tokens: list[int]) -> PromptLookup:
+        # The state is the sequence's tokens; a PromptLookup keeps them (its lookup unused).
+        return _Tokens(tokens)
+
+    def draft(self, wants: list[tuple[int, "_Tokens", int]]) -> list[list[int]]:
+        started = time.perf_counter()
+        drafts: list[list[int]] = [[] for _ in wants]
+        live = [i for i, (_, _, n) in enumerate(wants) if n > 0]
+        for i in live:  # each cache up to the last token: no logits needed
+            slot, state, _ = wants[i]
+            self._catch_up(slot, state.tokens[:-1])
+        feed = {i: wants[i][1].tokens[-1] for i in live}
+        while live:
+            for j, i in enumerate(live):  # one row per sequence: its logits at row j
+                slot = wants[i][0]
+                self._put(j, feed[i], slot, len(self._held[slot]), True)
+                self._held[slot].append(feed[i])
+            self._decode(len(live))
+            picked = []
+            for j, i in enumerate(live):
+                token, p = self._top(j)
+                if p < self.p_min or token >= self.target_vocab:
+                    continue
+                drafts[i].append(token)
+                if len(drafts[i]) < wants[i][2]:
+                    feed[i] = token
+                    picked.append(i)
+            live = picked
+        made = sum(map(len, drafts))
+        if made:
+            self.draft_s = _average(self.draft_s or None, (time.perf_counter() - started) / made)
+        return drafts
+
+    def _catch_up(self, slot: int, tokens: list[int]) -> None:
+        """Make the slot's draft cache hold ``tokens``, keeping the prefix it shares."""
+        held = self._held.setdefault(slot, [])
+        keep = shared_prefix(held, tokens)
+        llama_cpp.llama_memory_seq_rm(self._memory, slot, keep, -1)
+        del held[keep:]
+        for first in range(keep, len(tokens), self.n_batch):
+            chunk = tokens[first:first + self.n_batch]
+            for j, token in enumerate(chunk):
+                self._put(j, token, slot, first + j, False)
+            self._decode(len(chunk))
+            held += chunk
+
+    def _top(self, row: int) -> tuple[int, float]:
+        x = np.ctypeslib.as_array(llama_cpp.llama_get_logits_ith(self._ctx, row),
+                                  shape=(self.n_vocab,))
+        token = int(x.argmax())
+        return token, 1.0 / float(np.exp(x - x[token]).sum())
+
+    def _put(self, i: int, token: int, slot: int, pos: int, logits: bool) -> None:
+        batch = self._batch
+        batch.token[i], batch.pos[i], batch.n_seq_id[i] = token, pos, 1
+        batch.seq_id[i][0], batch.logits[i] = slot, logits
+
+    def _decode(self, n: int) -> None:
+        self._batch.n_tokens = n
+        if llama_cpp.llama_decode(self._ctx, self._batch) != 0:
+            raise RuntimeError(f"the draft model {self.name} could not decode (its context "
+                               "is full?)")
+
+    def close(self) -> None:
+        if self._batch is not None:
+            llama_cpp.llama_batch_free(self._batch)
+            self._batch = None
+            self._context.close()
+            self._model.close()
+
+
+class _Tokens:
+    """A sequence's tokens, for a drafter that keeps nothing else per sequence."""
+
+    def __init__(self, tokens: list[int]):
+        self.tokens = list(tokens)
+
+    def extend(self, tokens) -> None:
+        self.tokens.extend(tokens)
+
+
+def check_vocabularies(draft, target, name: str) -> None:
+    """ModelError unless the draft model's tokens are the target's (llama.cpp's rule)."""
+    dv, tv = draft.vocab, target.vocab
+    problem = None
+    if llama_cpp.llama_vocab_type(dv) != llama_cpp.llama_vocab_type(tv):
+        problem = "its tokenizer is of another type"
+    elif (llama_cpp.llama_vocab_bos(dv), llama_cpp.llama_vocab_eos(dv)) != (
+            llama_cpp.llama_vocab_bos(tv), llama_cpp.llama_vocab_eos(tv)):
+        problem = "its start and end tokens differ"
+    elif abs(draft.n_vocab() - target.n_vocab()) > VOCAB_SIZE_SLACK:
+        problem = f"it has {draft.n_vocab():,} tokens, the model {target.n_vocab():,}"
+    else:
+        for token in range(VOCAB_CHECK_FROM, min(draft.n_vocab(), target.n_vocab())):
+            ours = llama_cpp.llama_vocab_get_text(dv, token)
+            theirs = llama_cpp.llama_vocab_get_text(tv, token)
+            if ours != theirs:
+                problem = (f"token {token} is {ours.decode('utf-8', 'replace')!r} there and "
+                           f"{theirs.decode('utf-8', 'replace')!r} in the model")
+                break
+    if problem:
+        raise ModelError(f"the draft model {name} cannot draft for this model: {problem}; "
+                         "use a smaller model of the same family (the same tokenizer)")
+
+
+def shared_prefix(a: list[int], b: list[int]) -> int:
+    """How many tokens ``a`` and ``b`` share at the start. A binary search over slice
+    comparisons (run in C): prompts run to thousands of tokens, and each step compares them."""
+    low, high = 0, min(len(a), len(b))  # a[:low] == b[:low]; the answer is at most high
+    if a[:high] == b[:high]:
+        return high
+    while high - low > 1:
+        middle = (low + high) // 2
+        if a[:middle] == b[:middle]:
+            low = middle
+        else:
+            high = middle
+    return low

@@ -1,0 +1,346 @@
+"""Speculative decoding: drafts change the speed, never the text.
+
+The decoder verifies a sequence's drafted tokens in one batch and samples the chain at each
+position in turn (adaptive_llama.runtime.drafting). On the CPU the engine computes a row the
+same way whatever the batch (reference flash attention: adaptive_llama.llama.cpu_attention),
+so a reply with speculation is the reply without it, token for token, for every sampler.
+"""
+
+import logging
+
+import llama_cpp
+import numpy as np
+import pytest
+from conftest import GPU_LAYERS
+
+from adaptive_llama import Engine
+from adaptive_llama.llama import cpu_attention
+from adaptive_llama.runtime import drafting
+from adaptive_llama.runtime.drafting import DraftLength, PromptLookup, RowCost
+from adaptive_llama.runtime.models import ModelError
+from adaptive_llama.runtime.request import InvalidArgument
+
+LONG = ("The history of the river Danube is long and full of events. " * 20
+        + "Tell me about the sea:")  # 266 tokens
+QUOTE = ("Repeat this list exactly, twice: apples, pears, plums, cherries, grapes, lemons, "
+         "limes, melons, peaches, oranges.")
+SAMPLERS = ["greedy", "top-k:k=20,temp=0.8", "top-p:p=0.9", "typical:p=0.9",
+            "min-p:p=0.05,temp=1.3", "mirostat", "mirostat1", "eta", "dist", "adaptive",
+            "adaptive:temp=0.7", "adaptive:mode=uniform", "adaptive+penalties:repeat=1.3",
+            "adaptive+dry:multiplier=1.5", "adaptive+xtc:probability=0.9",
+            "dist+top-n-sigma:n=1.5"]
+
+
+@pytest.fixture
+def always_draft(monkeypatch):
+    """Every round drafts as much as it may (the length rule would often draft nothing for
+    a model this small, whose rows cost almost a decode each): what is tested here is that
+    whatever is drafted leaves the reply as it was."""
+    monkeypatch.setattr(DraftLength, "next_length", lambda self, row_cost: self.n_max)
+
+
+@pytest.fixture(scope="module")
+def ngram_engine(smollm2_path):
+    engine = Engine(smollm2_path, seed=1, n_ctx=1024, n_gpu_layers=GPU_LAYERS, draft="ngram",
+                    draft_max=6)
+    yield engine
+    engine.close()
+
+
+@pytest.fixture(scope="module")
+def model_engine(smollm2_path):
+    """SmolLM2 drafting for itself: at greedy every draft is kept."""
+    engine = Engine(smollm2_path, seed=1, n_ctx=1024, n_gpu_layers=GPU_LAYERS,
+                    draft=smollm2_path, draft_max=5)
+    engine.decoder.drafter.p_min = 0.0  # draft whatever the draft model's confidence
+    yield engine
+    engine.close()
+
+
+def reply(engine, text, sampler, seed=5, max_tokens=48, **kwargs):
+    return engine.generate(text, chat=True, sampler=sampler, seed=seed,
+                           max_tokens=max_tokens, **kwargs)
+
+
+# ---- the ground it stands on: a row's logits do not depend on its batch ----
+
+def logits(engine, index):
+    row = llama_cpp.llama_get_logits_ith(engine.ctx, index)
+    return np.ctypeslib.as_array(row, shape=(engine.n_vocab,)).copy()
+
+
+@pytest.mark.parametrize("repeat", [1, 14])  # 12 and 842 cached cells: both sides of 512
+def test_a_drafted_row_gets_the_logits_of_the_same_token_decoded_alone(engine, repeat):
+    assert engine.attention == "reference"
+    prompt = engine.tokenize(LONG[:60] * repeat)
+    made = [284, 1784, 30, 657, 314, 4484, 288, 457]
+    alone = []
+    for i in range(1, len(made) + 1):
+        engine.prefill(prompt + made[:i], generated=i)
+        alone.append(logits(engine, -1))
+    engine.clear_cache()
+    engine.prefill(prompt)
+    decoder, slot = engine.decoder, engine.decoder.slots[0]
+    for j, token in enumerate(made):
+        decoder._put(j, token, slot, j, True)
+    decoder._batch.n_tokens = len(made)
+    decoder._decode()
+    slot.tokens += made
+    for j in range(len(made)):
+        assert np.array_equal(logits(engine, j), alone[j]), j
+    engine.clear_cache()
+
+
+def test_without_the_reference_kernel_the_engine_warns_and_turns_flash_attention_off(
+        smollm2_path, monkeypatch, caplog):
+    def unavailable():
+        raise cpu_attention.Unavailable("the CPU device's interface table is laid out "
+                                        "otherwise")
+
+    monkeypatch.setattr(cpu_attention, "reference_attention", unavailable)
+    with caplog.at_level(logging.WARNING):
+        engine = Engine(smollm2_path, n_ctx=512, draft="ngram")
+    try:
+        assert engine.attention == "off"
+        assert "laid out otherwise" in caplog.text and "flash attention is off" in caplog.text
+        assert engine.generate("Once", sampler="greedy", max_tokens=4).completion_tokens
+    finally:
+        engine.close()
+
+
+def test_the_cpu_device_table_is_checked_before_it_is_written(monkeypatch):
+    device = cpu_attention._cpu_device()
+    before = device.table[cpu_attention.INIT_BACKEND]
+    with cpu_attention.reference_attention() as made:
+        assert device.table[cpu_attention.INIT_BACKEND] != before
+        assert made() == 0
+    assert device.table[cpu_attention.INIT_BACKEND] == before  # the original is back
+    monkeypatch.setattr(cpu_attention, "GET_TYPE", cpu_attention.GET_NAME)
+    with pytest.raises(cpu_attention.Unavailable, match="laid out otherwise"):
+        cpu_attention._CpuDevice()
+
+
+# ---- same text ----
+
+@pytest.mark.parametrize("sampler", SAMPLERS)
+def test_every_sampler_gives_the_same_reply_with_drafts(engine, ngram_engine, model_engine,
+                                                        always_draft, sampler):
+    plain = reply(engine, QUOTE, sampler)
+    for drafted in (ngram_engine, model_engine):
+        result = reply(drafted, QUOTE, sampler)
+        assert result.tokens == plain.tokens, (sampler, drafted.draft, result.text, plain.text)
+        assert result.text == plain.text
+    assert result.draft_tokens > 0  # the draft model drafts at every step (ngram: on a match)
+    assert plain.tokens
+
+
+def test_a_draft_model_on_itself_at_greedy_has_every_draft_kept(model_engine, always_draft):
+    result = reply(model_engine, QUOTE, "greedy", max_tokens=60)
+    # 5 drafted, all kept, and the chain's own token: 6 tokens a step
+    assert result.draft_tokens >= result.completion_tokens * 2 // 3 > 10
+    assert result.draft_accepted == result.draft_tokens
+    assert result.summary()["draft_acceptance"] == 1.0
+
+
+def test_prompt_lookup_keeps_drafts_where_the_reply_copies_its_prompt(ngram_engine,
+                                                                      always_draft):
+    result = reply(ngram_engine, QUOTE, "greedy", max_tokens=60)
+    assert result.draft_accepted >= 10
+    summary = result.summary()
+    assert summary["drafter"] == "ngram"
+    assert summary["draft_acceptance"] == round(result.draft_accepted / result.draft_tokens, 3)
+
+
+def test_past_512_cached_cells_the_reply_is_the_same(engine, ngram_engine, always_draft):
+    text = LONG * 2 + " " + QUOTE  # about 560 tokens
+    for sampler in ("adaptive", "greedy"):
+        assert reply(ngram_engine, text, sampler).tokens == reply(engine, text, sampler).tokens
+
+
+def test_stop_strings_logprobs_and_a_grammar_give_the_same_result(engine, ngram_engine,
+                                                                  always_draft):
+    from adaptive_llama.llama.grammar import json_grammar
+
+    for kwargs in ({"stop": ["cherries"]}, {"logprobs": 3}, {"grammar": json_grammar()}):
+        plain = reply(engine, QUOTE, "adaptive", max_tokens=60, **kwargs)
+        drafted = reply(ngram_engine, QUOTE, "adaptive", max_tokens=60, **kwargs)
+        assert (drafted.text, drafted.finish_reason) == (plain.text, plain.finish_reason)
+        assert drafted.logprobs == plain.logprobs
+    assert plain.text.startswith("{")
+
+
+def test_max_tokens_and_the_context_window_end_the_reply_at_the_same_token(
+        smollm2_path, engine, ngram_engine, always_draft):
+    for n in (1, 2, 7):
+        assert reply(ngram_engine, QUOTE, "greedy", max_tokens=n).tokens == \
+            reply(engine, QUOTE, "greedy", max_tokens=n).tokens
+    small = {d: Engine(smollm2_path, n_ctx=256, draft=d, draft_max=8) for d in (None, "ngram")}
+    try:
+        text = "The history of the river Danube is long and full of events. " * 17
+        results = [e.generate(text, sampler="greedy", max_tokens=None) for e in small.values()]
+        assert results[0].finish_reason == results[1].finish_reason == "length"
+        assert results[0].tokens == results[1].tokens
+        assert results[1].draft_accepted > 0
+    finally:
+        for e in small.values():
+            e.close()
+
+
+def test_several_sequences_drafting_together_give_each_its_own_reply(smollm2_path, engine,
+                                                                    always_draft):
+    prompts = [QUOTE, "Count from one to twenty in words.", LONG]
+    batch = Engine(smollm2_path, n_ctx=1024, parallel=3, draft="ngram", draft_max=4)
+    try:
+        results = batch.generate_batch(prompts, chat=True, sampler="adaptive:temp=0.8",
+                                       seed=[1, 2, 3], max_tokens=40)
+    finally:
+        batch.close()
+    for prompt, seed, result in zip(prompts, [1, 2, 3], results):
+        assert result.tokens == reply(engine, prompt, "adaptive:temp=0.8", seed=seed,
+                                      max_tokens=40).tokens
+    assert sum(r.draft_tokens for r in results) > 0
+
+
+def test_the_cache_holds_only_the_kept_tokens_after_a_reply(ngram_engine, always_draft):
+    reply(ngram_engine, QUOTE, "adaptive", max_tokens=40)
+    slot = ngram_engine.decoder.slots[0]
+    memory = llama_cpp.llama_get_memory(ngram_engine.ctx)
+    assert llama_cpp.llama_memory_seq_pos_max(memory, slot.index) == len(slot.tokens) - 1
+
+
+def test_the_next_turn_after_a_drafted_reply_is_the_same_too(engine, ngram_engine,
+                                                             always_draft):
+    from adaptive_llama import Chat
+
+    texts = []
+    for e in (engine, ngram_engine):
+        chat = Chat(e, sampler="adaptive", seed=4, max_tokens=30)
+        texts.append([chat.send(QUOTE).text(), chat.send("Once more, please.").text()])
+    assert texts[0] == texts[1]
+
+
+# ---- refusals ----
+
+def test_a_draft_model_with_another_vocabulary_is_refused_in_one_line(smollm2_path):
+    with pytest.raises(ModelError, match="gemma-3-270m.* cannot draft for this model: its "
+                                         "tokenizer is of another type"):
+        Engine(smollm2_path, n_ctx=512, draft="gemma3-270m")
+    with pytest.raises(ModelError, match="^the draft model: .*missing.gguf: no such file"):
+        Engine(smollm2_path, n_ctx=512, draft="/nowhere/missing.gguf")
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    ({"draft": "ngram", "backend_sampling": True}, "drop one of the two"),
+    ({"draft": ""}, "`draft` has to be"),
+    ({"draft": 3}, "`draft` has to be"),
+    ({"draft": "ngram", "draft_max": 0}, "`draft_max` has to be"),
+])
+def test_bad_draft_arguments_are_refused_before_anything_loads(kwargs, message):
+    with pytest.raises(InvalidArgument, match=message):
+        Engine("/nowhere/model.gguf", **kwargs)
+
+
+def test_the_cli_reports_acceptance_and_refuses_a_bad_draft_model(tmp_path):
+    import json
+    import subprocess
+    import sys
+
+    command = [sys.executable, "-m", "adaptive_llama.cli", "generate", "--prompt", QUOTE,
+               "--chat", "--seed", "2", "-n", "24", "--json", "--ctx", "512"]
+    out = subprocess.run([*command, "--draft", "ngram"], capture_output=True, text=True,
+                         timeout=120)
+    figures = json.loads(out.stdout)
+    assert figures["drafter"] == "ngram" and "draft_acceptance" in figures
+    plain = json.loads(subprocess.run(command, capture_output=True, text=True,
+                                      timeout=120).stdout)
+    assert plain["text"] == figures["text"] and "drafter" not in plain
+    bad = subprocess.run([*command, "--draft", "gemma3-270m"], capture_output=True, text=True,
+                         timeout=120)
+    assert bad.returncode != 0 and "Traceback" not in bad.stderr
+    assert bad.stderr.strip().splitlines()[-1].startswith("Error: the draft model")
+
+
+# ---- the parts, by hand ----
+
+def test_prompt_lookup_drafts_what_followed_the_longest_suffix_seen_before():
+    lookup = PromptLookup([1, 2, 3, 4, 5, 9, 3, 4, 6, 2, 3, 4])
+    # suffix 2,3,4 occurred at the start (followed by 5); 3,4 alone later (followed by 6)
+    assert lookup.draft(3) == [5, 9, 3]
+    lookup.extend([7])  # 3,4,7 and 4,7 are new; nothing to copy
+    assert lookup.draft(3) == []
+    lookup.extend([1, 2])  # 1,2 was followed by 3
+    assert lookup.draft(2) == [3, 4]
+    assert lookup.draft(0) == []
+    assert PromptLookup([5]).draft(4) == []
+
+
+def test_the_latest_occurrence_wins_and_drafts_may_run_into_the_suffix():
+    lookup = PromptLookup([8, 8, 8, 8])
+    assert lookup.draft(5) == [8]  # 8,8,8 last followed at position 3 by the final 8
+    lookup = PromptLookup([1, 2, 5, 1, 2, 6, 1, 2])
+    assert lookup.draft(1) == [6]
+
+
+@pytest.mark.parametrize("cost", [0.2, 0.5, 0.8])
+def test_one_token_drafts_pay_exactly_when_acceptance_beats_the_row_cost(cost):
+    # one drafted token yields 1 + a tokens for 1 + c decodes: it pays when a > c
+    above, below = DraftLength(n_max=1), DraftLength(n_max=1)
+    above.accepted, above.drafted = cost + 0.01, 1.0
+    below.accepted, below.drafted = cost - 0.01, 1.0
+    assert above.next_length(cost) == 1
+    assert below.next_length(cost) == 0
+
+
+def test_drafts_grow_with_acceptance_and_stop_when_they_do_not_pay():
+    length = DraftLength(n_max=16)
+    for _ in range(20):
+        length.record(8, 8)
+    assert length.next_length(0.05) == 16
+    length.accepted, length.drafted = 0.8, 1.0
+    # tokens per cost (1 - 0.8^(n+1)) / 0.2 / (1 + 0.3 n): 1.38, 1.53, 1.55, 1.53 for n 1-4
+    assert length.next_length(0.3) == 3
+    for _ in range(40):
+        length.record(4, 0)
+    lengths = [length.next_length(0.5) for _ in range(200)]
+    probes = [i for i, n in enumerate(lengths) if n]
+    assert set(lengths) == {0, 1}
+    gaps = np.diff([-1] + probes)
+    assert list(gaps[:4]) == [8, 16, 32, 64] and set(gaps[4:]) == {64}
+
+
+def test_the_row_cost_is_what_drafted_rows_add_to_a_step():
+    cost = RowCost(prior=0.1)
+    assert cost.ratio() == 0.1
+    cost.observe(0.010, sequences=2, drafted_rows=0)  # 5 ms a sequence
+    assert cost.ratio() == 0.1  # nothing drafted yet
+    cost.observe(0.010 + 4 * 0.002, sequences=2, drafted_rows=4)
+    assert cost.ratio() == pytest.approx(0.4)
+    assert cost.ratio(draft_s=0.001) == pytest.approx(0.6)
+
+
+def test_the_vocabulary_check_names_the_first_token_that_differs(smollm2_path,
+                                                                 monkeypatch):
+    engine = Engine(smollm2_path, n_ctx=512)
+    try:
+        real = llama_cpp.llama_vocab_get_text
+        target_vocab = engine._model.vocab
+
+        def text(vocab, token):
+            if token == 77 and vocab == target_vocab:
+                return b"changed"
+            return real(vocab, token)
+
+        monkeypatch.setattr(llama_cpp, "llama_vocab_get_text", text)
+        drafting.check_vocabularies(engine._model, engine._model, "x.gguf")  # one model
+        with pytest.raises(ModelError, match="token 77 is .* there and 'changed'"):
+            from llama_cpp import _internals
+
+            other = _internals.LlamaModel(path_model=str(smollm2_path),
+                                          params=llama_cpp.llama_model_default_params(),
+                                          verbose=False)
+            try:
+                drafting.check_vocabularies(other, engine._model, "x.gguf")
+            finally:
+                other.close()
+    finally:
+        engine.close()
