@@ -7,9 +7,11 @@ so the options are:
 
 - flash: llama.cpp's default, flash attention with its tiled and split kernels;
 - off: no flash attention (what the engine ran before);
-- reference: flash attention through ggml's one-row reference kernel (what the engine runs);
-- engine: the engine's own generate (reference attention, 64-token prompt chunks, the
-  sampler chain), the figure users see.
+- reference: flash attention through ggml's one-row reference kernel throughout;
+- engine: the engine's own prefill and generate, the figures users see: prompts in 64-token
+  chunks through llama.cpp's tiled kernel (each chunk is always evaluated alone, the same
+  way), every other row (a reply's tokens, drafts) through the reference kernel, and the
+  sampler chain.
 
 The first three are a bare loop of llama_decode calls: the prompt in batches of 512 tokens,
 then greedy tokens one at a time (arg-max of the logits). Each round evaluates a prompt of

@@ -65,6 +65,27 @@ def test_the_thread_count_changes_no_reply(smollm2_path):
     assert texts[0] and texts[0] == texts[1]
 
 
+def test_the_thread_count_changes_no_logits_of_whole_chunks_or_single_rows(smollm2_path):
+    # Whole 64-token prompt chunks go through flash attention's tiled kernel, every other
+    # row through its reference kernel (adaptive_llama.llama.cpu_attention): neither may
+    # depend on the threads, past 512 cells in view either.
+    rows = []
+    for threads in (1, 2):
+        engine = Engine(smollm2_path, n_ctx=1024, n_threads=threads, n_gpu_layers=GPU_LAYERS)
+        try:
+            tokens = engine.tokenize(LONG * 2)[:576]  # 9 whole chunks, then 4 rows alone
+            assert engine.attention == ("reference" if not GPU_LAYERS else "flash")
+            rows.append([logits_after(engine, tokens[:512]),
+                         logits_after(engine, tokens + [28, 29, 30, 31])])
+            engine.prefill(tokens + [28, 29, 30, 31], generated=4)
+            rows[-1].append(np.ctypeslib.as_array(llama_cpp.llama_get_logits_ith(
+                engine.ctx, -1), shape=(engine.n_vocab,)).copy())
+        finally:
+            engine.close()
+    for one, two in zip(*rows):
+        assert np.array_equal(one, two)
+
+
 def test_regenerating_a_later_turn_repeats_it_even_from_an_empty_cache(engine):
     chat = Chat(engine, system=LONG, sampler="adaptive", seed=7, max_tokens=24)
     chat.send("Hello! Which rivers do you know?").text()

@@ -36,7 +36,7 @@ def always_draft(monkeypatch):
     """Every round drafts as much as it may (the length rule would often draft nothing for
     a model this small, whose rows cost almost a decode each): what is tested here is that
     whatever is drafted leaves the reply as it was."""
-    monkeypatch.setattr(DraftLength, "next_length", lambda self, row_cost: self.n_max)
+    monkeypatch.setattr(DraftLength, "next_length", lambda self, cost: self.n_max)
 
 
 @pytest.fixture(scope="module")
@@ -113,11 +113,36 @@ def test_the_cpu_device_table_is_checked_before_it_is_written(monkeypatch):
     before = device.table[cpu_attention.INIT_BACKEND]
     with cpu_attention.reference_attention() as made:
         assert device.table[cpu_attention.INIT_BACKEND] != before
-        assert made() == 0
+        assert made == []
     assert device.table[cpu_attention.INIT_BACKEND] == before  # the original is back
     monkeypatch.setattr(cpu_attention, "GET_TYPE", cpu_attention.GET_NAME)
     with pytest.raises(cpu_attention.Unavailable, match="laid out otherwise"):
         cpu_attention._CpuDevice()
+
+
+def test_whole_prompt_chunks_take_the_tiled_kernel_and_every_other_row_the_reference(
+        engine, monkeypatch):
+    switch = engine.decoder.attention_switch
+    calls = []
+    monkeypatch.setattr(switch, "set", lambda on: calls.append(on))
+    engine.clear_cache()
+    engine.prefill(engine.tokenize(LONG)[:140], generated=3)  # chunks 64, 64, 9; 3 rows
+    assert calls == [False, False, True, True, True, True]
+    engine.clear_cache()
+
+
+def test_the_switch_sets_the_flag_only_when_it_changes(monkeypatch):
+    flags = []
+    device = cpu_attention._cpu_device()
+    monkeypatch.setattr(device, "backend_cpu_set_use_ref",
+                        lambda backend, on: flags.append((backend, on)))
+    switch = cpu_attention.Switch([11, 12])
+    switch.set(True)
+    assert flags == []  # made with the reference kernel on
+    switch.set(False)
+    switch.set(False)
+    switch.set(True)
+    assert flags == [(11, False), (12, False), (11, True), (12, True)]
 
 
 # ---- same text ----
@@ -281,27 +306,30 @@ def test_the_latest_occurrence_wins_and_drafts_may_run_into_the_suffix():
     assert lookup.draft(1) == [6]
 
 
-@pytest.mark.parametrize("cost", [0.2, 0.5, 0.8])
-def test_one_token_drafts_pay_exactly_when_acceptance_beats_the_row_cost(cost):
+@pytest.mark.parametrize("c", [0.2, 0.5, 0.8])
+def test_one_token_drafts_pay_exactly_when_acceptance_beats_the_row_cost(c):
     # one drafted token yields 1 + a tokens for 1 + c decodes: it pays when a > c
     above, below = DraftLength(n_max=1), DraftLength(n_max=1)
-    above.accepted, above.drafted = cost + 0.01, 1.0
-    below.accepted, below.drafted = cost - 0.01, 1.0
-    assert above.next_length(cost) == 1
-    assert below.next_length(cost) == 0
+    above.accepted, above.drafted = c + 0.01, 1.0
+    below.accepted, below.drafted = c - 0.01, 1.0
+    assert above.next_length(lambda n: c * n) == 1
+    assert below.next_length(lambda n: c * n) == 0
 
 
 def test_drafts_grow_with_acceptance_and_stop_when_they_do_not_pay():
     length = DraftLength(n_max=16)
     for _ in range(20):
         length.record(8, 8)
-    assert length.next_length(0.05) == 16
+    assert length.next_length(lambda n: 0.05 * n) == 16
     length.accepted, length.drafted = 0.8, 1.0
     # tokens per cost (1 - 0.8^(n+1)) / 0.2 / (1 + 0.3 n): 1.38, 1.53, 1.55, 1.53 for n 1-4
-    assert length.next_length(0.3) == 3
+    assert length.next_length(lambda n: 0.3 * n) == 3
+    # rows that cost less the more there are, as on a CPU: short drafts do not pay, 16 do
+    length.accepted, length.drafted = 0.99, 1.0
+    assert length.next_length(lambda n: 0.95 * n if n < 8 else 5 + 0.2 * (n - 8)) == 16
     for _ in range(40):
         length.record(4, 0)
-    lengths = [length.next_length(0.5) for _ in range(200)]
+    lengths = [length.next_length(lambda n: 0.5 * n) for _ in range(200)]
     probes = [i for i, n in enumerate(lengths) if n]
     assert set(lengths) == {0, 1}
     gaps = np.diff([-1] + probes)
@@ -310,12 +338,16 @@ def test_drafts_grow_with_acceptance_and_stop_when_they_do_not_pay():
 
 def test_the_row_cost_is_what_drafted_rows_add_to_a_step():
     cost = RowCost(prior=0.1)
-    assert cost.ratio() == 0.1
-    cost.observe(0.010, sequences=2, drafted_rows=0)  # 5 ms a sequence
-    assert cost.ratio() == 0.1  # nothing drafted yet
-    cost.observe(0.010 + 4 * 0.002, sequences=2, drafted_rows=4)
-    assert cost.ratio() == pytest.approx(0.4)
-    assert cost.ratio(draft_s=0.001) == pytest.approx(0.6)
+    assert cost.extra(2, 4) == pytest.approx(0.4)  # nothing measured: the prior per row
+    cost.observe(0.010, rows=2)  # 5 ms a sequence
+    assert cost.extra(2, 4) == pytest.approx(0.4)  # 6 rows not measured: the prior again
+    cost.observe(0.010 + 4 * 0.002, rows=6)
+    assert cost.extra(2, 4) == pytest.approx(1.6)  # 8 ms more, in 5 ms shares
+    assert cost.extra(2, 4, draft_s=0.001) == pytest.approx(2.4)
+    # 4 rows not measured: from the nearest below (2 rows), at the prior per row
+    assert cost.extra(2, 2) == pytest.approx(0.2)
+    cost.observe(0.020, rows=2)  # a running average: 10 ms + 0.2 * 10 ms
+    assert cost.step_s[2] == pytest.approx(0.012)
 
 
 def test_the_vocabulary_check_names_the_first_token_that_differs(smollm2_path,
@@ -344,3 +376,89 @@ def test_the_vocabulary_check_names_the_first_token_that_differs(smollm2_path,
                 other.close()
     finally:
         engine.close()
+
+
+# ---- through the server, with a real client ----
+
+def test_a_drafting_server_answers_concurrent_clients_as_a_plain_one_does(
+        smollm2_path, tmp_path, always_draft):
+    from concurrent.futures import ThreadPoolExecutor
+
+    import openai
+    from test_server import API_KEY, serving
+
+    def answers(port):
+        client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key=API_KEY,
+                               max_retries=0)
+
+        def ask(seed):
+            r = client.chat.completions.create(
+                model="any", messages=[{"role": "user", "content": QUOTE}], max_tokens=32,
+                seed=seed, temperature=0.8)
+            return r.choices[0].message.content, r.model_extra["sampler_stats"]
+
+        with ThreadPoolExecutor(3) as pool:
+            return list(pool.map(ask, [1, 2, 3]))
+
+    results = {}
+    for draft in ([], ["--draft", "ngram", "--draft-max", "6"]):
+        log = tmp_path / f"server{len(draft)}.log"
+        server = serving(smollm2_path, log, "--parallel", "3", *draft)
+        port = next(server)
+        try:
+            results[bool(draft)] = answers(port)
+        finally:
+            next(server, None)
+        if draft:
+            assert "drafts kept" in log.read_text()
+    assert [text for text, _ in results[True]] == [text for text, _ in results[False]]
+    assert all(stats["drafter"] == "ngram" for _, stats in results[True])
+    assert all("drafter" not in stats for _, stats in results[False])
+
+
+def test_the_figures_say_how_many_drafts_were_kept():
+    from adaptive_llama.chat.repl import format_stats
+    from adaptive_llama.runtime.batching import GenerationResult
+
+    result = GenerationResult(text="x", finish_reason="stop", prompt_tokens=3,
+                              completion_tokens=9, sampler="greedy", seed=1)
+    assert result.drafts_kept is None and "draft" not in format_stats(result.summary())
+    result.drafter, result.draft_tokens, result.draft_accepted = "ngram", 8, 6
+    assert result.drafts_kept == "drafts kept 6/8 (75%)"
+    assert result.summary()["draft_acceptance"] == 0.75
+    assert format_stats(result.summary()).endswith("drafts (ngram): 6 of 8 kept")
+    result.draft_tokens = result.draft_accepted = 0
+    assert result.drafts_kept == "drafts kept 0/0"
+    assert result.summary()["draft_acceptance"] is None
+
+
+def test_the_repl_shows_the_drafter_and_the_drafts_kept():
+    from test_repl import chat
+
+    out = chat("/set verbose on", QUOTE, "/stats", "/show",
+               args=("--draft", "ngram", "--seed", "1", "--ctx", "512"))
+    assert "drafts kept " in out  # the footer
+    assert "drafts (ngram): " in out  # /stats
+    assert "drafts      ngram" in out  # /show
+
+
+def test_config_toml_turns_drafting_on_and_a_bad_value_is_one_line(tmp_path, monkeypatch):
+    import json
+    import os
+    from pathlib import Path
+
+    from click.testing import CliRunner
+
+    from adaptive_llama.cli import main
+
+    config = Path(os.environ["XDG_CONFIG_HOME"]) / "adaptive-llama" / "config.toml"
+    config.parent.mkdir(parents=True, exist_ok=True)
+    config.write_text('[defaults]\ndraft = "ngram"\ndraft_max = 4\n')
+    args = ["generate", "--prompt", QUOTE, "--chat", "-n", "8", "--json", "--ctx", "512"]
+    result = CliRunner().invoke(main, args)
+    assert result.exit_code == 0, result.output
+    assert json.loads(result.output.splitlines()[-1])["drafter"] == "ngram"
+    config.write_text('[defaults]\ndraft_max = 0\n')
+    result = CliRunner().invoke(main, args)
+    assert result.exit_code != 0 and "draft_max" in result.output
+    assert "Traceback" not in result.output

@@ -288,8 +288,10 @@ class Repl:
                       "longer replies]")
         if self.verbose:
             mean_k = f" · mean k {result.mean_k:.1f}" if result.mean_k is not None else ""
+            drafts = f" · {result.drafts_kept}" if result.drafts_kept else ""
             self.note(f"{result.completion_tokens} tokens · "
-                      f"{result.decode_tokens_per_s:.1f} tok/s{mean_k} · seed {result.seed}")
+                      f"{result.decode_tokens_per_s:.1f} tok/s{mean_k}{drafts} · "
+                      f"seed {result.seed}")
 
     def _traced(self, stream, piece: str) -> str:
         """The piece marked with the k of its token: coloured, or piece[k] when piped; with
@@ -425,7 +427,8 @@ class Repl:
                  f"{' (adapted to the load)' if self.engine.threads_adaptive else ''}\n"
                  f"context     {chat.context_used()} of {self.engine.n_ctx} tokens "
                  f"({len(chat.messages)} messages{outside})\n"
-                 f"layers      {self.engine.placement()}")
+                 f"layers      {self.engine.placement()}\n"
+                 f"drafts      {self.engine.draft or 'none'}")
         if self.sources:
             self.say("from        " + "; ".join(f"{key}: {source}"
                                                   for key, source in self.sources.items()))
@@ -671,6 +674,9 @@ def format_stats(summary: dict) -> str:
                  f"median {summary['median_k']}, max {summary['max_k']}")
         if summary["mean_conf"] is not None:
             line += f"; mean confidence {summary['mean_conf']:.3f}"
+    if "drafter" in summary:
+        line += (f"\ndrafts ({summary['drafter']}): {summary['draft_accepted']} of "
+                 f"{summary['draft_tokens']} kept")
     return line
 
 

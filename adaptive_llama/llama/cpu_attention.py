@@ -5,7 +5,7 @@ more cached keys alone is split over the threads (chunks of ``keys / threads``, 
 reduction: the result depends on the thread count); batches of 64 rows or more go through a
 tiled kernel (another rounding); everything else takes the one-row reference path. So with
 flash attention on, a token's logits depended on how its batch was formed and on the
-threads, and the engine used to turn flash attention off, at 8 to 12 % of its decode speed.
+threads, and the engine used to turn flash attention off.
 
 The backend's ``use_ref`` flag sends every row through the reference path: a row's result
 then depends on neither the batch nor the threads, and a token decoded alone or verified
@@ -22,6 +22,10 @@ ggml_backend_device_i`` in ggml-backend-impl.h) is checked before anything is wr
 ``ggml_backend_dev_name`` and ``ggml_backend_dev_type`` do, and its ``init_backend`` entry
 has to make a backend named "CPU". Where any of that fails, :func:`reference_attention`
 raises :class:`Unavailable` and nothing is written.
+
+A :class:`Switch` turns the flag off and on again between decodes: the tiled kernel is faster
+for a prompt's whole chunks, which the engine always evaluates alone and the same way, so
+they need no more than that.
 """
 
 from __future__ import annotations
@@ -78,7 +82,7 @@ class _CpuDevice:
         self.original = self.table[INIT_BACKEND]
         self._check_layout()
         self.wrapper = _INIT_BACKEND(self._init_backend)
-        self.made = 0  # backends the wrapper set use_ref on
+        self.made: list[int] = []  # the backends the wrapper set use_ref on
 
     def _check_layout(self) -> None:
         dev = self.device
@@ -99,8 +103,23 @@ class _CpuDevice:
         backend = _INIT_BACKEND(self.original)(dev, params)
         if backend:
             self.backend_cpu_set_use_ref(backend, True)
-            self.made += 1
+            self.made.append(backend)
         return backend
+
+
+class Switch:
+    """The reference kernel of one context's CPU backends, on or off between decodes."""
+
+    def __init__(self, backends: list[int]):
+        self._backends = list(backends)
+        self._set = _cpu_device().backend_cpu_set_use_ref
+        self.on = True  # as reference_attention made them
+
+    def set(self, on: bool) -> None:
+        if on != self.on:
+            for backend in self._backends:
+                self._set(backend, on)
+            self.on = on
 
 
 _lock = threading.Lock()
@@ -114,13 +133,13 @@ def _cpu_device() -> _CpuDevice:
 @contextlib.contextmanager
 def reference_attention():
     """Inside: the CPU backends llama.cpp makes use ggml's reference kernels (see the module
-    docstring); the context manager yields a function that says how many it made. Raises
+    docstring); yields the list of the backends made, for a :class:`Switch`. Raises
     :class:`Unavailable` (nothing changed) where llama.cpp is not laid out as expected."""
     device = _cpu_device()
     with _lock:
-        device.made = 0
+        device.made = []
         device.table[INIT_BACKEND] = ctypes.cast(device.wrapper, _vp).value
         try:
-            yield lambda: device.made
+            yield device.made
         finally:
             device.table[INIT_BACKEND] = device.original

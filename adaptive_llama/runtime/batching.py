@@ -12,14 +12,17 @@ copies that slot's cache instead of evaluating the prefix again; a prompt whose 
 prefix a sibling is still evaluating waits for it.
 
 **Same tokens, same logits.** llama.cpp computes a row with other kernels depending on its
-batch (one row or many; on the CPU its flash attention also by batch size and thread count,
-which the engine turns off), and the rounding differs. So that a reply is a function of the
+batch (one row or many; on the CPU its flash attention also by batch size and thread count),
+and the rounding differs. So that a reply is a function of the
 conversation's tokens, the sampler and the seed alone, whatever the cache holds, every
 prompt is evaluated the one canonical way: in chunks aligned to multiples of ``CHUNK``
 positions, each chunk decoded alone, and the logits of its last token sampled. A cache is
 reused only for whole chunks evaluated that way (``Slot.canonical``), never for the tokens a
-reply generated one at a time: the next turn evaluates them again as prompt. The generating
-rows of several sequences share a batch; on the CPU that changes no row (tests).
+reply generated one at a time: the next turn evaluates them again as prompt. Every row
+that is not part of a whole chunk goes through flash attention's reference kernel
+(``attention_switch``), which computes it the same way in any batch: so the generating rows of
+several sequences share a batch, and a sequence's drafted tokens are verified in one
+(:mod:`adaptive_llama.runtime.drafting`), without changing a row (tests).
 """
 
 from __future__ import annotations
@@ -100,6 +103,15 @@ class GenerationResult:
     def decode_tokens_per_s(self) -> float:
         """Generated tokens per second of decoding (prompt evaluation excluded)."""
         return self.completion_tokens / self.decode_s if self.decode_s > 0 else 0.0
+
+    @property
+    def drafts_kept(self) -> str | None:
+        """Speculation's figure for a footer or a log line, as ``drafts kept 23/25 (92%)``;
+        None without a drafter."""
+        if not self.drafter:
+            return None
+        share = f" ({self.draft_accepted / self.draft_tokens:.0%})" if self.draft_tokens else ""
+        return f"drafts kept {self.draft_accepted}/{self.draft_tokens}{share}"
 
     @property
     def mean_k(self) -> float | None:
@@ -211,6 +223,11 @@ class Decoder:
         self.watchdog = contextlib.nullcontext()  # around each step (RPC workers: a Watchdog)
         self._steps = 0
         self._joins = 0
+        # The reference flash attention of the context's CPU backends (a cpu_attention.Switch;
+        # None without it): on for every row a reply's tokens depend on, whose logits must be
+        # the same alone or in a batch of drafts; off for whole prompt chunks, which are
+        # always evaluated alone and the same way, where the tiled kernel is faster.
+        self.attention_switch = None
         self.drafter = None  # a drafter of adaptive_llama.runtime.drafting: speculation
         self.draft_max = 0
         self.row_cost = RowCost()
@@ -318,7 +335,12 @@ class Decoder:
         slot.canonical = 0
         llama_cpp.llama_memory_seq_rm(self._memory, slot.index, 0, -1)
 
-    def _decode(self) -> None:
+    def _decode(self, whole_chunk: bool = False) -> None:
+        """Decode the batch; ``whole_chunk``: it is one CHUNK-row prompt chunk, which llama.cpp's
+        tiled flash attention computes faster than its reference kernel (see
+        ``attention_switch``)."""
+        if self.attention_switch is not None:
+            self.attention_switch.set(not whole_chunk)
         code = llama_cpp.llama_decode(self._ctx, self._batch)
         if code != 0:
             raise RuntimeError(f"llama_decode returned {code}: the context is full or the "
@@ -372,8 +394,7 @@ class Decoder:
             started = time.perf_counter()
             self._decode()
             if self.drafter is not None:
-                self.row_cost.observe(time.perf_counter() - started, len(generating),
-                                      rows - len(generating))
+                self.row_cost.observe(time.perf_counter() - started, rows)
             for generation in generating:  # the token it fed is in its cache now
                 generation.slot.tokens.append(generation.next_token)
                 generation.next_token = None
@@ -395,7 +416,11 @@ class Decoder:
         the batch, the context window and the tokens the request may still make."""
         if self.drafter is None:
             return [[] for _ in generating]
-        cost = self.row_cost.ratio(self.drafter.draft_s)
+        sequences, draft_s = len(generating), self.drafter.draft_s
+
+        def cost(n: int) -> float:
+            return self.row_cost.extra(sequences, n, draft_s)
+
         room = self.n_batch - len(generating)
         wants = []
         for generation in generating:
@@ -467,7 +492,7 @@ class Decoder:
         for j, token in enumerate(chunk):
             self._put(j, token, slot, j, last and j == len(chunk) - 1)
         self._batch.n_tokens = len(chunk)
-        self._decode()
+        self._decode(whole_chunk=len(chunk) == CHUNK)
         if len(chunk) == CHUNK and slot.canonical == len(slot.tokens):
             slot.canonical += CHUNK
         slot.tokens += chunk

@@ -19,11 +19,11 @@ Two drafters propose tokens:
 
 :class:`DraftLength` picks each round's length: with ``a`` the sequence's acceptance rate
 (each drafted token kept given the ones before it were) a draft of n tokens yields
-``(1 - a^(n+1)) / (1 - a)`` tokens on average, at a cost of ``1 + n * c`` single-token
-decodes, ``c`` being what one more row (and drafting it) costs, as measured. It drafts the n
-that yields most per cost, and none where no draft pays; then it still tries a one-token
-draft after ``PROBE_EVERY`` rounds (then twice as many, up to 64), so that it notices when
-drafts start to pay again.
+``(1 - a^(n+1)) / (1 - a)`` tokens on average, at a cost of ``1 + c(n)`` single-token
+decodes, ``c(n)`` being what n more rows (and drafting them) add to a step, as measured
+(:class:`RowCost`). It drafts the n that yields most per cost, and none where no draft
+pays; then it still tries a one-token draft after ``PROBE_EVERY`` rounds (then twice as
+many, up to 64), so that it notices when drafts start to pay again.
 """
 
 from __future__ import annotations
@@ -93,14 +93,14 @@ class DraftLength:
     def rate(self) -> float:
         return self.accepted / self.drafted
 
-    def next_length(self, row_cost: float) -> int:
-        """The draft length that yields most tokens per cost, ``row_cost`` being the cost of
-        one more row relative to decoding one token. Where none pays, a one-token probe
-        now and then, less often while probes keep failing."""
+    def next_length(self, cost) -> int:
+        """The draft length that yields most tokens per cost, ``cost(n)`` being what n drafted
+        rows add to a step, relative to decoding one token. Where none pays, a one-token
+        probe now and then, less often while probes keep failing."""
         a = min(self.rate, 0.999)
         best, best_yield = 0, 1.0
         for n in range(1, self.n_max + 1):
-            per_cost = (1 - a ** (n + 1)) / (1 - a) / (1 + n * row_cost)
+            per_cost = (1 - a ** (n + 1)) / (1 - a) / (1 + cost(n))
             if per_cost > best_yield:
                 best, best_yield = n, per_cost
         if best:
@@ -120,26 +120,33 @@ class DraftLength:
 
 
 class RowCost:
-    """What one more row in a decode costs, relative to a decode of one row per sequence:
-    running averages of the step times with and without drafted rows."""
+    """What drafted rows add to a decode step, from running averages of the step's time by
+    its number of rows. A row count not measured yet is guessed optimistically (each row
+    more at ``prior`` of a sequence's share of the nearest measured step), so that a length
+    that could pay gets tried once and measured: on a CPU bound by arithmetic 16 rows cost
+    about 10 single-row decodes, on a GPU not much more than one."""
 
     def __init__(self, prior: float = 0.1):
-        self.plain_s: float | None = None   # a step without drafts, per sequence
-        self.extra_s: float | None = None   # one drafted row more
+        self.step_s: dict[int, float] = {}  # rows in the step -> seconds, running average
         self.prior = prior
 
-    def ratio(self, draft_s: float = 0.0) -> float:
-        """One more row, and drafting its token (``draft_s`` seconds), relative to a step."""
-        if self.plain_s is None or self.extra_s is None:
-            return self.prior
-        return (max(self.extra_s, 0.0) + draft_s) / self.plain_s
+    def observe(self, seconds: float, rows: int) -> None:
+        self.step_s[rows] = _average(self.step_s.get(rows), seconds)
 
-    def observe(self, seconds: float, sequences: int, drafted_rows: int) -> None:
-        if drafted_rows == 0:
-            self.plain_s = _average(self.plain_s, seconds / sequences)
-        elif self.plain_s is not None:
-            extra = (seconds - self.plain_s * sequences) / drafted_rows
-            self.extra_s = _average(self.extra_s, extra)
+    def extra(self, sequences: int, drafted: int, draft_s: float = 0.0) -> float:
+        """What ``drafted`` more rows (and drafting them, ``draft_s`` seconds each) add to a
+        step of ``sequences`` single rows, in units of one sequence's share of that step."""
+        plain = self.step_s.get(sequences)
+        if plain is None:
+            return self.prior * drafted
+        share = plain / sequences
+        return (self._time(sequences + drafted, share) - plain + drafted * draft_s) / share
+
+    def _time(self, rows: int, share: float) -> float:
+        if rows in self.step_s:
+            return self.step_s[rows]
+        below = max(r for r in self.step_s if r < rows)
+        return self.step_s[below] + self.prior * share * (rows - below)
 
 
 def _average(old: float | None, new: float, weight: float = 0.2) -> float:
@@ -204,6 +211,14 @@ class ModelDrafter:
         return _Tokens(tokens)
 
     def draft(self, wants: list[tuple[int, "_Tokens", int]]) -> list[list[int]]:
+        try:
+            return self._draft(wants)
+        except BaseException:  # an error or a Ctrl-C: what the draft cache holds is unknown
+            self._held.clear()
+            llama_cpp.llama_memory_clear(self._memory, True)
+            raise
+
+    def _draft(self, wants: list[tuple[int, "_Tokens", int]]) -> list[list[int]]:
         started = time.perf_counter()
         drafts: list[list[int]] = [[] for _ in wants]
         live = [i for i, (_, _, n) in enumerate(wants) if n > 0]

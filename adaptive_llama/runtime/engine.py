@@ -240,6 +240,7 @@ class Engine:
         self.decoder = Decoder(self.ctx, self.vocab, parallel, self.n_ctx,
                                min(N_BATCH, self.n_ctx * parallel),
                                ThreadTuner(self.ctx, threads, adaptive=n_threads is None))
+        self.decoder.attention_switch = self._attention_switch
         if self.rpc:
             self.decoder.watchdog = ggml_rpc.Watchdog(self.rpc, rpc_timeout)
         if backend_sampling:
@@ -247,6 +248,12 @@ class Engine:
         if draft is not None:
             self.decoder.drafter = self._drafter(draft, threads)
             self.decoder.draft_max = draft_max
+            if self.attention != "reference":
+                log.warning("with drafts, a reply may differ from the same seed's reply "
+                            "without them where two tokens nearly tie: %s computes a row "
+                            "otherwise in a batch (docs/performance.md)",
+                            "this GPU" if n_gpu_layers else "attention without llama.cpp's "
+                            "reference kernel")
         self.metadata = self._model.metadata()
         self._specials: tuple[re.Pattern | None, dict[str, int]] | None = None
         self.chat_template = self._chat_template(chat_template)
@@ -278,6 +285,7 @@ class Engine:
             params.n_outputs_max = self.parallel
             params.n_outputs_max_per_seq = 1
         self.attention = "flash"  # llama.cpp's own choice
+        self._attention_switch = None
         if self.batch_invariant and not self.rpc:
             context = self._reference_attention_context(params, requested, verbose)
             if context is not None:
@@ -300,8 +308,9 @@ class Engine:
             with cpu_attention.reference_attention() as made:
                 params.flash_attn_type = llama_cpp.LLAMA_FLASH_ATTN_TYPE_ENABLED
                 context = self._create_context(params, requested, verbose)
-            if made():
+            if made:
                 self.attention = "reference"
+                self._attention_switch = cpu_attention.Switch(made)
                 return context
             context.close()
             reason = "llama.cpp made its CPU backend some other way"

@@ -176,11 +176,12 @@ class Scheduler:
 
 def _log_line(job: Job, outcome: str, result: GenerationResult | None) -> str:
     """``/v1/chat/completions smollm2: completed (stop), 25 + 12 tokens, 41.3 tok/s,
-    adaptive:eps=0.0005, mean k 4.2``."""
+    adaptive:eps=0.0005, mean k 4.2`` (and with speculation ``, drafts kept 9/12 (75%)``)."""
     request = job.request
     if result is None:  # it never ran
         return f"{job.label}: {outcome}, {len(request.prompt_tokens)} prompt tokens"
     mean_k = f", mean k {result.mean_k:.1f}" if result.mean_k is not None else ""
+    drafts = f", {result.drafts_kept}" if result.drafts_kept else ""
     return (f"{job.label}: {outcome} ({result.finish_reason}), {result.prompt_tokens} + "
             f"{result.completion_tokens} tokens, {result.decode_tokens_per_s:.1f} tok/s, "
-            f"{result.sampler}{mean_k}")
+            f"{result.sampler}{mean_k}{drafts}")
