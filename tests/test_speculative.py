@@ -246,10 +246,37 @@ def test_the_next_turn_after_a_drafted_reply_is_the_same_too(engine, ngram_engin
 
 # ---- refusals ----
 
-def test_a_draft_model_with_another_vocabulary_is_refused_in_one_line(smollm2_path):
-    with pytest.raises(ModelError, match="gemma-3-270m.* cannot draft for this model: its "
-                                         "tokenizer is of another type"):
-        Engine(smollm2_path, n_ctx=512, draft="gemma3-270m")
+@pytest.fixture(scope="module")
+def foreign_vocabulary(smollm2_path, tmp_path_factory):
+    """SmolLM2 with the text of token 1000 changed in its GGUF (same length, so the file
+    stays valid): a model whose tokenizer is not the bundled one's."""
+    import struct
+
+    engine = Engine(smollm2_path, n_ctx=256)
+    try:
+        text = llama_cpp.llama_vocab_get_text(engine._model.vocab, 1000)
+        texts = {llama_cpp.llama_vocab_get_text(engine._model.vocab, t)
+                 for t in range(engine.n_vocab)}
+    finally:
+        engine.close()
+    other = next(t for t in (text[:-1] + bytes([c]) for c in b"qxzjkv") if t not in texts)
+    data = smollm2_path.read_bytes()
+    field = struct.pack("<Q", len(text)) + text
+    assert data.count(field) == 1
+    path = tmp_path_factory.mktemp("foreign") / "foreign.gguf"
+    path.write_bytes(data.replace(field, struct.pack("<Q", len(other)) + other))
+    return path, text, other
+
+
+def test_a_draft_model_with_another_vocabulary_is_refused_in_one_line(smollm2_path,
+                                                                      foreign_vocabulary):
+    path, text, other = foreign_vocabulary
+    with pytest.raises(ModelError) as refused:
+        Engine(smollm2_path, n_ctx=512, draft=path)
+    assert str(refused.value) == (
+        f"the draft model foreign.gguf cannot draft for this model: token 1000 is "
+        f"{other.decode()!r} there and {text.decode()!r} in the model; use a smaller model "
+        "of the same family (the same tokenizer)")
     with pytest.raises(ModelError, match="^the draft model: .*missing.gguf: no such file"):
         Engine(smollm2_path, n_ctx=512, draft="/nowhere/missing.gguf")
 
@@ -265,7 +292,7 @@ def test_bad_draft_arguments_are_refused_before_anything_loads(kwargs, message):
         Engine("/nowhere/model.gguf", **kwargs)
 
 
-def test_the_cli_reports_acceptance_and_refuses_a_bad_draft_model(tmp_path):
+def test_the_cli_reports_acceptance_and_refuses_a_bad_draft_model(foreign_vocabulary):
     import json
     import subprocess
     import sys
@@ -279,8 +306,8 @@ def test_the_cli_reports_acceptance_and_refuses_a_bad_draft_model(tmp_path):
     plain = json.loads(subprocess.run(command, capture_output=True, text=True,
                                       timeout=120).stdout)
     assert plain["text"] == figures["text"] and "drafter" not in plain
-    bad = subprocess.run([*command, "--draft", "gemma3-270m"], capture_output=True, text=True,
-                         timeout=120)
+    bad = subprocess.run([*command, "--draft", str(foreign_vocabulary[0])],
+                         capture_output=True, text=True, timeout=120)
     assert bad.returncode != 0 and "Traceback" not in bad.stderr
     assert bad.stderr.strip().splitlines()[-1].startswith("Error: the draft model")
 
