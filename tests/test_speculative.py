@@ -326,6 +326,11 @@ def test_prompt_lookup_drafts_what_followed_the_longest_suffix_seen_before():
     assert PromptLookup([5]).draft(4) == []
 
 
+def test_a_longer_match_wins_over_a_later_shorter_one():
+    lookup = PromptLookup([1, 2, 3, 4, 10, 8, 2, 3, 4, 11, 1, 2, 3, 4])
+    assert lookup.draft(1) == [10]  # 1,2,3,4 before 10; 2,3,4 last before 11
+
+
 def test_the_latest_occurrence_wins_and_drafts_may_run_into_the_suffix():
     lookup = PromptLookup([8, 8, 8, 8])
     assert lookup.draft(5) == [8]  # 8,8,8 last followed at position 3 by the final 8
@@ -341,6 +346,24 @@ def test_one_token_drafts_pay_exactly_when_acceptance_beats_the_row_cost(c):
     below.accepted, below.drafted = c - 0.01, 1.0
     assert above.next_length(lambda n: c * n) == 1
     assert below.next_length(lambda n: c * n) == 0
+
+
+def test_a_draft_that_only_breaks_even_is_not_made():
+    even = DraftLength(n_max=1)
+    even.accepted, even.drafted = 0.5, 1.0  # 1.5 tokens for 1.5 decodes
+    assert even.next_length(lambda n: 0.5 * n) == 0
+
+
+def test_probes_come_often_again_once_drafts_pay():
+    length = DraftLength(n_max=4)
+    length.accepted, length.drafted = 0.0, 10.0
+    for _ in range(8 + 16 + 32):  # three probes: the gap has grown to 64
+        length.next_length(lambda n: 0.5 * n)
+    assert length.probe_every == 64
+    length.accepted = 10.0
+    assert length.next_length(lambda n: 0.5 * n) > 0  # paying again
+    length.accepted = 0.0
+    assert [length.next_length(lambda n: 0.5 * n) for _ in range(8)] == [0] * 7 + [1]
 
 
 def test_drafts_grow_with_acceptance_and_stop_when_they_do_not_pay():
