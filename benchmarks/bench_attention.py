@@ -8,10 +8,10 @@ so the options are:
 - flash: llama.cpp's default, flash attention with its tiled and split kernels;
 - off: no flash attention (what the engine ran before);
 - reference: flash attention through ggml's one-row reference kernel throughout;
-- engine: the engine's own prefill and generate, the figures users see: prompts in 64-token
-  chunks through llama.cpp's tiled kernel (each chunk is always evaluated alone, the same
-  way), every other row (a reply's tokens, drafts) through the reference kernel, and the
-  sampler chain.
+- engine: the engine's own prefill and generate with reference attention (as with a
+  draft): prompts in 64-token chunks through llama.cpp's tiled kernel (each chunk is always
+  evaluated alone, the same way), every other row (a reply's tokens, drafts) through the
+  reference kernel, and the sampler chain.
 
 The first three are a bare loop of llama_decode calls: the prompt in batches of 512 tokens,
 then greedy tokens one at a time (arg-max of the logits). Each round evaluates a prompt of
@@ -105,7 +105,7 @@ def main():
     args = parser.parse_args()
     lengths = [int(x) for x in args.lengths.split(",")]
     n_ctx = max(lengths) + args.decode + 256
-    engine = Engine(args.model, n_ctx=n_ctx, n_threads=args.threads)
+    engine = Engine(args.model, n_ctx=n_ctx, n_threads=args.threads, reference_attention=True)
     threads = engine.threads
     loops = {mode: BareLoop(engine, mode, n_ctx, threads) for mode in MODES}
     base = engine.tokenize(PROMPT * 400)

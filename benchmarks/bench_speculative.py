@@ -165,7 +165,8 @@ def main():
     parser.add_argument("--seed", type=int, default=1)
     args = parser.parse_args()
     options = dict(n_ctx=4096, n_threads=args.threads)
-    engines = {"none": Engine(args.model, **options),
+    # "none" computes attention as the engines with drafts do, so that texts are comparable
+    engines = {"none": Engine(args.model, reference_attention=True, **options),
                "ngram": Engine(args.model, draft="ngram", draft_max=args.draft_max,
                                **options)}
     engines["ngram-always"] = engines["ngram"]

@@ -71,7 +71,8 @@ def test_the_thread_count_changes_no_logits_of_whole_chunks_or_single_rows(smoll
     # depend on the threads, past 512 cells in view either.
     rows = []
     for threads in (1, 2):
-        engine = Engine(smollm2_path, n_ctx=1024, n_threads=threads, n_gpu_layers=GPU_LAYERS)
+        engine = Engine(smollm2_path, n_ctx=1024, n_threads=threads, n_gpu_layers=GPU_LAYERS,
+                        reference_attention=True)
         try:
             tokens = engine.tokenize(LONG * 2)[:576]  # 9 whole chunks, then 4 rows alone
             assert engine.attention == ("reference" if not GPU_LAYERS else "flash")

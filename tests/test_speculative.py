@@ -40,6 +40,16 @@ def always_draft(monkeypatch):
 
 
 @pytest.fixture(scope="module")
+def engine(smollm2_path):
+    """This module's engine without drafts: the attention an engine with drafts runs (the
+    reference kernel for single rows), so that their replies are comparable."""
+    engine = Engine(smollm2_path, seed=1, n_ctx=1024, n_gpu_layers=GPU_LAYERS,
+                    reference_attention=True)
+    yield engine
+    engine.close()
+
+
+@pytest.fixture(scope="module")
 def ngram_engine(smollm2_path):
     engine = Engine(smollm2_path, seed=1, n_ctx=1024, n_gpu_layers=GPU_LAYERS, draft="ngram",
                     draft_max=6)
@@ -199,7 +209,8 @@ def test_max_tokens_and_the_context_window_end_the_reply_at_the_same_token(
     for n in (1, 2, 7):
         assert reply(ngram_engine, QUOTE, "greedy", max_tokens=n).tokens == \
             reply(engine, QUOTE, "greedy", max_tokens=n).tokens
-    small = {d: Engine(smollm2_path, n_ctx=256, draft=d, draft_max=8) for d in (None, "ngram")}
+    small = {d: Engine(smollm2_path, n_ctx=256, draft=d, draft_max=8, reference_attention=True)
+             for d in (None, "ngram")}
     try:
         text = "The history of the river Danube is long and full of events. " * 17
         results = [e.generate(text, sampler="greedy", max_tokens=None) for e in small.values()]
@@ -303,9 +314,12 @@ def test_the_cli_reports_acceptance_and_refuses_a_bad_draft_model(foreign_vocabu
                          timeout=120)
     figures = json.loads(out.stdout)
     assert figures["drafter"] == "ngram" and "draft_acceptance" in figures
+    one = json.loads(subprocess.run([*command, "--draft", "ngram", "--draft-max", "1"],
+                                    capture_output=True, text=True, timeout=120).stdout)
+    assert one["text"] == figures["text"]
     plain = json.loads(subprocess.run(command, capture_output=True, text=True,
                                       timeout=120).stdout)
-    assert plain["text"] == figures["text"] and "drafter" not in plain
+    assert "drafter" not in plain
     bad = subprocess.run([*command, "--draft", str(foreign_vocabulary[0])],
                          capture_output=True, text=True, timeout=120)
     assert bad.returncode != 0 and "Traceback" not in bad.stderr
@@ -430,14 +444,17 @@ def test_the_vocabulary_check_names_the_first_token_that_differs(smollm2_path,
 
 # ---- through the server, with a real client ----
 
-def test_a_drafting_server_answers_concurrent_clients_as_a_plain_one_does(
-        smollm2_path, tmp_path, always_draft):
+def test_a_drafting_server_answers_concurrent_clients_as_each_alone(smollm2_path, tmp_path):
     from concurrent.futures import ThreadPoolExecutor
 
     import openai
     from test_server import API_KEY, serving
 
-    def answers(port):
+    log = tmp_path / "server.log"
+    server = serving(smollm2_path, log, "--parallel", "3", "--draft", "ngram",
+                     "--draft-max", "6")
+    port = next(server)
+    try:
         client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key=API_KEY,
                                max_retries=0)
 
@@ -448,22 +465,13 @@ def test_a_drafting_server_answers_concurrent_clients_as_a_plain_one_does(
             return r.choices[0].message.content, r.model_extra["sampler_stats"]
 
         with ThreadPoolExecutor(3) as pool:
-            return list(pool.map(ask, [1, 2, 3]))
-
-    results = {}
-    for draft in ([], ["--draft", "ngram", "--draft-max", "6"]):
-        log = tmp_path / f"server{len(draft)}.log"
-        server = serving(smollm2_path, log, "--parallel", "3", *draft)
-        port = next(server)
-        try:
-            results[bool(draft)] = answers(port)
-        finally:
-            next(server, None)
-        if draft:
-            assert "drafts kept" in log.read_text()
-    assert [text for text, _ in results[True]] == [text for text, _ in results[False]]
-    assert all(stats["drafter"] == "ngram" for _, stats in results[True])
-    assert all("drafter" not in stats for _, stats in results[False])
+            together = list(pool.map(ask, [1, 2, 3]))
+        alone = [ask(seed) for seed in (1, 2, 3)]
+    finally:
+        next(server, None)
+    assert [text for text, _ in together] == [text for text, _ in alone]
+    assert all(stats["drafter"] == "ngram" for _, stats in together)
+    assert "drafts kept" in log.read_text()
 
 
 def test_the_figures_say_how_many_drafts_were_kept():

@@ -19,10 +19,11 @@ prompt is evaluated the one canonical way: in chunks aligned to multiples of ``C
 positions, each chunk decoded alone, and the logits of its last token sampled. A cache is
 reused only for whole chunks evaluated that way (``Slot.canonical``), never for the tokens a
 reply generated one at a time: the next turn evaluates them again as prompt. Every row
-that is not part of a whole chunk goes through flash attention's reference kernel
-(``attention_switch``), which computes it the same way in any batch: so the generating rows of
-several sequences share a batch, and a sequence's drafted tokens are verified in one
-(:mod:`adaptive_llama.runtime.drafting`), without changing a row (tests).
+that is not part of a whole chunk goes through flash attention's reference kernel where the
+engine runs it (``attention_switch``; with a drafter), which computes it the same way in any
+batch, so that a sequence's drafted tokens are verified in one batch without changing a row
+(:mod:`adaptive_llama.runtime.drafting`); otherwise flash attention is off. The generating rows
+of several sequences share a batch; on the CPU that changes no row either way (tests).
 """
 
 from __future__ import annotations
@@ -335,12 +336,14 @@ class Decoder:
         slot.canonical = 0
         llama_cpp.llama_memory_seq_rm(self._memory, slot.index, 0, -1)
 
-    def _decode(self, whole_chunk: bool = False) -> None:
-        """Decode the batch; ``whole_chunk``: it is one CHUNK-row prompt chunk, which llama.cpp's
-        tiled flash attention computes faster than its reference kernel (see
+    def _attention_for(self, whole_chunk: bool) -> None:
+        """Before a decode: a whole CHUNK-row prompt chunk goes through llama.cpp's tiled
+        flash attention (faster), every other batch through its reference kernel (see
         ``attention_switch``)."""
         if self.attention_switch is not None:
             self.attention_switch.set(not whole_chunk)
+
+    def _decode(self) -> None:
         code = llama_cpp.llama_decode(self._ctx, self._batch)
         if code != 0:
             raise RuntimeError(f"llama_decode returned {code}: the context is full or the "
@@ -391,6 +394,7 @@ class Decoder:
                     self._put(rows + j, token, generation.slot, j, True)
                 rows += 1 + len(draft)
             self._batch.n_tokens = rows
+            self._attention_for(whole_chunk=False)
             started = time.perf_counter()
             self._decode()
             if self.drafter is not None:
@@ -492,7 +496,8 @@ class Decoder:
         for j, token in enumerate(chunk):
             self._put(j, token, slot, j, last and j == len(chunk) - 1)
         self._batch.n_tokens = len(chunk)
-        self._decode(whole_chunk=len(chunk) == CHUNK)
+        self._attention_for(whole_chunk=len(chunk) == CHUNK)
+        self._decode()
         if len(chunk) == CHUNK and slot.canonical == len(slot.tokens):
             slot.canonical += CHUNK
         slot.tokens += chunk

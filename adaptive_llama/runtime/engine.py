@@ -159,6 +159,12 @@ class Engine:
             where drafts are kept.
         draft_max: tokens drafted per step at most (the engine drafts fewer, or none,
             where drafts are seldom kept).
+        reference_attention: on the CPU (no GPU layers, no workers), flash attention through
+            llama.cpp's tiled kernel for whole prompt chunks and its one-row reference kernel
+            for every other row, which gives a row the same logits alone or among drafted
+            tokens (:mod:`adaptive_llama.llama.cpu_attention`); else flash attention off.
+            None: on with a ``draft``. Replies are reproducible either way, but the two
+            compute attention differently, so the same seed gives another reply in each.
 
     Raises:
         ModelError: the file is missing, not GGUF, truncated or otherwise unloadable.
@@ -171,7 +177,7 @@ class Engine:
                  chat_template: str | None = None, rpc: str | list[str] | None = None,
                  tensor_split: list[float] | None = None,
                  rpc_timeout: float = ggml_rpc.STEP_TIMEOUT_S, draft: str | None = None,
-                 draft_max: int = MAX_DRAFT):
+                 draft_max: int = MAX_DRAFT, reference_attention: bool | None = None):
         check_int("n_gpu_layers", n_gpu_layers, low=-1)
         check_int("n_ctx", n_ctx, low=0, high=MAX_CTX)
         if 0 < n_ctx < CTX_STEP:
@@ -199,6 +205,11 @@ class Engine:
             raise InvalidArgument("speculative decoding samples at every drafted position "
                                   "on the CPU, and backend sampling samples in the graph: "
                                   "drop one of the two", "draft")
+        if reference_attention not in (None, True, False):
+            raise InvalidArgument(f"`reference_attention` has to be True, False or None, but "
+                                  f"is {reference_attention!r}", "reference_attention")
+        self._wants_reference = draft is not None if reference_attention is None \
+            else reference_attention
         if self.rpc and backend_sampling:
             raise InvalidArgument("backend sampling runs in the graph of the device that "
                                   "holds the output layer, which an RPC worker cannot do "
@@ -286,16 +297,17 @@ class Engine:
             params.n_outputs_max_per_seq = 1
         self.attention = "flash"  # llama.cpp's own choice
         self._attention_switch = None
-        if self.batch_invariant and not self.rpc:
+        if self.batch_invariant and not self.rpc and self._wants_reference:
             context = self._reference_attention_context(params, requested, verbose)
             if context is not None:
                 return context
         if self.batch_invariant:
             # Batch-invariant evaluation (see batch_invariant) without the reference kernel
-            # (CPU workers hold their own backends): llama.cpp's other CPU flash attention
-            # kernels compute a row otherwise in a batch of 64 rows or more, and split a
-            # single row's attention over the threads once 512 cells are in view. Without
-            # flash attention every row is computed the same way, whatever the batch.
+            # (not asked for, or CPU workers, which hold their own backends): llama.cpp's
+            # other CPU flash attention kernels compute a row otherwise in a batch of 64 rows
+            # or more, and split a single row's attention over the threads once 512 cells
+            # are in view. Without flash attention every prompt row is computed the same
+            # way, whatever the batch.
             params.flash_attn_type = llama_cpp.LLAMA_FLASH_ATTN_TYPE_DISABLED
             self.attention = "off"
         return self._create_context(params, requested, verbose)
