@@ -35,6 +35,7 @@ import llama_cpp
 import numpy as np
 from llama_cpp import _internals
 
+from ..llama import rpc as ggml_rpc
 from .loading import load_model
 from .models import ModelError, resolve_model
 
@@ -177,7 +178,9 @@ class ModelDrafter:
                  p_min: float = P_MIN):
         self.path = resolve_model(model)
         self.name = self.path.name
-        self._model, _ = load_model(self.path)
+        # On this machine only: with no list, llama.cpp would take every GPU-type device,
+        # RPC workers registered for another model in this process included.
+        self._model, _ = load_model(self.path, devices=ggml_rpc.model_devices([]))
         try:
             check_vocabularies(self._model, target, self.name)
             params = llama_cpp.llama_context_default_params()
