@@ -520,3 +520,33 @@ def test_config_toml_turns_drafting_on_and_a_bad_value_is_one_line(tmp_path, mon
     result = CliRunner().invoke(main, args)
     assert result.exit_code != 0 and "draft_max" in result.output
     assert "Traceback" not in result.output
+
+
+def test_a_draft_model_stays_on_this_machine_after_another_models_workers(smollm2_path):
+    """A process that used RPC workers for one model, now stopped, loads a draft model for
+    another: the draft model is not given the workers (llama.cpp's default device list
+    would, and ggml would abort the process on the dead connection)."""
+    import subprocess
+    import sys
+
+    from test_rpc import start_worker, stop
+    from test_server import free_port
+
+    port = free_port()
+    worker = start_worker(port)
+    model = str(smollm2_path)
+    code = (f"from adaptive_llama import Engine\n"
+            f"Engine({model!r}, n_ctx=256, rpc='127.0.0.1:{port}').close()\n"
+            f"print('ready', flush=True)\n"
+            f"input()\n"
+            f"e = Engine({model!r}, n_ctx=256, draft={model!r})\n"
+            f"print(e.generate('Hi', sampler='greedy', max_tokens=4).completion_tokens)\n")
+    child = subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.PIPE,
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        assert child.stdout.readline().strip() == "ready", child.stderr.read()
+    finally:
+        stop(worker)
+    out, err = child.communicate("\n", timeout=120)
+    assert child.returncode == 0, err
+    assert int(out.strip()) > 0
