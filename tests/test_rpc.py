@@ -550,10 +550,16 @@ def test_generate_json_names_the_layers(own_worker):
 
 
 def wait_for_text(stream, min_chars: int, timeout: float = 60) -> str:
-    """Read ``stream`` until ``min_chars`` characters have come (a reply under way)."""
+    """Read ``stream`` until ``min_chars`` characters have come (a reply under way), for at
+    most ``timeout`` seconds: a reply that ends sooner (the REPL then waits for input) must
+    fail the test, not hang it."""
+    import select
+
     got = ""
     deadline = time.monotonic() + timeout
-    while len(got) < min_chars and time.monotonic() < deadline:
+    while len(got) < min_chars and (left := deadline - time.monotonic()) > 0:
+        if not select.select([stream], [], [], left)[0]:
+            break
         piece = stream.read(1)
         if not piece:
             break
@@ -564,7 +570,8 @@ def wait_for_text(stream, min_chars: int, timeout: float = 60) -> str:
 def test_worker_killed_mid_reply_ends_generate_with_one_line(own_worker):
     endpoint, worker = own_worker
     proc = subprocess.Popen([*CLI, "generate", "--rpc", endpoint, "--prompt", "Once upon a "
-                             "time", "-n", "5000", "--sampler", "adaptive:temp=1.5"],
+                             "time", "-n", "5000", "--sampler", "adaptive:temp=1.5",
+                             "--seed", "1"],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     shown = wait_for_text(proc.stdout, 40)
     worker.kill()
@@ -595,7 +602,8 @@ def test_frozen_worker_ends_generate_after_the_timeout(own_worker):
 
 def test_worker_killed_mid_reply_keeps_the_chat(own_worker, tmp_path):
     endpoint, worker = own_worker
-    proc = subprocess.Popen([*CLI, "run", "--rpc", endpoint, "-n", "5000",
+    # A seed whose reply runs past 200 characters (without one a short reply could come)
+    proc = subprocess.Popen([*CLI, "run", "--rpc", endpoint, "-n", "5000", "--seed", "1",
                              "--sampler", "adaptive:temp=1.5"],
                             stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True)
