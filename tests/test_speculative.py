@@ -429,11 +429,11 @@ def test_the_vocabulary_check_names_the_first_token_that_differs(smollm2_path,
         monkeypatch.setattr(llama_cpp, "llama_vocab_get_text", text)
         drafting.check_vocabularies(engine._model, engine._model, "x.gguf")  # one model
         with pytest.raises(ModelError, match="token 77 is .* there and 'changed'"):
-            from llama_cpp import _internals
+            from adaptive_llama.llama import rpc
+            from adaptive_llama.runtime.loading import load_model
 
-            other = _internals.LlamaModel(path_model=str(smollm2_path),
-                                          params=llama_cpp.llama_model_default_params(),
-                                          verbose=False)
+            # this machine's devices only: not workers an earlier test registered
+            other, _ = load_model(smollm2_path, devices=rpc.model_devices([]))
             try:
                 drafting.check_vocabularies(other, engine._model, "x.gguf")
             finally:
