@@ -209,8 +209,7 @@ class ModelDrafter:
         self.draft_s = 0.0  # seconds per drafted token, measured
         self._held: dict[int, list[int]] = {}  # slot -> the tokens its draft cache holds
 
-    def start(self, slot: int, tokens: list[int]) -> PromptLookup:
-        # The state is the sequence's tokens; a PromptLookup keeps them (its lookup unused).
+    def start(self, slot: int, tokens: list[int]) -> "_Tokens":
         return _Tokens(tokens)
 
     def draft(self, wants: list[tuple[int, "_Tokens", int]]) -> list[list[int]]:
