@@ -1,6 +1,7 @@
 """The HTTP server behind ``adaptive-llama serve``: one or several models (:mod:`.pool`: each
 with its llama.cpp context, loaded on demand), behind OpenAI's routes (:mod:`.openai`) and Ollama's (:mod:`.ollama`), plus llama-server's
-``/tokenize`` and ``/detokenize`` (:mod:`.llamacpp`) and ``GET /health``.
+``/tokenize`` and ``/detokenize`` (:mod:`.llamacpp`), ``GET /health``, and the chat page at
+``GET /`` (:mod:`.web`).
 
 This module assembles the application: the shared state (:class:`.common.Server`), who may
 call it (:mod:`.guard`), errors in each protocol's shape (:mod:`.errors`); the routes of both
@@ -19,7 +20,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from ..runtime.embeddings import Embedder
 from ..runtime.models import ModelError
-from . import llamacpp, ollama, openai
+from . import llamacpp, ollama, openai, web
 from .common import MAX_BODY, Server
 from .errors import APIError
 from .guard import LOOPBACK_ORIGIN, Access, Guard
@@ -86,6 +87,7 @@ def create_app(pool: ModelPool, *, api_key: str | None = None, max_body: int = M
     app.include_router(openai.router)
     app.include_router(ollama.router)
     app.include_router(llamacpp.router)
+    app.include_router(web.router)
     return app
 
 

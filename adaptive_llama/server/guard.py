@@ -5,7 +5,8 @@ Without a key the server still refuses what a web page could send on the user's 
 
 - **Origin.** A browser names the page that sends a request in ``Origin``. A request with
   an ``Origin`` that is not a loopback page (``http://localhost:3000``, ``http://127.0.0.1``,
-  ...) or one that ``--allow-origin`` lists gets 403: a page the user visits cannot drive
+  ...), the server's own (its chat page, on the host the Host rule passed) or one that
+  ``--allow-origin`` lists gets 403: a page the user visits cannot drive
   the model. Tools such as curl and the OpenAI and Ollama clients send no ``Origin``.
 - **Content-Type.** A page may POST ``text/plain`` or a form without the browser asking
   the server first (a CORS "simple request"). Bodies have to be ``application/json`` (or
@@ -15,6 +16,9 @@ Without a key the server still refuses what a web page could send on the user's 
   read from the server as its own origin. On a loopback address the server answers only
   ``Host: localhost``, ``127.0.0.1`` or ``[::1]`` (any port) and names ``--allow-host``
   adds.
+
+The chat page and its files (``GET /``, ``GET /web/...``, :mod:`.web`) load without the key,
+so that the page can ask for it; the Host and Origin rules apply to them as to every route.
 
 The answer is 401, 403, 413 or 415 in the protocol's error shape.
 """
@@ -28,6 +32,7 @@ from urllib.parse import urlsplit
 from starlette.datastructures import Headers
 
 from .errors import APIError, too_large
+from .web import is_page_path
 
 LOOPBACK_NAMES = ("localhost", "127.0.0.1", "::1")
 # The pages of LOOPBACK_NAMES: one pattern for this check and for the CORS answers.
@@ -58,6 +63,16 @@ def _host_name(netloc: str) -> str:
         return ""
 
 
+def _same_origin(origin: str, headers: Headers) -> bool:
+    """Whether the page that sends the request is this server's own (the chat page served
+    on a public address): its origin names the host the request went to. The Host rule has
+    already passed that host."""
+    try:
+        return urlsplit(origin).netloc.lower() == headers.get("host", "").lower() != ""
+    except ValueError:
+        return False
+
+
 class Access:
     """The server's access rules (see the module docstring)."""
 
@@ -71,10 +86,12 @@ class Access:
         self.allow_hosts = None if allow_hosts is None else \
             {h.lower() for h in (*LOOPBACK_NAMES, *allow_hosts)}
 
-    def error(self, method: str, headers: Headers) -> APIError | None:
+    def error(self, method: str, headers: Headers, path: str = "") -> APIError | None:
         """Why this request may not pass (None when it may)."""
+        page = method == "GET" and is_page_path(path)
         return (self._host_error(headers) or self._origin_error(headers)
-                or self._key_error(headers) or self._type_error(method, headers))
+                or (None if page else self._key_error(headers))
+                or self._type_error(method, headers))
 
     def _host_error(self, headers: Headers) -> APIError | None:
         if self.allow_hosts is None or _host_name(headers.get("host", "")) in self.allow_hosts:
@@ -85,7 +102,7 @@ class Access:
 
     def _origin_error(self, headers: Headers) -> APIError | None:
         origin = headers.get("origin")
-        if origin is None or self.origin_allowed(origin):
+        if origin is None or self.origin_allowed(origin) or _same_origin(origin, headers):
             return None
         return APIError(403, f"requests from the web page at {origin!r} are not allowed: "
                         "start the server with --allow-origin to allow it",
@@ -128,7 +145,7 @@ class Guard:
     async def __call__(self, scope, receive, send):
         if scope["type"] == "http":
             headers = Headers(scope=scope)
-            error = self.access.error(scope["method"], headers)
+            error = self.access.error(scope["method"], headers, scope["path"])
             length = headers.get("content-length", "")
             if error is None and length.isdigit() and int(length) > self.max_body:
                 error = too_large(self.max_body)

@@ -9,6 +9,9 @@ Sampling: the body field ``sampler`` takes a spec (``adaptive:eps=0.001``, ``min
 ``frequency_penalty``, ``presence_penalty`` and llama-server's extensions (``repeat_penalty``,
 ``top_k``, ``min_p``, DRY, XTC, ...; :class:`.common.SamplingFields`) join their modifiers.
 Every response carries ``sampler_stats`` (the spec, and for adaptive the mean and spread of k).
+With ``token_details: true`` (an extension, which OpenAI clients ignore; the browser page asks
+for it) each chunk also carries ``token_details``: per token its text, log-probability, the
+likeliest candidates, and for adaptive its k, kept mass and entropy (:class:`TokenDetails`).
 
 Structured output: ``response_format`` ``{"type": "json_object"}`` (any JSON object) or
 ``{"type": "json_schema", "json_schema": {"name": ..., "schema": {...}}}`` constrains the reply
@@ -30,8 +33,10 @@ from __future__ import annotations
 import asyncio
 import base64
 import codecs
+import dataclasses
 import itertools
 import json
+import math
 import time
 from typing import Annotated, ClassVar, Literal
 
@@ -69,6 +74,7 @@ from .common import (
 )
 
 router = APIRouter()
+DETAIL_CANDIDATES = 5  # the likeliest candidates each token's token_details names
 _ids = itertools.count(1)  # of the responses, "chatcmpl-1", "cmpl-2", ...
 
 
@@ -131,6 +137,7 @@ class _Body(SamplingFields):
     stream_options: StreamOptions | None = None
     sampler: str | None = None
     response_format: ResponseFormat | None = None
+    token_details: bool = False  # an extension: see the module docstring
 
     def schema_wanted(self) -> dict | None:
         return self.response_format.schema_wanted() if self.response_format else None
@@ -216,9 +223,13 @@ async def _job(model: LoadedModel, tokens: list[int], body: _Body, max_tokens: i
     grammar (named when it cannot run here)."""
     sampler = sampler_for(model.sampler, sampler=body.sampler, temperature=body.temperature,
                           top_p=body.top_p, **body.sampling_options())
+    # token_details names each token's likeliest candidates: the engine's log-probabilities.
+    logprobs = body.logprobs_wanted()
+    if body.token_details:
+        logprobs = max(logprobs or 0, DETAIL_CANDIDATES)
     return model.job(tokens, sampler=sampler, max_tokens=max_tokens, seed=body.seed,
                       stop=[body.stop] if isinstance(body.stop, str) else list(body.stop or []),
-                      stream=body.stream, logprobs=body.logprobs_wanted(), grammar=grammar,
+                      stream=body.stream, logprobs=logprobs, grammar=grammar,
                       format_field=grammar_field, prompt_field=prompt_field,
                       route=route)
 
@@ -243,17 +254,66 @@ async def _respond(model: LoadedModel, request: Request, job: Job, body: _Body, 
     model.submit(job)
     head = {"id": f"{'chatcmpl' if kind == 'chat' else 'cmpl'}-{next(_ids)}",
             "created": int(time.time()), "model": model.name}
+    shown = _Shown(body.logprobs_wanted(), body.token_details)
     if body.stream:
         usage = bool(body.stream_options and body.stream_options.include_usage)
-        return EventSourceResponse(_events(job, head, kind, usage, functions),
+        return EventSourceResponse(_events(job, head, kind, usage, functions, shown),
                                    ping=15, sep="\n")
-    return _final(await wait(request, job), head, kind, job.request.logprobs is not None,
-                  functions)
+    return _final(await wait(request, job), head, kind, shown, functions)
 
 
-def _final(result: GenerationResult, head: dict, kind: str, logprobs: bool,
+class _Shown:
+    """What a response shows of each token: ``top`` (None: no ``logprobs``) of its
+    likeliest candidates in OpenAI's fields, and with ``details`` the ``token_details``."""
+
+    def __init__(self, top: int | None, details: bool):
+        self.top, self.details = top, details
+        self._details = TokenDetails() if details else None
+
+    def logprobs(self, entries: list[TokenLogprob]) -> list[TokenLogprob] | None:
+        """The entries cut to the candidates asked for (the engine may have made more for
+        the details), or None when the response has no ``logprobs``."""
+        if self.top is None:
+            return None
+        return [dataclasses.replace(e, top=e.top[:self.top]) for e in entries]
+
+    def extra(self, entries: list[TokenLogprob], stats: list) -> dict:
+        """``{"token_details": [...]}`` for these tokens, or nothing."""
+        return {"token_details": self._details(entries, stats)} if self.details else {}
+
+
+class TokenDetails:
+    """The ``token_details`` of one reply, chunk by chunk: for each token ``text`` (the
+    characters it completes, as the completions route's logprobs), ``logprob``, ``top`` (the
+    likeliest candidates in the model's distribution, ``[{"text", "p"}]``), and ``k``,
+    ``mass`` (the kept set's probability) and ``entropy`` (nats) of the adaptive choice,
+    null under other samplers and where a figure was not computed."""
+
+    def __init__(self):
+        self._decoder = codecs.getincrementaldecoder("utf-8")("replace")
+
+    def __call__(self, entries: list[TokenLogprob], stats: list) -> list[dict]:
+        return [self._one(entry, stats[i] if i < len(stats) else None)
+                for i, entry in enumerate(entries)]
+
+    def _one(self, entry: TokenLogprob, stats) -> dict:
+        return {"text": self._decoder.decode(entry.text), "logprob": entry.logprob,
+                "top": [{"text": text.decode("utf-8", "replace"), "p": math.exp(lp)}
+                        for _, text, lp in entry.top],
+                "k": stats.k if stats else None,
+                "mass": _number(stats.kept_mass) if stats else None,
+                "entropy": _number(stats.entropy) if stats else None}
+
+
+def _number(x: float) -> float | None:
+    """JSON has no NaN: a figure not computed is null."""
+    return None if math.isnan(x) else x
+
+
+def _final(result: GenerationResult, head: dict, kind: str, shown: _Shown,
            functions: list[str]) -> dict:
     reason = FINISH_REASONS[result.finish_reason]
+    logprobs = shown.logprobs(result.logprobs)
     if kind == "chat":
         content, calls = (parse_reply(result.text, functions) if functions
                           else (result.text, []))
@@ -261,17 +321,18 @@ def _final(result: GenerationResult, head: dict, kind: str, logprobs: bool,
         if calls:
             message["tool_calls"] = [_call(call) for call in calls]
         choice = {"index": 0, "message": message,
-                  "logprobs": _chat_logprobs(result.logprobs) if logprobs else None,
+                  "logprobs": _chat_logprobs(logprobs) if logprobs is not None else None,
                   "finish_reason": _finish_reason(reason, calls)}
         obj = "chat.completion"
     else:
         choice = {"index": 0, "text": result.text,
-                  "logprobs": (_CompletionLogprobs()(result.logprobs)
-                               if logprobs else None),
+                  "logprobs": (_CompletionLogprobs()(logprobs)
+                               if logprobs is not None else None),
                   "finish_reason": reason}
         obj = "text_completion"
     return {**head, "object": obj, "choices": [choice], "usage": _usage(result),
-            "sampler_stats": result.summary()}
+            "sampler_stats": result.summary(),
+            **shown.extra(result.logprobs, result.token_stats)}
 
 def _call(call: ToolCall) -> dict:
     """A call as OpenAI writes it: the arguments as JSON text."""
@@ -284,7 +345,7 @@ def _finish_reason(reason: str, calls: list) -> str:
 
 
 async def _events(job: Job, head: dict, kind: str, include_usage: bool,
-                  functions: list[str]):
+                  functions: list[str], shown: _Shown):
     obj = "chat.completion.chunk" if kind == "chat" else "text_completion"
     completion_logprobs = _CompletionLogprobs()
     reader = ToolCallReader(functions) if functions else None
@@ -294,7 +355,8 @@ async def _events(job: Job, head: dict, kind: str, include_usage: bool,
     def chunk(delta_text: str | None, reason: str | None = None, entries=(),
               delta: dict | None = None, **extra) -> str:
         logprobs = None
-        if job.request.logprobs is not None and (delta_text is not None or delta):
+        if shown.top is not None and (delta_text is not None or delta):
+            entries = shown.logprobs(entries)
             logprobs = (_chat_logprobs(entries) if kind == "chat"
                         else completion_logprobs(entries))
         if kind == "chat":
@@ -326,16 +388,22 @@ async def _events(job: Job, head: dict, kind: str, include_usage: bool,
         while True:
             what, value = await job.events.get()
             if what == "piece" and reader is None:
-                text, entries = value
-                yield chunk(text, entries=entries)
+                text, entries, stats = value
+                yield chunk(text, entries=entries, **shown.extra(entries, stats))
             elif what == "piece":
-                text, entries = value
+                text, entries, stats = value
                 held += entries
+                details = shown.extra(entries, stats)  # with the piece's first chunk
                 for part in reader.feed(text):
-                    for event in (call_chunks(part, held) if isinstance(part, ToolCall)
-                                  else [chunk(part, entries=held)]):
+                    if isinstance(part, ToolCall):
+                        events = call_chunks(part, held)
+                    else:
+                        events, details = [chunk(part, entries=held, **details)], {}
+                    for event in events:
                         yield event
                     held = []
+                if details:  # the reader holds the text back: the details go now
+                    yield chunk(None, delta={}, **details)
             elif what == "error":
                 yield _json({"error": {"message": f"generation failed: {value}",
                                        "type": "server_error", "param": None,

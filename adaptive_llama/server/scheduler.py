@@ -42,7 +42,7 @@ class Job:
     loop: asyncio.AbstractEventLoop
     label: str = ""  # "/api/chat smollm2": what its log line starts with
     events: asyncio.Queue = field(default_factory=asyncio.Queue)
-    logprobs_sent: int = 0  # tokens whose log-probabilities went out with a piece
+    tokens_sent: int = 0  # tokens whose log-probabilities and figures went out with a piece
     cancelled: threading.Event = field(default_factory=threading.Event)
 
     def emit(self, kind: str, value) -> None:
@@ -133,16 +133,22 @@ class Scheduler:
             for generation, job in list(active.items()):
                 pieces = generation.take()
                 if job.stream:
-                    logprobs = generation.result.logprobs
                     for piece in pieces:  # the tokens since the last piece go with this one
-                        job.emit("piece", (piece, logprobs[job.logprobs_sent:]))
-                        job.logprobs_sent = len(logprobs)
+                        job.emit("piece", (piece, *self._new_tokens(job, generation.result)))
                 if generation.done:
                     result = generation.result
                     job.emit("done", result)
                     self._done(job, "cancelled" if result.finish_reason == "interrupted"
                                else "completed", result)
                     del active[generation]
+
+    @staticmethod
+    def _new_tokens(job: Job, result: GenerationResult) -> tuple[list, list]:
+        """The log-probabilities and the adaptive figures (each empty when not made) of the
+        tokens since the job's last piece, copied here: the worker goes on appending."""
+        start, end = job.tokens_sent, len(result.tokens)
+        job.tokens_sent = end
+        return result.logprobs[start:end], result.token_stats[start:end]
 
     def _start(self, job: Job) -> Generation | None:
         """The job's generation in a slot, or None when it ends before (left, or failed)."""

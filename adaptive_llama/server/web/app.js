@@ -1,0 +1,655 @@
+// The chat page: conversations, the composer, settings, the token view and compare.
+// Model text reaches the page only through textContent (markdown.js builds nodes), never as
+// HTML; the server's Content-Security-Policy forbids inline script and other origins.
+
+import { Api, ApiError } from "./api.js";
+import { LiveReply, showMessage, showPlot } from "./reply.js";
+import { exported, imported, loadChats, loadSettings, newChat, saveChats, saveSettings,
+  titleOf } from "./store.js";
+import { parseSpec, specOf } from "./spec.js";
+import { fillCard, firstDifference, renderTokens } from "./tokens.js";
+
+const $ = (id) => document.getElementById(id);
+const DEFAULTS = { sampler: "adaptive", params: {}, modifiers: {}, temperature: "", seed: "",
+  maxTokens: 512, system: "", tokenView: false, theme: "", model: "" };
+
+const state = {
+  settings: { ...DEFAULTS, ...loadSettings() },
+  chats: loadChats(),
+  chat: null,
+  table: [],        // the server's samplers and modifiers (/web/samplers.json)
+  running: null,    // the AbortController of the reply streaming now
+};
+
+const api = new Api(askKey);
+
+// ---- small helpers ----
+
+function el(tag, className, text) {
+  const node = document.createElement(tag);
+  if (className) node.className = className;
+  if (text !== undefined) node.textContent = text;
+  return node;
+}
+
+function button(label, onClick, className = "") {
+  const node = el("button", className, label);
+  node.type = "button";
+  node.addEventListener("click", onClick);
+  return node;
+}
+
+function showError(message) {
+  $("error-text").textContent = message;
+  $("error").hidden = !message;
+}
+
+function persist() {
+  try {
+    saveChats(state.chats);
+    saveSettings(state.settings);
+  } catch (error) {
+    showError(error.message);
+  }
+}
+
+function spec() {
+  return specOf(state.settings, state.table);
+}
+
+async function copyText(text) {
+  try {
+    await navigator.clipboard.writeText(text);
+  } catch {
+    // Not a secure context (a page on a LAN address): the older way.
+    const area = el("textarea");
+    area.value = text;
+    document.body.append(area);
+    area.select();
+    document.execCommand("copy");
+    area.remove();
+  }
+}
+
+// ---- the API key (asked once per tab) ----
+
+function askKey(wasWrong) {
+  const dialog = $("key-dialog");
+  $("key-note").textContent = wasWrong ? "That key was not accepted. Try again."
+    : "This server needs its API key (serve --api-key). It is kept for this tab only.";
+  $("key-input").value = "";
+  dialog.showModal();
+  return new Promise((resolve) => {
+    const done = (value) => {
+      dialog.close();
+      $("key-ok").onclick = $("key-cancel").onclick = $("key-input").onkeydown = null;
+      resolve(value);
+    };
+    $("key-ok").onclick = () => done($("key-input").value.trim() || null);
+    $("key-cancel").onclick = () => done(null);
+    $("key-input").onkeydown = (event) => {
+      if (event.key === "Enter") done($("key-input").value.trim() || null);
+    };
+  });
+}
+
+// ---- conversations ----
+
+function currentChat() {
+  if (!state.chat) {
+    state.chat = newChat(state.settings);
+    state.chats.unshift(state.chat);
+  }
+  return state.chat;
+}
+
+function selectChat(chat) {
+  if (state.running) return;
+  state.chat = chat;
+  $("system").value = chat?.system ?? state.settings.system;
+  renderChatList();
+  renderMessages();
+  if (window.matchMedia("(max-width: 700px)").matches) document.body.classList.remove("sidebar-open");
+}
+
+function renderChatList() {
+  const list = $("chat-list");
+  list.replaceChildren();
+  for (const chat of state.chats) {
+    const item = list.appendChild(el("li", chat === state.chat ? "active" : ""));
+    item.append(button(chat.title || "New chat", () => selectChat(chat), "chat-title"));
+    item.append(button("×", () => deleteChat(chat), "delete-chat"));
+    item.lastChild.setAttribute("aria-label", `Delete ${chat.title}`);
+  }
+}
+
+function deleteChat(chat) {
+  if (state.running && chat === state.chat) return;
+  state.chats = state.chats.filter((c) => c !== chat);
+  if (state.chat === chat) state.chat = null;
+  persist();
+  selectChat(state.chat);
+}
+
+function exportChat() {
+  const chat = state.chat;
+  if (!chat?.messages.length) {
+    showError("Nothing to export yet: this chat has no messages.");
+    return;
+  }
+  const data = { ...exported(chat, state.settings), sampler: chat.spec || spec() };
+  const blob = new Blob([JSON.stringify(data, null, 2)], { type: "application/json" });
+  const a = el("a");
+  a.href = URL.createObjectURL(blob);
+  a.download = `${(chat.title || "chat").replace(/[^\w.-]+/g, "-").slice(0, 40) || "chat"}.json`;
+  a.click();
+  setTimeout(() => URL.revokeObjectURL(a.href), 1000);
+}
+
+async function importChat(file) {
+  try {
+    const { chat, settings } = imported(await file.text(), file.name, state.settings);
+    if (settings.spec) Object.assign(state.settings, parseSpec(settings.spec, state.table));
+    if (settings.seed !== undefined) state.settings.seed = settings.seed;
+    if (settings.maxTokens !== undefined) state.settings.maxTokens = settings.maxTokens;
+    chat.spec = settings.spec;
+    state.chats.unshift(chat);
+    persist();
+    buildSettings();
+    selectChat(chat);
+    showError("");
+  } catch (error) {
+    showError(`Cannot import ${file.name}: ${error.message}`);
+  }
+}
+
+// ---- messages ----
+
+function renderMessages() {
+  const holder = $("messages");
+  holder.replaceChildren();
+  const messages = state.chat?.messages || [];
+  if (!messages.length) holder.append(emptyNote());
+  messages.forEach((message, i) => holder.append(messageNode(message, i)));
+  holder.scrollTop = holder.scrollHeight;
+}
+
+function emptyNote() {
+  const note = el("div", "empty");
+  note.append(el("h2", "", "adaptive-llama"));
+  note.append(el("p", "", "Adaptive decoding picks how many candidates to keep at every token. "
+    + "Turn on Tokens to see its choice: each token coloured by its candidate-set size k, "
+    + "its candidates on hover."));
+  return note;
+}
+
+function messageNode(message, index) {
+  const node = el("div", `message ${message.role}`);
+  node.dataset.index = index;
+  const content = node.appendChild(el("div", "content"));
+  showMessage(content, message, state.settings.tokenView);
+  if (message.role === "assistant") {
+    showPlot(node.appendChild(el("div", "plot")), message);
+    node.append(metaLine(message));
+  }
+  node.append(actions(message, index));
+  return node;
+}
+
+function metaLine(message) {
+  const s = message.stats || {};
+  const parts = [];
+  if (message.interrupted) parts.push("stopped");
+  if (s.completion_tokens != null) parts.push(`${s.completion_tokens} tokens`);
+  if (s.decode_tokens_per_s) parts.push(`${s.decode_tokens_per_s.toFixed(1)} tok/s`);
+  if (s.mean_k != null) parts.push(`mean k ${s.mean_k.toFixed(1)}`);
+  if (s.sampler) parts.push(s.sampler);
+  if (s.seed != null) parts.push(`seed ${s.seed}`);
+  return el("div", "meta", parts.join(" · "));
+}
+
+function actions(message, index) {
+  const bar = el("div", "actions");
+  const messages = state.chat.messages;
+  const last = index === messages.length - 1;
+  if (message.role === "assistant") {
+    bar.append(button("Copy", (event) => {
+      copyText(message.content);
+      event.target.textContent = "Copied";
+    }, "copy"));
+    if (last) bar.append(button("Regenerate", regenerate, "regenerate"));
+    bar.append(button("Compare", () => openCompare(index), "compare"));
+  } else if (message.role === "user" && (last || index === messages.length - 2)) {
+    bar.append(button("Edit", () => editMessage(index), "edit"));
+  }
+  return bar;
+}
+
+function setRunning(controller) {
+  state.running = controller;
+  $("send").hidden = Boolean(controller);
+  $("stop").hidden = !controller;
+  document.body.classList.toggle("running", Boolean(controller));
+}
+
+// The request for a reply to `messages` (the chat's system prompt first).
+function requestBody(messages, specText, seed) {
+  const chat = currentChat();
+  const system = chat.system ? [{ role: "system", content: chat.system }] : [];
+  const body = {
+    model: state.settings.model || undefined,
+    messages: [...system, ...messages.map((m) => ({ role: m.role, content: m.content }))],
+    sampler: specText, token_details: true, stream_options: { include_usage: true },
+    max_tokens: Number(state.settings.maxTokens) || undefined,
+  };
+  if (seed !== "" && seed != null) body.seed = Number(seed);
+  return body;
+}
+
+// Streams one reply into `message` (shown in `content`); returns once it has ended.
+async function stream(body, message, content, controller) {
+  const live = new LiveReply(content, message, state.settings.tokenView);
+  try {
+    for await (const chunk of api.chat(body, controller.signal)) {
+      const choice = chunk.choices?.[0];
+      live.add(choice?.delta?.content, chunk.token_details);
+      if (chunk.sampler_stats) message.stats = chunk.sampler_stats;
+    }
+  } catch (error) {
+    if (error.name !== "AbortError") throw error;
+    message.interrupted = true;
+  } finally {
+    live.finish();
+  }
+}
+
+async function reply() {
+  const chat = currentChat();
+  chat.model = state.settings.model;
+  const message = { role: "assistant", content: "", spec: spec() };
+  chat.messages.push(message);
+  const index = chat.messages.length - 1;
+  const node = messageNode(message, index);
+  $("messages").querySelector(".empty")?.remove();
+  $("messages").append(node);
+  node.scrollIntoView({ block: "end" });
+  const controller = new AbortController();
+  setRunning(controller);
+  showError("");
+  try {
+    await stream(requestBody(chat.messages.slice(0, -1), message.spec, state.settings.seed),
+      message, node.querySelector(".content"), controller);
+  } catch (error) {
+    showError(error.message);
+    if (message.content) message.interrupted = true;
+    else chat.messages.pop();  // nothing came: the question stays, ready for Regenerate
+  } finally {
+    setRunning(null);
+    chat.updated = Date.now();
+    persist();
+    renderMessages();
+  }
+}
+
+function send() {
+  const input = $("input");
+  const text = input.value;
+  if (!text.trim() || state.running) return;
+  const chat = currentChat();
+  chat.messages.push({ role: "user", content: text });
+  if (chat.title === "New chat") chat.title = titleOf(chat.messages) || chat.title;
+  input.value = "";
+  autosize();
+  renderChatList();
+  reply();
+}
+
+function regenerate() {
+  const messages = state.chat.messages;
+  if (state.running || messages[messages.length - 1]?.role !== "assistant") return;
+  messages.pop();
+  renderMessages();
+  reply();
+}
+
+// The last question, edited in place and sent again (its reply goes).
+function editMessage(index) {
+  if (state.running) return;
+  const node = $("messages").querySelector(`.message[data-index="${index}"]`);
+  const content = node.querySelector(".content");
+  const area = el("textarea", "edit-area");
+  area.value = state.chat.messages[index].content;
+  content.replaceChildren(area);
+  const bar = node.querySelector(".actions");
+  bar.replaceChildren(
+    button("Send", () => {
+      if (!area.value.trim()) return;
+      state.chat.messages.splice(index);
+      state.chat.messages.push({ role: "user", content: area.value });
+      renderMessages();
+      reply();
+    }, "resend"),
+    button("Cancel", renderMessages, "cancel"));
+  area.addEventListener("keydown", (event) => {
+    if (event.key === "Enter" && !event.shiftKey && !event.isComposing) {
+      event.preventDefault();
+      bar.querySelector(".resend").click();
+    }
+  });
+  area.focus();
+}
+
+// ---- compare: the same turn with another sampler and the same seed ----
+
+function openCompare(index) {
+  if (state.running) return;
+  const message = state.chat.messages[index];
+  const current = message.stats?.sampler || message.spec || spec();
+  $("compare-a").textContent = current;
+  $("compare-spec").value = current.startsWith("greedy") ? "adaptive" : "greedy";
+  $("compare-dialog").dataset.index = index;
+  $("compare-dialog").showModal();
+  $("compare-spec").focus();
+}
+
+async function runCompare() {
+  const dialog = $("compare-dialog");
+  dialog.close();
+  const index = Number(dialog.dataset.index);
+  const original = state.chat.messages[index];
+  const other = $("compare-spec").value.trim();
+  const seed = original.stats?.seed ?? state.settings.seed;
+  const history = state.chat.messages.slice(0, index);
+  const node = $("messages").querySelector(`.message[data-index="${index}"]`);
+  node.querySelector(".comparison")?.remove();
+  const panel = node.appendChild(el("div", "comparison"));
+  const columns = panel.appendChild(el("div", "columns"));
+  const verdict = panel.appendChild(el("div", "verdict", "Comparing…"));
+  const column = (title) => {
+    const holder = columns.appendChild(el("div", "column"));
+    holder.append(el("div", "column-title", title));
+    return holder.appendChild(el("div", "content token-view"));
+  };
+  const left = column(`${original.stats?.sampler || original.spec || spec()} · seed ${seed}`);
+  const right = column(`${other} · seed ${seed}`);
+  const controller = new AbortController();
+  setRunning(controller);
+  showError("");
+  const viewWas = state.settings.tokenView;
+  state.settings.tokenView = true;  // both sides as tokens, for the mark where they part
+  try {
+    let a = original;
+    if (!original.details) {  // an imported reply: made again, same sampler, same seed
+      a = { role: "assistant", content: "", details: [] };
+      left.details = a.details;
+      await stream(requestBody(history, original.spec || spec(), seed), a, left, controller);
+    } else {
+      left.details = original.details;
+      renderTokens(left, original.details);
+    }
+    const b = { role: "assistant", content: "", details: [] };
+    right.details = b.details;
+    await stream(requestBody(history, other, seed), b, right, controller);
+    markDifference(a, b, left, right, verdict);
+  } catch (error) {
+    showError(error.message);
+    verdict.textContent = "The comparison failed.";
+  } finally {
+    state.settings.tokenView = viewWas;
+    setRunning(null);
+  }
+}
+
+function markDifference(a, b, left, right, verdict) {
+  const texts = (m) => (m.details || []).map((d) => d.text);
+  const at = firstDifference(texts(a), texts(b));
+  if (at < 0) {
+    verdict.textContent = "Same text, token for token.";
+    return;
+  }
+  for (const side of [left, right]) side.querySelector(`.tok[data-i="${at}"]`)?.classList.add("diverge");
+  verdict.textContent = `They part at token ${at + 1}.`;
+  verdict.dataset.at = at;
+}
+
+// ---- the token card (hover, or tap on a touch screen) ----
+
+// A token's details: a compared reply's column holds its own (they are not in the chat).
+function detailOf(span) {
+  const content = span.closest(".content");
+  if (content?.details) return content.details[span.dataset.i];
+  const message = span.closest(".message");
+  return state.chat?.messages[message?.dataset.index]?.details?.[span.dataset.i];
+}
+
+function showCard(span) {
+  const detail = detailOf(span);
+  const card = $("card");
+  if (!detail) {
+    card.hidden = true;
+    return;
+  }
+  fillCard(card, detail);
+  card.hidden = false;
+  const box = span.getBoundingClientRect();
+  const width = card.offsetWidth;
+  card.style.left = `${Math.max(4, Math.min(box.left, window.innerWidth - width - 4))}px`;
+  const below = box.bottom + 6 + card.offsetHeight < window.innerHeight;
+  card.style.top = `${below ? box.bottom + 6 : box.top - card.offsetHeight - 6}px`;
+}
+
+function watchTokens() {
+  const holder = $("messages");
+  holder.addEventListener("mouseover", (event) => {
+    const span = event.target.closest?.(".tok");
+    if (span) showCard(span);
+  });
+  holder.addEventListener("mouseout", (event) => {
+    if (event.target.closest?.(".tok")) $("card").hidden = true;
+  });
+  holder.addEventListener("click", (event) => {
+    const span = event.target.closest?.(".tok");
+    if (span) showCard(span);
+    const copy = event.target.closest?.(".copy-code");
+    if (copy) {
+      copyText(copy.closest(".code-block").querySelector("code").textContent);
+      copy.textContent = "Copied";
+    }
+  });
+}
+
+// ---- settings ----
+
+function field(labelText, input, help) {
+  const label = el("label", "field");
+  label.append(el("span", "label", labelText), input);
+  if (help) label.title = help;
+  return label;
+}
+
+function numberInput(value, placeholder, onInput, step = "any") {
+  const input = el("input");
+  input.type = "text";
+  input.inputMode = "decimal";
+  input.value = value ?? "";
+  input.placeholder = placeholder ?? "";
+  input.dataset.step = step;
+  input.addEventListener("input", () => onInput(input.value.trim()));
+  return input;
+}
+
+function paramInputs(sampler, values, onChange) {
+  return sampler.params.map((param) => {
+    const input = numberInput(values[param.name], String(param.default), (value) => {
+      values[param.name] = value;
+      onChange();
+    });
+    input.name = `${sampler.name}.${param.name}`;
+    return field(param.name, input, `${param.help}; ${param.range}`);
+  });
+}
+
+function buildSettings() {
+  const s = state.settings;
+  const samplers = state.table.filter((t) => !t.modifier);
+  const select = $("sampler");
+  select.replaceChildren(...samplers.map((t) => {
+    const option = el("option", "", t.name);
+    option.value = t.name;
+    option.title = t.summary;
+    return option;
+  }));
+  select.value = samplers.some((t) => t.name === s.sampler) ? s.sampler : "adaptive";
+  s.sampler = select.value;
+  const chosen = samplers.find((t) => t.name === s.sampler);
+  const params = (s.params[s.sampler] ||= {});
+  $("sampler-params").replaceChildren(...(chosen ? paramInputs(chosen, params, changed) : []));
+  $("temperature").value = s.temperature ?? "";
+  $("temperature").disabled = !chosen?.takes_temp;
+  $("seed").value = s.seed ?? "";
+  $("max-tokens").value = s.maxTokens ?? "";
+  $("modifiers").replaceChildren(...state.table.filter((t) => t.modifier).map((t) => {
+    const entry = (s.modifiers[t.name] ||= { on: false, params: {} });
+    const box = el("fieldset", "modifier");
+    const legend = box.appendChild(el("legend"));
+    const toggle = legend.appendChild(el("input"));
+    toggle.type = "checkbox";
+    toggle.name = `${t.name}.on`;
+    toggle.checked = entry.on;
+    toggle.addEventListener("change", () => {
+      entry.on = toggle.checked;
+      changed();
+    });
+    legend.append(` ${t.name}`);
+    legend.title = t.summary;
+    box.append(...paramInputs(t, entry.params, changed));
+    return box;
+  }));
+  changed();
+}
+
+function changed() {
+  $("spec").textContent = spec();
+  $("spec-preview").textContent = spec();
+  persist();
+}
+
+function wireSettings() {
+  $("sampler").addEventListener("change", () => {
+    state.settings.sampler = $("sampler").value;
+    buildSettings();
+  });
+  const bind = (id, key) => $(id).addEventListener("input", () => {
+    state.settings[key] = $(id).value.trim();
+    changed();
+  });
+  bind("temperature", "temperature");
+  bind("seed", "seed");
+  bind("max-tokens", "maxTokens");
+  $("system").addEventListener("input", () => {
+    state.settings.system = $("system").value;
+    if (state.chat) state.chat.system = $("system").value;
+    persist();
+  });
+  $("reset-settings").addEventListener("click", () => {
+    Object.assign(state.settings, { ...DEFAULTS, model: state.settings.model,
+      theme: state.settings.theme, tokenView: state.settings.tokenView, params: {}, modifiers: {} });
+    buildSettings();
+  });
+  $("open-settings").addEventListener("click", () => {
+    $("settings").hidden = !$("settings").hidden;
+  });
+  $("close-settings").addEventListener("click", () => { $("settings").hidden = true; });
+}
+
+// ---- the page ----
+
+function applyTheme() {
+  const dark = state.settings.theme ? state.settings.theme === "dark"
+    : window.matchMedia("(prefers-color-scheme: dark)").matches;
+  document.documentElement.dataset.theme = dark ? "dark" : "light";
+}
+
+function autosize() {
+  const input = $("input");
+  input.style.height = "auto";
+  input.style.height = `${Math.min(input.scrollHeight, 240)}px`;
+}
+
+async function loadModels() {
+  const models = await api.models();
+  const select = $("model");
+  select.replaceChildren(...models.map((m) => {
+    const option = el("option", "", m.id);
+    option.value = m.id;
+    return option;
+  }));
+  if (models.some((m) => m.id === state.settings.model)) select.value = state.settings.model;
+  state.settings.model = select.value;
+}
+
+function wire() {
+  $("input").addEventListener("keydown", (event) => {
+    if (event.key === "Enter" && !event.shiftKey && !event.isComposing) {
+      event.preventDefault();
+      send();
+    }
+  });
+  $("input").addEventListener("input", autosize);
+  $("send").addEventListener("click", send);
+  $("stop").addEventListener("click", () => state.running?.abort());
+  $("new-chat").addEventListener("click", () => {
+    state.chat = null;
+    selectChat(null);
+  });
+  $("export").addEventListener("click", exportChat);
+  $("import-file").addEventListener("change", (event) => {
+    const [file] = event.target.files;
+    if (file) importChat(file);
+    event.target.value = "";
+  });
+  $("error-close").addEventListener("click", () => showError(""));
+  $("model").addEventListener("change", () => {
+    state.settings.model = $("model").value;
+    persist();
+  });
+  $("token-view").checked = state.settings.tokenView;
+  $("token-view").addEventListener("change", () => {
+    state.settings.tokenView = $("token-view").checked;
+    persist();
+    renderMessages();
+  });
+  $("theme").addEventListener("click", () => {
+    state.settings.theme = document.documentElement.dataset.theme === "dark" ? "light" : "dark";
+    applyTheme();
+    persist();
+  });
+  $("toggle-sidebar").addEventListener("click", () => document.body.classList.toggle("sidebar-open"));
+  $("compare-run").addEventListener("click", runCompare);
+  $("compare-cancel").addEventListener("click", () => $("compare-dialog").close());
+  $("compare-spec").addEventListener("keydown", (event) => {
+    if (event.key === "Enter") runCompare();
+  });
+  document.addEventListener("keydown", (event) => {
+    if (event.key === "Escape") $("card").hidden = true;
+  });
+  watchTokens();
+  wireSettings();
+}
+
+async function start() {
+  applyTheme();
+  wire();
+  state.chat = state.chats[0] || null;
+  selectChat(state.chat);
+  try {
+    await loadModels();
+    state.table = await api.samplers();
+    buildSettings();
+  } catch (error) {
+    showError(error instanceof ApiError ? error.message : `The server did not answer: ${error.message}`);
+  }
+  $("input").focus();
+}
+
+start();

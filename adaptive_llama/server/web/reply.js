@@ -1,0 +1,61 @@
+// One assistant reply on the page: streamed in (each token's text or coloured span appended,
+// never the whole reply redrawn), then shown whole once it ends (markdown, or the token
+// view), with the plot of k under it.
+//
+// The time spent on each streamed chunk is added to window.adaptiveLlama.render, so that a
+// benchmark (benchmarks/bench_web.py) reads the cost per token in a real browser.
+
+import { renderMarkdown } from "./markdown.js";
+import { plot, renderTokens } from "./tokens.js";
+
+export const renderCost = { tokens: 0, ms: 0, worstMs: 0 };
+window.adaptiveLlama = { ...(window.adaptiveLlama || {}), render: renderCost };
+
+// A message's contents, whole: markdown, or with `tokenView` its tokens coloured by k.
+export function showMessage(content, message, tokenView) {
+  content.replaceChildren();
+  content.classList.toggle("token-view", Boolean(tokenView && message.details));
+  if (tokenView && message.details) renderTokens(content, message.details);
+  else if (message.role === "assistant") content.append(renderMarkdown(message.content));
+  else content.textContent = message.content;  // what the user typed, as typed
+}
+
+// The plot under a reply, when its tokens have a k.
+export function showPlot(holder, message) {
+  holder.replaceChildren();
+  if (message.details?.some((d) => d.k != null)) holder.append(plot(message.details));
+}
+
+export class LiveReply {
+  // message: the {role: "assistant", content, details} object the chunks fill.
+  constructor(content, message, tokenView) {
+    this.content = content;
+    this.message = message;
+    this.tokenView = tokenView;
+    content.replaceChildren();
+    content.classList.add("streaming");
+    content.classList.toggle("token-view", tokenView);
+  }
+
+  // One chunk of the stream: its text and its tokens' details.
+  add(text, details) {
+    const started = performance.now();
+    const { message } = this;
+    if (text) message.content += text;
+    if (details?.length) {
+      const first = (message.details ||= []).length;
+      message.details.push(...details);
+      if (this.tokenView) renderTokens(this.content, details, first);
+    }
+    if (text && !this.tokenView) this.content.append(text);
+    const spent = performance.now() - started;
+    renderCost.tokens += details?.length || (text ? 1 : 0);
+    renderCost.ms += spent;
+    renderCost.worstMs = Math.max(renderCost.worstMs, spent);
+  }
+
+  finish() {
+    this.content.classList.remove("streaming");
+    showMessage(this.content, this.message, this.tokenView);
+  }
+}
