@@ -578,12 +578,26 @@ def _free_port(host: str, port: int) -> int:
                    "the served model, mean-pooled.")
 @model_options
 @user_errors
-def serve(models, more_models, max_loaded, keep_alive, host, port, allow_remote, api_key,
-          allow_origins, allow_hosts, sampler, max_queue, max_body, read_timeout, parallel,
-          embedding_model, n_gpu_layers, n_ctx, threads, seed, backend_sampling,
-          chat_template, rpc, tensor_split, rpc_timeout, draft, draft_max, verbose):
+def serve(**options):
     """Serve one or several models over the OpenAI and Ollama APIs (/v1/chat/completions,
-    /api/chat, ...); the first loads now, the others on their first request."""
+    /api/chat, ...) and a chat page at http://HOST:PORT/; the first model loads now, the
+    others on their first request."""
+    _serve(open_page=False, **options)
+
+
+@main.command("web", params=list(serve.params))
+@user_errors
+def web(**options):
+    """Serve as `serve` does (the same options), and open the chat page in the default web
+    browser once the model has loaded."""
+    _serve(open_page=True, **options)
+
+
+def _serve(models, more_models, max_loaded, keep_alive, host, port, allow_remote, api_key,
+           allow_origins, allow_hosts, sampler, max_queue, max_body, read_timeout, parallel,
+           embedding_model, n_gpu_layers, n_ctx, threads, seed, backend_sampling,
+           chat_template, rpc, tensor_split, rpc_timeout, draft, draft_max, verbose,
+           open_page: bool):
     try:
         import uvicorn
 
@@ -627,12 +641,46 @@ def serve(models, more_models, max_loaded, keep_alive, host, port, allow_remote,
                      allow_hosts=allow_hosts if _is_loopback(host) else None,
                      embedder=embedder)
     others = f" (and {', '.join(m.name for m in served[1:])} on demand)" if served[1:] else ""
-    click.echo(f"Serving {first.name}{others} at http://{host}:{port}/v1 (default sampler "
+    page = f"http://{_url_host(host)}:{port}/"
+    click.echo(f"Serving {first.name}{others} at {page}v1 (default sampler "
                f"{first.sampler}, {parallel} slots of {first.engine.n_ctx} tokens, "
-               f"{first.engine.threads} threads); Ctrl-C stops.", err=True)
+               f"{first.engine.threads} threads); the chat page is {page}; Ctrl-C stops.",
+               err=True)
     _log_requests()
+    if open_page:
+        _open_when_listening(host, port, page)
     uvicorn.run(app, host=host, port=port, http=with_read_timeout(read_timeout),
                 log_level="info" if verbose else "warning")
+
+
+def _url_host(host: str) -> str:
+    """The host as a URL names it: 127.0.0.1 for any address (0.0.0.0, ::), brackets for
+    IPv6."""
+    if host in ("0.0.0.0", "::", ""):
+        return "127.0.0.1"
+    return f"[{host}]" if ":" in host else host
+
+
+def _open_when_listening(host: str, port: int, page: str) -> None:
+    """Open ``page`` in the default browser once the server accepts connections (a thread:
+    uvicorn takes this one); where no browser can be started, say where the page is."""
+    import threading
+    import time
+    import webbrowser
+
+    def open_page():
+        address = "127.0.0.1" if host in ("0.0.0.0", "") else "::1" if host == "::" else host
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:
+            try:
+                socket.create_connection((address, port), timeout=1).close()
+                break
+            except OSError:
+                time.sleep(0.1)
+        if not webbrowser.open(page):
+            click.echo(f"No web browser could be started here: open {page} in one.", err=True)
+
+    threading.Thread(target=open_page, name="open-page", daemon=True).start()
 
 
 @main.command("rpc-worker")

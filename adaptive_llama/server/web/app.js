@@ -221,6 +221,8 @@ function actions(message, index) {
     bar.append(button("Compare", () => openCompare(index), "compare"));
   } else if (message.role === "user" && (last || index === messages.length - 2)) {
     bar.append(button("Edit", () => editMessage(index), "edit"));
+    // A question whose reply failed (a bad setting, a stopped server): ask again.
+    if (last) bar.append(button("Retry", reply, "retry"));
   }
   return bar;
 }
@@ -478,12 +480,27 @@ function numberInput(value, placeholder, onInput, step = "any") {
   return input;
 }
 
+function choiceInput(value, param, onInput) {
+  const select = el("select");
+  const choices = ["", ...param.choices];
+  select.replaceChildren(...choices.map((choice) => {
+    const option = el("option", "", choice || `${param.default} (default)`);
+    option.value = choice;
+    return option;
+  }));
+  select.value = choices.includes(value) ? value : "";
+  select.addEventListener("change", () => onInput(select.value));
+  return select;
+}
+
 function paramInputs(sampler, values, onChange) {
   return sampler.params.map((param) => {
-    const input = numberInput(values[param.name], String(param.default), (value) => {
+    const set = (value) => {
       values[param.name] = value;
       onChange();
-    });
+    };
+    const input = param.choices.length ? choiceInput(values[param.name], param, set)
+      : numberInput(values[param.name], String(param.default), set);
     input.name = `${sampler.name}.${param.name}`;
     return field(param.name, input, `${param.help}; ${param.range}`);
   });

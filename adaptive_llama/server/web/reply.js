@@ -23,7 +23,15 @@ export function showMessage(content, message, tokenView) {
 // The plot under a reply, when its tokens have a k.
 export function showPlot(holder, message) {
   holder.replaceChildren();
-  if (message.details?.some((d) => d.k != null)) holder.append(plot(message.details));
+  if (!message.details?.some((d) => d.k != null)) return;
+  holder.append(plot(message.details));
+  const legend = holder.appendChild(document.createElement("div"));
+  legend.className = "plot-legend";
+  for (const [name, text] of [["k", "k, the candidate-set size"], ["entropy", "entropy"]]) {
+    const entry = legend.appendChild(document.createElement("span"));
+    entry.className = `legend-${name}`;
+    entry.textContent = text;
+  }
 }
 
 export class LiveReply {

@@ -63,12 +63,14 @@ export function saveSettings(settings) {
 
 // The chat as the REPL's /save writes it.
 export function exported(chat, settings) {
+  const number = (value) => (value === "" || value == null ? null : Number(value));
+  const maxTokens = number(settings.maxTokens);
   return {
     version: 1,
     model: chat.model || settings.model || "",
     sampler: settings.spec || "adaptive",
-    seed: settings.seed ?? null,
-    max_tokens: settings.maxTokens ?? 256,
+    seed: number(settings.seed),
+    ...(maxTokens ? { max_tokens: maxTokens } : {}),  // none: the REPL keeps its own
     system: chat.system || null,
     messages: chat.messages.map((m) => ({
       role: m.role, content: m.content, ...(m.interrupted ? { interrupted: true } : {}),

@@ -1,0 +1,533 @@
+"""The chat page in a real browser: Debian's Chromium (/usr/bin/chromium), driven by Playwright,
+against a real `adaptive-llama serve` on the bundled model.
+
+Without Chromium the browser tests are skipped, except under CI=true, where they fail: .ci/run
+installs it, so CI always runs them. ADAPTIVE_LLAMA_CHROMIUM names another Chromium binary.
+"""
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+from types import SimpleNamespace
+
+import pytest
+from test_server import API_KEY, free_port, raw, serving
+
+from adaptive_llama.chat.repl import check_saved_chat
+from adaptive_llama.samplers import parse_spec
+
+CHROMIUM = (os.environ.get("ADAPTIVE_LLAMA_CHROMIUM") or shutil.which("chromium")
+            or shutil.which("chromium-browser"))
+# As the machine's notes say: without the background-networking flags Chromium keeps trying
+# to reach Google's hosts, which a closed network refuses.
+CHROMIUM_ARGS = ["--no-sandbox", "--disable-gpu", "--disable-background-networking",
+                 "--disable-component-update", "--disable-sync", "--no-first-run",
+                 "--disable-quic"]
+KEY = API_KEY  # serving() checks /health with it
+REPLY_S = 120_000  # ms a reply may take in these tests
+QUESTION = "Name three rivers."
+
+
+def _launch_browser():
+    if CHROMIUM is None or not os.path.exists(CHROMIUM):
+        why = "no Chromium here (apt-get install chromium, or set ADAPTIVE_LLAMA_CHROMIUM)"
+        if os.environ.get("CI") == "true":
+            pytest.fail(f"{why}: CI runs the browser tests, so .ci/run installs it")
+        pytest.skip(why)
+    from playwright.sync_api import sync_playwright
+
+    playwright = sync_playwright().start()
+    return playwright, playwright.chromium.launch(executable_path=CHROMIUM,
+                                                  args=CHROMIUM_ARGS)
+
+
+@pytest.fixture(scope="module")
+def browser():
+    playwright, chromium = _launch_browser()
+    yield chromium
+    chromium.close()
+    playwright.stop()
+
+
+@pytest.fixture(scope="module")
+def server(smollm2_path, tmp_path_factory):
+    log = tmp_path_factory.mktemp("web") / "server.log"
+    yield from serving(smollm2_path, log, "--parallel", "2", "--ctx", "2048",
+                       "--model", f"twin={smollm2_path}", api_key=None)
+
+
+@pytest.fixture(scope="module")
+def keyed_server(smollm2_path, tmp_path_factory):
+    log = tmp_path_factory.mktemp("web-key") / "server.log"
+    yield from serving(smollm2_path, log, api_key=KEY)
+
+
+def wait_until(tab, expression: str, timeout_s: float = 30):
+    """Poll a JavaScript expression until it is true. (Playwright's wait_for_function
+    evaluates a string in the page, which the page's policy forbids: no unsafe-eval.)"""
+    deadline = time.monotonic() + timeout_s
+    while not tab.evaluate(expression):
+        if time.monotonic() > deadline:
+            pytest.fail(f"still false after {timeout_s} s: {expression}")
+        time.sleep(0.05)
+
+
+class Page:
+    """One browser tab on the page, with what it printed and asked for."""
+
+    def __init__(self, context, port: int):
+        self.base = f"http://127.0.0.1:{port}"
+        self.port = port
+        self.tab = context.new_page()
+        self.errors: list[str] = []
+        self.requests: list = []
+        self.tab.on("console", lambda m: m.type == "error" and self.errors.append(m.text))
+        self.tab.on("pageerror", lambda e: self.errors.append(str(e)))
+        self.tab.on("request", lambda r: self.requests.append(r))
+
+    def open(self, wait_models=True):
+        self.tab.goto(self.base + "/")
+        if wait_models:
+            self.tab.wait_for_selector("#model option", state="attached")
+            wait_until(self.tab, "document.querySelectorAll('#sampler option').length")
+        return self
+
+    def settings(self, **values):
+        """Set fields of the settings panel (by element id, or NAME.PARAM for a sampler's
+        or modifier's parameter), as a user types them."""
+        self.tab.click("#open-settings")
+        for name, value in values.items():
+            selector = f"#{name.replace('_', '-')}" if "." not in name \
+                else f"[name='{name}']"
+            if isinstance(value, bool):
+                self.tab.set_checked(selector, value)
+            elif name == "sampler":
+                self.tab.select_option(selector, value)
+            else:
+                self.tab.fill(selector, str(value))
+        self.tab.click("#close-settings")
+
+    def send(self, text=QUESTION):
+        self.tab.fill("#input", text)
+        self.tab.press("#input", "Enter")
+        return self.wait_reply()
+
+    def wait_reply(self):
+        self.tab.wait_for_selector("#stop", state="hidden", timeout=REPLY_S)
+        self.tab.wait_for_selector("#send", state="visible")
+
+    def chats(self) -> list[dict]:
+        return self.tab.evaluate("JSON.parse(localStorage.getItem('adaptive-llama.chats'))")
+
+    def messages(self) -> list[dict]:
+        return self.chats()[0]["messages"]
+
+    def error(self) -> str:
+        return "" if self.tab.is_hidden("#error") else self.tab.inner_text("#error-text")
+
+
+@pytest.fixture
+def page(browser, server):
+    context = browser.new_context(viewport={"width": 1200, "height": 850})
+    tab = Page(context, server)
+    yield tab
+    context.close()
+
+
+def reply_of(port: int, text: str, **body) -> dict:
+    """The server's own answer to one question, with token_details (not through the page)."""
+    status, _, answer = raw("POST", port, "/v1/chat/completions", {
+        "messages": [{"role": "user", "content": text}], "token_details": True, **body},
+        key=None)
+    assert status == 200, answer
+    return answer
+
+
+# ---- the page itself ----
+
+def test_the_page_loads_same_origin_only_under_its_policy(page):
+    page.open()
+    status, headers, html = raw("GET", page.port, "/", key=None, parse=False)
+    assert status == 200 and b"<script type=\"module\" src=\"/web/app.js\">" in html
+    policy = headers["Content-Security-Policy"]
+    assert "script-src 'self'" in policy and "default-src 'none'" in policy
+    assert "unsafe-inline" not in policy
+    assert all(r.url.startswith(page.base + "/") or r.url.startswith("blob:")
+               for r in page.requests), [r.url for r in page.requests]
+    assert page.tab.title() == "adaptive-llama"
+    assert page.errors == []
+
+
+def test_an_inline_script_is_refused_by_the_policy(page):
+    """The policy is live: a script element added to the page does not run."""
+    page.open()
+    page.tab.evaluate("""() => { const s = document.createElement('script');
+        s.textContent = 'window.ran = true'; document.body.append(s); }""")
+    assert page.tab.evaluate("window.ran === undefined")
+    assert any("Content Security Policy" in e for e in page.errors)
+
+
+def test_the_page_files_need_no_key_but_the_api_does(keyed_server):
+    assert raw("GET", keyed_server, "/", key=None, parse=False)[0] == 200
+    assert raw("GET", keyed_server, "/web/app.js", key=None, parse=False)[0] == 200
+    assert raw("GET", keyed_server, "/v1/models", key=None)[0] == 401
+    assert raw("GET", keyed_server, "/web/secret.py", key=None)[0] == 404
+    # Another site's page gets nothing, the page included.
+    assert raw("GET", keyed_server, "/", key=None, parse=False,
+               headers={"Origin": "https://evil.example"})[0] == 403
+
+
+# ---- chatting ----
+
+def test_a_reply_streams_in_and_the_chat_survives_a_reload(page):
+    page.open()
+    page.settings(seed=11, max_tokens=48)
+    page.tab.evaluate("""() => { window.seenStreaming = 0;
+        new MutationObserver(() => {
+            const live = document.querySelector('.content.streaming');
+            if (live && live.textContent) window.seenStreaming += 1;
+        }).observe(document.body, {subtree: true, childList: true, characterData: true}); }""")
+    page.send()
+    assert page.tab.evaluate("window.seenStreaming") > 3  # it grew piece by piece
+    messages = page.messages()
+    assert [m["role"] for m in messages] == ["user", "assistant"]
+    direct = reply_of(page.port, QUESTION, seed=11, max_tokens=48)
+    assert messages[1]["content"] == direct["choices"][0]["message"]["content"] != ""
+    assert page.tab.inner_text(".message.user .content") == QUESTION
+    page.tab.reload()
+    page.tab.wait_for_selector(".message.assistant")
+    assert page.messages() == messages
+    assert page.errors == []
+
+
+def test_enter_sends_and_shift_enter_makes_a_new_line(page):
+    page.open()
+    page.tab.click("#input")
+    page.tab.keyboard.type("first line")
+    page.tab.keyboard.press("Shift+Enter")
+    page.tab.keyboard.type("second")
+    assert page.tab.input_value("#input") == "first line\nsecond"
+    assert page.tab.locator(".message").count() == 0
+    page.settings(max_tokens=4)
+    page.tab.press("#input", "Enter")
+    page.wait_reply()
+    assert page.messages()[0]["content"] == "first line\nsecond"
+
+
+def test_stop_ends_the_reply_and_keeps_what_came(page):
+    page.open()
+    page.settings(max_tokens=1500, sampler="greedy")
+    page.tab.fill("#input", "Write a very long story about a lighthouse keeper.")
+    page.tab.press("#input", "Enter")
+    wait_until(page.tab, "document.querySelector('.content.streaming')?.textContent.length > 40",
+               timeout_s=REPLY_S / 1000)
+    page.tab.click("#stop")
+    page.wait_reply()
+    reply = page.messages()[-1]
+    assert reply["interrupted"] is True and len(reply["content"]) > 40
+    assert "stopped" in page.tab.inner_text(".message.assistant .meta")
+    deadline = time.monotonic() + 10  # the server stops generating too
+    while raw("GET", page.port, "/health", key=None)[2]["running"] and \
+            time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert raw("GET", page.port, "/health", key=None)[2]["running"] == 0
+
+
+def test_regenerate_with_a_seed_gives_the_same_reply_and_without_one_a_new_seed(page):
+    page.open()
+    page.settings(seed=7, max_tokens=32)
+    page.send()
+    first = page.messages()[-1]
+    page.tab.click(".message.assistant .regenerate")
+    page.wait_reply()
+    again = page.messages()[-1]
+    assert len(page.messages()) == 2
+    assert again["content"] == first["content"] and again["stats"]["seed"] == 7
+    page.settings(seed="")
+    page.tab.click(".message.assistant .regenerate")
+    page.wait_reply()
+    assert page.messages()[-1]["stats"]["seed"] != 7
+
+
+def test_edit_resends_the_last_question(page):
+    page.open()
+    page.settings(max_tokens=8)
+    page.send("Name a colour.")
+    page.tab.click(".message.user .edit")
+    page.tab.fill(".edit-area", "Name a fruit.")
+    page.tab.click(".resend")
+    page.wait_reply()
+    messages = page.messages()
+    assert [m["role"] for m in messages] == ["user", "assistant"]
+    assert messages[0]["content"] == "Name a fruit." and messages[1]["content"]
+
+
+def test_a_bad_setting_shows_the_servers_one_line_error_and_keeps_the_question(page):
+    page.open()
+    page.settings(**{"adaptive.eps": 2, "max_tokens": 8})
+    page.tab.fill("#input", QUESTION)
+    page.tab.press("#input", "Enter")
+    page.tab.wait_for_selector("#error", state="visible")
+    assert "`eps` has to be in (0, 1), but is 2" in page.error()
+    assert [m["role"] for m in page.messages()] == ["user"]
+    page.settings(**{"adaptive.eps": 0.01, "penalties.on": True, "penalties.repeat": 1.3})
+    assert page.tab.inner_text("#spec") == "adaptive:eps=0.01+penalties:repeat=1.3"
+    page.tab.click(".message.user .retry")
+    page.wait_reply()
+    assert page.error() == ""
+    stats = page.messages()[-1]["stats"]
+    assert stats["sampler"].startswith("adaptive:eps=0.01") and "penalties:repeat=1.3" in \
+        stats["sampler"]
+
+
+def test_the_model_picker_lists_the_servers_models_and_sends_the_choice(page):
+    page.open()
+    options = page.tab.eval_on_selector_all("#model option", "os => os.map(o => o.value)")
+    assert options == [m["id"] for m in raw("GET", page.port, "/v1/models", key=None)[2]["data"]]
+    assert options == ["smollm2", "twin"]
+    page.tab.select_option("#model", "twin")
+    page.settings(max_tokens=4)
+    page.send()
+    sent = [json.loads(r.post_data) for r in page.requests
+            if r.url.endswith("/v1/chat/completions")]
+    assert sent[-1]["model"] == "twin" and sent[-1]["token_details"] is True
+
+
+def test_copy_puts_the_reply_on_the_clipboard(browser, server):
+    context = browser.new_context(permissions=["clipboard-read", "clipboard-write"])
+    page = Page(context, server).open()
+    page.settings(max_tokens=16, seed=3)
+    page.send()
+    page.tab.click(".message.assistant .copy")
+    assert page.tab.evaluate("navigator.clipboard.readText()") == page.messages()[-1]["content"]
+    context.close()
+
+
+# ---- the sampler, visible ----
+
+def test_the_token_view_shows_each_tokens_k_and_candidates(page):
+    page.open()
+    page.settings(seed=5, max_tokens=40, temperature=0.8)
+    page.send()
+    page.tab.check("#token-view")
+    reply = page.messages()[-1]
+    details = reply["details"]
+    spans = page.tab.locator(".message.assistant .tok")
+    assert spans.count() == len(details) == reply["stats"]["completion_tokens"]
+    assert "".join(d["text"] for d in details) == reply["content"]
+    # The page shows what the server computed: the same seed through the API gives the same
+    # tokens with the same k.
+    direct = reply_of(page.port, QUESTION, seed=5, max_tokens=40, sampler=reply["spec"],
+                      temperature=0.8)
+    assert [(d["text"], d["k"]) for d in direct["token_details"]] == \
+        [(d["text"], d["k"]) for d in details]
+    bucket = {1: "k-1", 5: "k-5", 20: "k-20"}
+    for i in (0, len(details) // 2, len(details) - 1):
+        k = details[i]["k"]
+        want = next((c for limit, c in bucket.items() if k <= limit), "k-many")
+        assert want in spans.nth(i).get_attribute("class")
+    spans.nth(2).hover()
+    card = page.tab.inner_text("#card")
+    assert f"k = {details[2]['k']}" in card and "kept mass" in card
+    assert page.tab.locator("#card li").count() == len(details[2]["top"]) == 5
+    points = page.tab.get_attribute(".message.assistant .plot-k", "points").split()
+    assert len(points) == len(details)
+    page.tab.mouse.move(0, 0)
+    assert page.tab.is_hidden("#card")
+    if os.environ.get("ADAPTIVE_LLAMA_SCREENSHOTS"):
+        spans.nth(2).hover()
+        page.tab.screenshot(path=os.path.join(os.environ["ADAPTIVE_LLAMA_SCREENSHOTS"],
+                                              "web-token-view.png"))
+
+
+def test_compare_marks_the_first_token_where_two_samplers_part(page):
+    page.open()
+    page.settings(seed=21, max_tokens=40, temperature=1.5)
+    page.send("Tell me about the sea.")
+    original = page.messages()[-1]
+    page.tab.click(".message.assistant .compare")
+    page.tab.fill("#compare-spec", "greedy")
+    page.tab.click("#compare-run")
+    page.wait_reply()
+    greedy = reply_of(page.port, "Tell me about the sea.", seed=21, max_tokens=40,
+                      sampler="greedy")
+    a = [d["text"] for d in original["details"]]
+    b = [d["text"] for d in greedy["token_details"]]
+    part = next(i for i, (x, y) in enumerate(zip(a, b)) if x != y)
+    verdict = page.tab.locator(".verdict")
+    assert verdict.inner_text() == f"They part at token {part + 1}."
+    marked = page.tab.locator(".comparison .tok.diverge")
+    assert marked.count() == 2
+    assert [marked.nth(i).get_attribute("data-i") for i in range(2)] == [str(part)] * 2
+    assert page.tab.locator(".comparison .column").nth(1).inner_text().endswith(
+        greedy["choices"][0]["message"]["content"][-20:])
+    # The same sampler and seed again: the same reply, token for token.
+    page.tab.click(".message.assistant .compare")
+    page.tab.fill("#compare-spec", original["stats"]["sampler"])
+    page.tab.click("#compare-run")
+    page.wait_reply()
+    assert page.tab.inner_text(".verdict") == "Same text, token for token."
+
+
+# ---- conversations in and out ----
+
+def test_export_writes_the_repls_save_file_and_import_reads_it_back(page, tmp_path):
+    page.open()
+    page.settings(seed=4, max_tokens=12, system="Answer briefly.")
+    page.send()
+    with page.tab.expect_download() as download:
+        page.tab.click("#export")
+    path = tmp_path / "chat.json"
+    download.value.save_as(path)
+    data = json.loads(path.read_text())
+    assert data["version"] == 1 and data["seed"] == 4 and data["max_tokens"] == 12
+    assert data["system"] == "Answer briefly."
+    assert [m["content"] for m in data["messages"]] == \
+        [m["content"] for m in page.messages()]
+    fresh = SimpleNamespace(system=None, sampler="adaptive", seed=None, max_tokens=256)
+    saved = check_saved_chat(data, fresh)  # as the REPL reads a /load file
+    assert saved["seed"] == 4 and saved["sampler"] == parse_spec(data["sampler"])
+    data["messages"].append({"role": "user", "content": "And a fourth?"})
+    path.write_text(json.dumps(data))
+    page.tab.set_input_files("#import-file", str(path))
+    wait_until(page.tab, "document.querySelectorAll('.message').length === 3")
+    assert len(page.chats()) == 2 and page.messages()[-1]["content"] == "And a fourth?"
+    assert page.tab.input_value("#system") == "Answer briefly."
+
+
+def test_a_file_that_is_not_a_chat_is_refused_in_one_line(page, tmp_path):
+    page.open()
+    bad = tmp_path / "bad.json"
+    bad.write_text(json.dumps({"messages": [{"role": "wizard", "content": "hi"}]}))
+    page.tab.set_input_files("#import-file", str(bad))
+    page.tab.wait_for_selector("#error", state="visible")
+    assert page.error() == ("Cannot import bad.json: `messages` has to be a list of "
+                            "{role: user|assistant, content: text}")
+    assert page.chats() in (None, [])
+
+
+HOSTILE = ('<script>window.pwned = 1</script><img src=x onerror="window.pwned = 2">'
+           '[click](javascript:window.pwned=3) **bold** `<b>code</b>`')
+
+
+def test_hostile_text_is_shown_as_text_never_run(page, tmp_path):
+    page.open()
+    chat = tmp_path / "hostile.json"
+    chat.write_text(json.dumps({"version": 1, "messages": [
+        {"role": "user", "content": HOSTILE}, {"role": "assistant", "content": HOSTILE}]}))
+    page.tab.set_input_files("#import-file", str(chat))
+    page.tab.wait_for_selector(".message.assistant")
+    holder = page.tab.locator("#messages")
+    assert holder.locator("script, img, b").count() == 0
+    assert holder.locator("a").count() == 0  # a javascript: link stays text
+    assert holder.locator("strong").inner_text() == "bold"
+    assert "<script>window.pwned = 1</script>" in page.tab.inner_text(".message.user")
+    assert '<img src=x onerror="window.pwned = 2">' in page.tab.inner_text(".message.assistant")
+    # A streamed reply's token view takes its tokens' text the same way.
+    page.tab.evaluate("""async (hostile) => {
+        const { LiveReply } = await import('/web/reply.js');
+        const content = document.createElement('div');
+        document.body.append(content);
+        const live = new LiveReply(content, {role: 'assistant', content: ''}, true);
+        live.add(hostile, [{text: hostile, logprob: -1, top: [{text: hostile, p: 0.5}],
+                            k: 3, mass: 0.9, entropy: 1}]);
+        live.finish(); }""", HOSTILE)
+    assert page.tab.locator("body > div script, body > div img").count() == 0
+    page.tab.wait_for_timeout(200)
+    assert page.tab.evaluate("window.pwned === undefined")
+
+
+def test_markdown_renders_lists_tables_and_code_blocks(page, tmp_path):
+    page.open()
+    text = ("# Title\n\nSome `inline` and **bold** text, see https://example.org.\n\n"
+            "- one\n- two\n  - nested\n\n1. first\n2. second\n\n| a | b |\n|---|---|\n"
+            "| 1 | 2 |\n\n> quoted\n\n```python\nprint('hi')\n```\n")
+    chat = tmp_path / "md.json"
+    chat.write_text(json.dumps({"messages": [{"role": "user", "content": "md"},
+                                             {"role": "assistant", "content": text}]}))
+    page.tab.set_input_files("#import-file", str(chat))
+    reply = page.tab.locator(".message.assistant .content")
+    reply.wait_for()
+    assert reply.locator("h1").inner_text() == "Title"
+    assert reply.locator("p code").inner_text() == "inline"
+    assert reply.locator(":scope > ul > li").count() == 2
+    assert reply.locator("ul ul li").count() == 1
+    assert reply.locator(":scope > ol > li").count() == 2
+    assert reply.locator("td").all_inner_texts() == ["1", "2"]
+    assert reply.locator("blockquote").inner_text() == "quoted"
+    assert reply.locator("pre code").inner_text() == "print('hi')"
+    assert reply.locator(".code-language").inner_text() == "python"
+    assert reply.locator("a").get_attribute("href") == "https://example.org"
+
+
+def test_the_key_is_asked_once_per_tab(browser, keyed_server):
+    context = browser.new_context()
+    page = Page(context, keyed_server)
+    page.tab.goto(page.base + "/")
+    page.tab.wait_for_selector("#key-dialog[open]")
+    page.tab.fill("#key-input", "wrong")
+    page.tab.press("#key-input", "Enter")
+    wait_until(page.tab,
+               "document.querySelector('#key-note').textContent.includes('not accepted')")
+    page.tab.fill("#key-input", KEY)
+    page.tab.click("#key-ok")
+    page.tab.wait_for_selector("#model option", state="attached")
+    page.settings(max_tokens=4)
+    page.send()
+    assert page.messages()[-1]["role"] == "assistant"
+    page.tab.reload()  # the same tab keeps the key
+    page.tab.wait_for_selector("#model option", state="attached")
+    assert page.tab.locator("#key-dialog[open]").count() == 0
+    other = Page(context, keyed_server)  # a new tab asks again
+    other.tab.goto(other.base + "/")
+    other.tab.wait_for_selector("#key-dialog[open]")
+    context.close()
+
+
+# ---- looks ----
+
+def test_the_theme_toggles_and_a_phone_width_fits(browser, server):
+    context = browser.new_context(viewport={"width": 390, "height": 780}, color_scheme="light")
+    page = Page(context, server).open()
+    assert page.tab.evaluate("document.documentElement.dataset.theme") == "light"
+    background = "getComputedStyle(document.body).backgroundColor"
+    light = page.tab.evaluate(background)
+    page.tab.click("#theme")
+    assert page.tab.evaluate("document.documentElement.dataset.theme") == "dark"
+    assert page.tab.evaluate(background) != light
+    page.settings(max_tokens=24)
+    page.send()
+    assert page.tab.evaluate("document.documentElement.scrollWidth <= window.innerWidth")
+    assert page.tab.evaluate("document.getElementById('sidebar').getBoundingClientRect()"
+                             ".right <= 0")  # the chats slide in on demand
+    page.tab.click("#toggle-sidebar")
+    wait_until(page.tab, "document.getElementById('sidebar')"
+                               ".getBoundingClientRect().left >= 0")
+    context.close()
+
+
+# ---- `adaptive-llama web` ----
+
+def test_web_serves_and_opens_the_page_in_the_browser(smollm2_path, tmp_path):
+    opened = tmp_path / "opened"
+    browser_cmd = tmp_path / "browser"
+    browser_cmd.write_text(f"#!/bin/sh\necho \"$1\" > {opened}\n")
+    browser_cmd.chmod(0o755)
+    port = free_port()
+    proc = subprocess.Popen([sys.executable, "-m", "adaptive_llama.cli", "web",
+                             str(smollm2_path), "--port", str(port), "--ctx", "256"],
+                            env={**os.environ, "BROWSER": str(browser_cmd)},
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 60
+        while not opened.exists() and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert opened.read_text().strip() == f"http://127.0.0.1:{port}/"
+        assert raw("GET", port, "/", key=None, parse=False)[0] == 200
+    finally:
+        proc.terminate()
+        _, err = proc.communicate(timeout=30)
+    assert f"the chat page is http://127.0.0.1:{port}/" in err
