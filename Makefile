@@ -14,7 +14,7 @@ PIN := -c constraints.txt
 # Show the llama.cpp build's progress ([n/193] lines) instead of minutes of silence.
 PROGRESS := grep --line-buffered -E '^\s*\[[0-9]+/[0-9]+\]|Successfully installed|rror' | cut -c1-110
 
-.PHONY: chat test bench eval asan sanitize clean constraints
+.PHONY: chat test chromium bench eval asan sanitize clean constraints
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -54,9 +54,21 @@ chat: $(VENV)/.installed-default-model
 
 # The whole suite twice: with the backend a normal install picks (C), then with the numba
 # kernel and in-chain samplers forced, as on a machine without a C compiler.
-test: $(VENV)/.installed-test
+test: $(VENV)/.installed-test chromium
 	$(PY) -m pytest -q
 	ADAPTIVE_LLAMA_IMPL=numba $(PY) -m pytest -q -p no:cacheprovider
+
+# The chat page's tests (tests/test_web.py) drive Debian's Chromium; as root with apt-get it is
+# installed here, otherwise they are skipped (and fail under CI=true, as .ci/run sets).
+chromium:
+	@if ! command -v chromium >/dev/null && [ -z "$$ADAPTIVE_LLAMA_CHROMIUM" ]; then \
+	    if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \
+	        echo "Installing Chromium for the chat page's tests (apt-get install chromium)..."; \
+	        apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium >/dev/null; \
+	    else \
+	        echo "No Chromium: the chat page's browser tests will be skipped (install the chromium package)."; \
+	    fi; \
+	fi
 
 bench: $(VENV)/.installed-bench
 	$(PY) benchmarks/bench_kernel.py

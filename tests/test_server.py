@@ -569,6 +569,48 @@ def test_chat_logprobs_are_the_models_own_distribution(client, engine):
     assert [t.token for t in pieces] == [t.token for t in content]
 
 
+def test_token_details_give_each_tokens_k_mass_entropy_and_candidates(client):
+    """The chat page's extension: what adaptive decoding chose at every token."""
+    kwargs = dict(model="any", messages=HELLO, max_tokens=24, seed=3)
+    r = client.chat.completions.create(**kwargs, extra_body={"token_details": True})
+    details = r.model_extra["token_details"]
+    stats = r.model_extra["sampler_stats"]
+    assert "".join(d["text"] for d in details) == r.choices[0].message.content
+    assert len(details) == r.usage.completion_tokens == stats["completion_tokens"]
+    ks = sorted(d["k"] for d in details)
+    assert ks[-1] == stats["max_k"] and ks[len(ks) // 2 - (len(ks) % 2 == 0)] == \
+        stats["median_k"]
+    assert sum(ks) / len(ks) == pytest.approx(stats["mean_k"], abs=1e-3)
+    for d in details:
+        p = [c["p"] for c in d["top"]]
+        assert len(p) == 5 and p == sorted(p, reverse=True) and sum(p) <= 1 + 1e-6
+        assert 0 < d["mass"] <= 1 + 1e-6 and d["entropy"] >= 0 and d["k"] >= 1
+        if d["k"] == 1:  # the kept set is the top token alone: it was chosen
+            assert d["text"] == d["top"][0]["text"] or not d["text"]
+        assert math.exp(d["logprob"]) <= p[0] + 1e-9
+    plain = client.chat.completions.create(**kwargs)
+    assert "token_details" not in plain.model_extra
+    assert plain.choices[0].message.content == r.choices[0].message.content
+    assert plain.choices[0].logprobs is None
+
+
+def test_streamed_token_details_beside_logprobs_cut_to_what_was_asked(client):
+    kwargs = dict(model="any", messages=HELLO, max_tokens=16, seed=5, temperature=0,
+                  logprobs=True, top_logprobs=2)
+    chunks = list(client.chat.completions.create(stream=True, **kwargs,
+                                                 extra_body={"token_details": True}))
+    details = [d for c in chunks for d in (c.model_extra or {}).get("token_details", [])]
+    logprobs = [t for c in chunks if c.choices and c.choices[0].logprobs
+                for t in c.choices[0].logprobs.content]
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert "".join(d["text"] for d in details) == text == "".join(t.token for t in logprobs)
+    assert [d["logprob"] for d in details] == [t.logprob for t in logprobs]
+    assert all(len(t.top_logprobs) == 2 and len(d["top"]) == 5
+               for t, d in zip(logprobs, details))
+    # Greedy chooses no candidate set: no k, no mass.
+    assert all(d["k"] is None and d["mass"] is None for d in details)
+
+
 def test_completion_logprobs_follow_the_legacy_shape(client):
     r = client.completions.create(model="any", prompt="1, 2, 3,", max_tokens=6, seed=1,
                                   temperature=0, logprobs=3)
