@@ -1,5 +1,6 @@
 """Rules pinned down as rules, each over the inputs on both sides of it: the Origin check's
-loopback pages, and a saved chat's field checks (/load, --resume)."""
+loopback pages, the chat page's exemptions, and a saved chat's field checks (/load,
+--resume)."""
 
 import pytest
 from hypothesis import given
@@ -42,6 +43,46 @@ def test_allowed_origins_are_exact_case_and_slash_aside():
                   "https://example.com", "https://app.example.com:8443"):
         assert not access.origin_allowed(other), other
     assert Access(allow_origins=("*",)).origin_allowed("https://anything.example")
+
+
+# ---- the chat page: its files load without the key; its own origin may call the API ----
+
+def _headers(**values):
+    from starlette.datastructures import Headers
+
+    return Headers({k.replace("_", "-"): v for k, v in values.items()})
+
+
+@pytest.mark.parametrize("method,path,needs_key", [
+    ("GET", "/", False), ("GET", "/web/app.js", False), ("GET", "/web/samplers.json", False),
+    ("POST", "/", True), ("GET", "/v1/models", True), ("GET", "/health", True),
+    ("GET", "/webx", True), ("GET", "//", True), ("POST", "/web/app.js", True),
+])
+def test_only_the_page_and_its_files_load_without_the_key(method, path, needs_key):
+    error = Access("key").error(method, _headers(host="localhost:8080"), path)
+    assert (error is not None and error.status == 401) is needs_key
+    assert Access("key").error(method, _headers(host="localhost:8080",
+                                                authorization="Bearer key"), path) is None
+
+
+@pytest.mark.parametrize("origin,host,allowed", [
+    ("http://10.0.0.2:8080", "10.0.0.2:8080", True),     # the page, served on a LAN address
+    ("http://chat.lan:8080", "CHAT.lan:8080", True),
+    ("http://10.0.0.2:8081", "10.0.0.2:8080", False),    # another port is another page
+    ("http://evil.example", "10.0.0.2:8080", False),
+    ("http://10.0.0.2:8080", "", False),
+])
+def test_the_servers_own_page_is_an_allowed_origin(origin, host, allowed):
+    headers = _headers(origin=origin, host=host, content_type="application/json")
+    error = Access(allow_hosts=None).error("POST", headers, "/v1/chat/completions")
+    assert (error is None) is allowed, error and error.message
+
+
+def test_the_page_is_still_refused_to_other_sites_and_host_names():
+    page = "/"
+    assert Access("key").error("GET", _headers(host="localhost", origin="https://evil.example"),
+                               page).status == 403
+    assert Access("key").error("GET", _headers(host="rebound.evil.example"), page).status == 403
 
 
 # ---- a saved chat: every field checked, each on both sides of its rule ----
