@@ -324,8 +324,9 @@ def generate(model, prompt, sampler, temperature, max_tokens, chat, stop, as_jso
 @click.option("--max-tokens", "-n", type=click.IntRange(min=1), default=256,
               show_default=True)
 @click.option("--resume", "resume", is_flag=False, flag_value="", default=None,
-              metavar="[NAME]", help="Continue the newest saved chat, or the one named "
-              "(/chats lists them).")
+              metavar="[NAME|FILE]", help="Continue the newest saved chat, the one named "
+              "(/chats lists them), or a chat file (/save's, or the chat page's Export), "
+              "kept from then on as a new saved chat.")
 @click.option("--no-save", is_flag=True, help="Do not keep this chat in the saved chats.")
 @click.option("--markdown/--no-markdown", default=None,
               help="Render markdown in replies (default: on a terminal; /set markdown).")
@@ -342,7 +343,7 @@ def run(model, sampler, temperature, system, max_tokens, resume, no_save, markdo
     Each chat is saved as it goes, in $XDG_STATE_HOME/adaptive-llama/chats (a reply cut off
     by a crash or Ctrl-C keeps what was shown); --resume continues one."""
     from .chat.repl import Repl, check_saved_chat
-    from .chat.saved import ChatStore
+    from .chat.saved import ChatStore, read_text_file
 
     sampler = _with_temperature(sampler, temperature)
     store = None if no_save else ChatStore()
@@ -352,13 +353,20 @@ def run(model, sampler, temperature, system, max_tokens, resume, no_save, markdo
         resume = resume or store.latest()
         if resume is None:
             fail(f"there is no saved chat to resume yet (in {store.folder})")
+        source = resume  # what the user named: a saved chat, or a chat file
         try:
-            saved = store.load(resume)
+            if _is_chat_file(resume):
+                saved = json.loads(read_text_file(Path(resume)))
+                resume = store.new_name()  # the file's chat is kept as a new saved chat
+            else:
+                saved = store.load(resume)
         except FileNotFoundError:
+            if _is_chat_file(source):
+                fail(f"there is no chat file {source!r}")
             known = ", ".join(store.names()[:5]) or "none"
             fail(f"there is no saved chat {resume!r} in {store.folder} (newest: {known})")
         except (OSError, ValueError) as exc:
-            fail(f"cannot read the saved chat {resume!r} ({exc}); /chats lists the others")
+            fail(f"cannot read the saved chat {source!r} ({exc}); /chats lists the others")
 
     interactive = sys.stdin.isatty() and sys.stdout.isatty()
     # The seed is the chat's (`/set seed` changes it), not the engine's.
@@ -383,14 +391,20 @@ def run(model, sampler, temperature, system, max_tokens, resume, no_save, markdo
         try:
             repl.restore(check_saved_chat(saved, repl.chat))
         except (ValueError, RecursionError) as exc:
-            fail(f"the saved chat {resume!r} cannot be continued: {exc}")
+            fail(f"the saved chat {source!r} cannot be continued: {exc}")
         given = {key: value for key, value in (("sampler", sampler), ("system", system),
                                                ("max_tokens", max_tokens), ("seed", seed))
                  if ctx.get_parameter_source(key) in GIVEN
                  or (key == "sampler" and temperature is not None)}
-        repl.take_settings(given, f"saved chat {resume}")
+        repl.take_settings(given, f"saved chat {source}")
         _continue(repl, store, resume)
+        repl.autosave()  # a chat file's chat is in the saved chats from now on
     repl.loop()
+
+
+def _is_chat_file(argument: str) -> bool:
+    """Whether --resume names a file (a path, or a .json name) rather than a saved chat."""
+    return os.sep in argument or argument.endswith(".json")
 
 
 def _continue(repl, store, name: str) -> None:

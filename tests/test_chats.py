@@ -54,7 +54,8 @@ def test_bad_resumes_are_one_line_errors():
     result = run("--resume", input="")
     assert result.returncode == 2 and "no saved chat to resume yet" in result.stderr
     run("--max-tokens", "4", input="Hi\n")
-    for name, needle in [("nope", "no saved chat 'nope'"), ("../x", "not a chat name")]:
+    for name, needle in [("nope", "no saved chat 'nope'"), ("a b", "not a chat name"),
+                         ("../x", "no chat file '../x'"), ("x.json", "no chat file 'x.json'")]:
         result = run("--resume", name, input="")
         assert result.returncode == 2 and needle in result.stderr, result.stderr
         assert len(result.stderr.strip().splitlines()) == 1
@@ -65,6 +66,29 @@ def test_bad_resumes_are_one_line_errors():
     broken.write_text(json.dumps({"messages": [{"role": "robot", "content": 1}]}))
     result = run("--resume", "broken", input="")
     assert result.returncode == 2 and "cannot be continued" in result.stderr
+
+
+def test_resume_takes_a_chat_file_and_keeps_it_as_a_new_saved_chat(tmp_path):
+    """A /save file, or the chat page's Export, continues in the REPL."""
+    chat = tmp_path / "from-the-page.json"
+    text = json.dumps({"version": 1, "sampler": "greedy", "seed": 5, "max_tokens": 6,
+                       "system": "Be brief.", "messages": [
+                           {"role": "user", "content": "Name a river."},
+                           {"role": "assistant", "content": "The Nile."}]})
+    chat.write_text(text)
+    out = run("--resume", str(chat), input="/show\nAnd another?\n").stdout
+    name, = store().names()
+    assert f"continuing {name}: 2 messages" in out and "greedy" in out
+    data = store().load(name)
+    assert [m["content"] for m in data["messages"]][:3] == [
+        "Name a river.", "The Nile.", "And another?"]
+    assert data["system"] == "Be brief." and data["seed"] == 5 and data["max_tokens"] == 6
+    assert chat.read_text() == text  # the file itself is left as it was
+    broken = tmp_path / "broken.json"
+    broken.write_text(json.dumps({"messages": "none"}))
+    result = run("--resume", str(broken), input="")
+    assert result.returncode == 2 and "cannot be continued" in result.stderr
+    assert str(broken) in result.stderr and len(result.stderr.strip().splitlines()) == 1
 
 
 def test_no_save_keeps_nothing():

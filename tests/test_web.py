@@ -390,6 +390,11 @@ def test_export_writes_the_repls_save_file_and_import_reads_it_back(page, tmp_pa
     fresh = SimpleNamespace(system=None, sampler="adaptive", seed=None, max_tokens=256)
     saved = check_saved_chat(data, fresh)  # as the REPL reads a /load file
     assert saved["seed"] == 4 and saved["sampler"] == parse_spec(data["sampler"])
+    repl = subprocess.run([sys.executable, "-m", "adaptive_llama.cli", "run", "--resume",
+                           str(path)], input="/show\n", capture_output=True, text=True,
+                          timeout=300)
+    assert repl.returncode == 0 and ": 2 messages" in repl.stdout, repl.stderr
+    assert "Answer briefly." in repl.stdout  # /show: the chat's system prompt came along
     data["messages"].append({"role": "user", "content": "And a fourth?"})
     path.write_text(json.dumps(data))
     page.tab.set_input_files("#import-file", str(path))
