@@ -51,7 +51,11 @@ FEED = """async ({mode, rate, tokens, history}) => {
   for (let i = 0; i < history; i += 1) live.add(detail(i).text, [detail(i)]);
   const gaps = [];
   let last = performance.now(), running = true;
-  const frame = (t) => { gaps.push(t - last); last = t; if (running) requestAnimationFrame(frame); };
+  const frame = (t) => {
+    gaps.push(t - last);
+    last = t;
+    if (running) requestAnimationFrame(frame);
+  };
   requestAnimationFrame(frame);
   const costs = [];
   const start = performance.now();
