@@ -393,7 +393,8 @@ def test_the_penalty_study_runs_each_sampler_bare_and_with_each_penalty(tmp_path
     assert [r["spec"] for r in rows] == [base + m for base in tasks.PENALTY_BASES
                                          for m in tasks.PENALTY_MODIFIERS]
     for row in rows:
-        assert 0 <= row["rep2"][0] <= 1 and 0 <= row["diversity"][0] <= 1
+        # rep2 is a percentage (metrics.rep_n), diversity a product of shares.
+        assert 0 <= row["rep2"][0] <= 100 and 0 <= row["diversity"][0] <= 1
     cache = [json.loads(line) for line in (tmp_path / "generations.jsonl").open()]
     text = {(r["spec"], r["prompt_id"]): r["text"] for r in cache}
     bare, strong = tasks.PENALTY_BASES[0], tasks.PENALTY_BASES[0] + "+penalties:repeat=1.3"

@@ -3,6 +3,7 @@
 // HTML; the server's Content-Security-Policy forbids inline script and other origins.
 
 import { Api, ApiError } from "./api.js";
+import { el } from "./markdown.js";
 import { LiveReply, showMessage, showPlot } from "./reply.js";
 import { exported, imported, loadChats, loadSettings, newChat, saveChats, saveSettings,
   titleOf } from "./store.js";
@@ -24,13 +25,6 @@ const state = {
 const api = new Api(askKey);
 
 // ---- small helpers ----
-
-function el(tag, className, text) {
-  const node = document.createElement(tag);
-  if (className) node.className = className;
-  if (text !== undefined) node.textContent = text;
-  return node;
-}
 
 function button(label, onClick, className = "") {
   const node = el("button", className, label);
