@@ -741,6 +741,7 @@ def rpc_worker(host, port, threads, device, cache_dir, allow_remote):
     # before the server's thread starts, which takes the main thread's mask.
     signal.signal(signal.SIGINT, signal.default_int_handler)
     signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
+    _batch_invariant_worker()
     thread = rpc.serve_worker(address, port, threads or default_threads(), devices, cache_dir)
     reach = f"{'THIS-MACHINE' if address == '0.0.0.0' else address}:{port}"
     click.echo(f"RPC worker on {address}:{port} serving {rpc.describe(devices)}; the host "
@@ -753,6 +754,20 @@ def rpc_worker(host, port, threads, device, cache_dir, allow_remote):
         sys.stdout.flush()
         os._exit(0)  # the server thread is inside llama.cpp's accept() and cannot be joined
     fail(f"llama.cpp's RPC server on {address}:{port} stopped (its lines above say why)")
+
+
+def _batch_invariant_worker() -> None:
+    """The worker's CPU backends compute attention as the host's engine does (see
+    adaptive_llama.llama.cpu_attention), so that a reply is the same text with workers as
+    on one machine; where that cannot be set, one warning says what it costs."""
+    from .llama import cpu_attention
+
+    try:
+        cpu_attention.worker_attention()
+    except cpu_attention.Unavailable as exc:
+        click.echo(f"Warning: this worker's attention may compute a row otherwise in another "
+                   f"batch ({exc}): the same seed can give another reply than on one "
+                   "machine.", err=True)
 
 
 def _keep_alive(value: str) -> float:

@@ -1,11 +1,13 @@
 """Same seed, same reply, whatever the cache holds: a reply is a function of the model, the
 conversation's tokens, the sampler spec and the seed (README, "Reproducibility").
 
-On the CPU the engine evaluates batch-invariantly (no flash attention, no repacked weights),
-so a token's logits do not depend on how its prompt was split into batches, on what the
-cache held, on the thread count or on the other sequences. Prompts here are long (266 to
-530 tokens): llama.cpp's CPU flash attention changed kernels at 64 rows and split a row's
-attention over the threads at 512 cached cells, which short prompts never reach.
+On the CPU the engine evaluates batch-invariantly (flash attention through its tiled kernel
+for whole prompt chunks and its one-row reference kernel for every other row, no repacked
+weights), so a token's logits do not depend on how its prompt was split into batches, on
+what the cache held, on the thread count or on the other sequences. Prompts here are long
+(266 to 530 tokens): llama.cpp's own CPU flash attention changes kernels at 64 rows and
+splits a row's attention over the threads at 512 cached cells, which short prompts never
+reach.
 """
 
 import re
@@ -71,8 +73,7 @@ def test_the_thread_count_changes_no_logits_of_whole_chunks_or_single_rows(smoll
     # depend on the threads, past 512 cells in view either.
     rows = []
     for threads in (1, 2):
-        engine = Engine(smollm2_path, n_ctx=1024, n_threads=threads, n_gpu_layers=GPU_LAYERS,
-                        reference_attention=True)
+        engine = Engine(smollm2_path, n_ctx=1024, n_threads=threads, n_gpu_layers=GPU_LAYERS)
         try:
             tokens = engine.tokenize(LONG * 2)[:576]  # 9 whole chunks, then 4 rows alone
             assert engine.attention == ("reference" if not GPU_LAYERS else "flash")

@@ -8,6 +8,7 @@ import sys
 
 import pexpect
 import pytest
+from test_repl import INLINE_CODE
 
 ANSI = re.compile(r"\x1b\[[0-9;?]*[a-zA-Z]")
 
@@ -140,8 +141,9 @@ def test_a_terminal_renders_markdown_wraps_at_words_and_set_markdown_off_shows_i
         child.expect(">>>")
         child.send("/regen\r")  # greedy: the same reply, as the model wrote it
         child.expect(r"\x1b\[\?2004l")
-        child.expect("operator")
-        assert "```python" in child.before and "`+`" in child.before
+        child.expect(r"tok/s")
+        raw = ANSI.sub("", child.before)
+        assert "```python" in raw and INLINE_CODE.search(raw.split("```", 2)[2])
         child.expect(">>>")
         child.send("/bye\r")
         child.expect(pexpect.EOF)

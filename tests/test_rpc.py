@@ -14,6 +14,7 @@ import time
 from pathlib import Path
 
 import llama_cpp
+import numpy as np
 import openai
 import pytest
 from click.testing import CliRunner
@@ -24,6 +25,7 @@ from adaptive_llama.chat.saved import ChatStore
 from adaptive_llama.cli import main
 from adaptive_llama.llama import rpc
 from adaptive_llama.runtime import config
+from adaptive_llama.runtime.batching import CHUNK
 from adaptive_llama.runtime.loading import layer_devices
 
 CLI = [sys.executable, "-m", "adaptive_llama.cli"]
@@ -474,11 +476,58 @@ def test_same_seed_same_text_as_alone(engine, split_engine, sampler):
     assert split.text == alone.text and split.completion_tokens == alone.completion_tokens
 
 
+def test_past_512_cells_a_worker_computes_a_row_as_the_host_alone(engine, smollm2_path):
+    """A reply's tokens one by one with 512 cells or more in view, where llama.cpp's own
+    kernel would split a row over a worker's (two) threads: the worker takes the reference
+    kernel (adaptive-llama rpc-worker), so the logits are those of the host alone, bit for
+    bit."""
+    port = free_port()
+    worker = start_worker(port, "--threads", "2")
+    split = Engine(smollm2_path, n_ctx=1024, rpc=[f"127.0.0.1:{port}"])
+    try:
+        tokens = engine.tokenize("The history of the river Danube is long and full of "
+                                 "events. " * 60)[:576 + 4]  # 9 whole chunks, 4 rows alone
+        rows = []
+        for each in (engine, split):
+            each.prefill(tokens, generated=4)
+            rows.append(np.ctypeslib.as_array(llama_cpp.llama_get_logits_ith(each.ctx, -1),
+                                              shape=(each.n_vocab,)).copy())
+        engine.clear_cache()
+    finally:
+        split.close()
+        stop(worker)
+    assert np.array_equal(rows[0], rows[1])
+
+
 def test_batched_replies_match_alone(engine, split_engine):
     prompts = ["The capital of France is", "Water boils at", "A haiku about rain:"]
     alone = engine.generate_batch(prompts, sampler="adaptive", max_tokens=24, seed=5)
     split = split_engine.generate_batch(prompts, sampler="adaptive", max_tokens=24, seed=5)
     assert [r.text for r in split] == [r.text for r in alone]
+
+
+def test_with_workers_drafts_keep_the_text_and_batches_stay_under_a_chunk(engine, workers,
+                                                                         smollm2_path):
+    """The workers compute a whole prompt chunk (CHUNK rows) with the tiled kernel, any other
+    batch with the reference one, as the host does; so the host keeps every other batch under
+    CHUNK rows (here four sequences drafting up to 31 tokens each), and a reply with drafts
+    and workers is the same text as alone without either."""
+    prompts = [f"Repeat exactly, twice: {s} {s}" for s in (
+        "The quick brown fox jumps over the lazy dog.", "One, two, three, four, five, six.",
+        "Red sky at night, sailor's delight.", "All that glitters is not gold.")]
+    alone = engine.generate_batch(prompts, sampler="greedy", max_tokens=40, seed=2)
+    drafted = Engine(smollm2_path, seed=1, n_ctx=1024, parallel=4, rpc=workers,
+                     draft="ngram", draft_max=31)
+    try:
+        rows, decode = [], drafted.decoder._decode
+        drafted.decoder._decode = lambda: (rows.append(drafted.decoder._batch.n_tokens),
+                                           decode())[1]
+        split = drafted.generate_batch(prompts, sampler="greedy", max_tokens=40, seed=2)
+    finally:
+        drafted.close()
+    assert [r.text for r in split] == [r.text for r in alone]
+    assert sum(r.draft_accepted for r in split) > 0
+    assert max(n for n in rows if n != CHUNK) < CHUNK
 
 
 def test_shares_and_local_layers(workers, smollm2_path):

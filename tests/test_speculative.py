@@ -16,6 +16,7 @@ from conftest import GPU_LAYERS
 from adaptive_llama import Engine
 from adaptive_llama.llama import cpu_attention
 from adaptive_llama.runtime import drafting
+from adaptive_llama.runtime.batching import CHUNK
 from adaptive_llama.runtime.drafting import DraftLength, PromptLookup, RowCost
 from adaptive_llama.runtime.models import ModelError
 from adaptive_llama.runtime.request import InvalidArgument
@@ -41,10 +42,8 @@ def always_draft(monkeypatch):
 
 @pytest.fixture(scope="module")
 def engine(smollm2_path):
-    """This module's engine without drafts: the attention an engine with drafts runs (the
-    reference kernel for single rows), so that their replies are comparable."""
-    engine = Engine(smollm2_path, seed=1, n_ctx=1024, n_gpu_layers=GPU_LAYERS,
-                    reference_attention=True)
+    """This module's engine without drafts, as an engine is by default."""
+    engine = Engine(smollm2_path, seed=1, n_ctx=1024, n_gpu_layers=GPU_LAYERS)
     yield engine
     engine.close()
 
@@ -118,6 +117,19 @@ def test_without_the_reference_kernel_the_engine_warns_and_turns_flash_attention
         engine.close()
 
 
+def test_reference_attention_is_the_default_and_false_turns_flash_attention_off(smollm2_path):
+    engines = [Engine(smollm2_path, n_ctx=256, n_gpu_layers=GPU_LAYERS, reference_attention=r)
+               for r in (None, False)]
+    try:
+        assert [e.attention for e in engines] == (
+            ["reference", "off"] if not GPU_LAYERS else ["flash", "flash"])
+        assert engines[0].decoder.attention_switch is not None
+        assert engines[1].decoder.attention_switch is None
+    finally:
+        for e in engines:
+            e.close()
+
+
 def test_the_cpu_device_table_is_checked_before_it_is_written(monkeypatch):
     device = cpu_attention._cpu_device()
     before = device.table[cpu_attention.INIT_BACKEND]
@@ -153,6 +165,42 @@ def test_the_switch_sets_the_flag_only_when_it_changes(monkeypatch):
     switch.set(False)
     switch.set(True)
     assert flags == [(11, False), (12, False), (11, True), (12, True)]
+
+
+def test_a_workers_backend_takes_the_tiled_kernel_from_a_whole_chunks_rows(monkeypatch):
+    """An RPC worker cannot be switched by the host: its backends decide by the rows of the
+    graph, which only a whole prompt chunk has CHUNK of (the host keeps other batches under)."""
+    assert cpu_attention.TILED_ROWS == CHUNK
+    device = cpu_attention._cpu_device()
+    backend = cpu_attention._INIT_BACKEND(device.original)(device.device, None)
+    try:
+        rule = cpu_attention._RowRule(device, backend)
+        for rows, reference in ((1, True), (16, True), (CHUNK - 1, True), (CHUNK, False),
+                                (4 * CHUNK, False)):
+            with cpu_attention.attention_graph(rows) as graph:
+                assert device.attention_rows(graph) == rows
+                assert rule.use_ref_for(graph) is reference, rows
+        flags = []
+        monkeypatch.setattr(device, "backend_cpu_set_use_ref",
+                            lambda b, on: flags.append(on))
+        monkeypatch.setattr(rule, "original", lambda b, graph: 0)
+        for rows in (CHUNK, CHUNK, 1, 5, CHUNK):
+            with cpu_attention.attention_graph(rows) as graph:
+                assert rule._graph_compute(backend, graph) == 0
+        assert flags == [False, True, False]  # set only when it changes
+    finally:
+        device.backend_free(backend)
+
+
+def test_a_workers_backend_table_is_checked(monkeypatch):
+    device = cpu_attention._cpu_device()
+    backend = cpu_attention._INIT_BACKEND(device.original)(device.device, None)
+    try:
+        monkeypatch.setattr(cpu_attention, "BACKEND_DEVICE", cpu_attention.BACKEND_DEVICE + 1)
+        with pytest.raises(cpu_attention.Unavailable, match="laid out otherwise"):
+            cpu_attention._RowRule(device, backend)
+    finally:
+        device.backend_free(backend)
 
 
 # ---- same text ----
@@ -209,8 +257,7 @@ def test_max_tokens_and_the_context_window_end_the_reply_at_the_same_token(
     for n in (1, 2, 7):
         assert reply(ngram_engine, QUOTE, "greedy", max_tokens=n).tokens == \
             reply(engine, QUOTE, "greedy", max_tokens=n).tokens
-    small = {d: Engine(smollm2_path, n_ctx=256, draft=d, draft_max=8, reference_attention=True)
-             for d in (None, "ngram")}
+    small = {d: Engine(smollm2_path, n_ctx=256, draft=d, draft_max=8) for d in (None, "ngram")}
     try:
         text = "The history of the river Danube is long and full of events. " * 17
         results = [e.generate(text, sampler="greedy", max_tokens=None) for e in small.values()]

@@ -26,6 +26,17 @@ raises :class:`Unavailable` and nothing is written.
 A :class:`Switch` turns the flag off and on again between decodes: the tiled kernel is faster
 for a prompt's whole chunks, which the engine always evaluates alone and the same way, so
 they need no more than that.
+
+An RPC worker (``adaptive-llama rpc-worker``) computes the layers it holds with CPU backends
+of its own, which the host cannot switch. :func:`worker_attention` gives them the same rule
+from what each graph holds: the backends it makes (for the worker's whole life) run every
+graph through the reference kernel, except a graph whose flash attention has ``CHUNK`` rows
+or more, which runs as llama.cpp would (the tiled kernel). The host keeps every other batch
+under ``CHUNK`` rows, so that only its whole prompt chunks are that large, and worker and
+host compute every row alike. The rows are read from the graph's first flash attention node
+(``ggml_graph_node``, and the node's ``op`` and ``ne`` from ``struct ggml_tensor`` in ggml.h,
+checked against ``ggml_op_desc`` and ``ggml_nelements``); the backend's ``graph_compute``
+entry (``struct ggml_backend_i``) is checked like the device's entries.
 """
 
 from __future__ import annotations
@@ -42,10 +53,19 @@ _vp = ctypes.c_void_p
 _INIT_BACKEND = ctypes.CFUNCTYPE(_vp, _vp, ctypes.c_char_p)
 _GET_NAME = ctypes.CFUNCTYPE(ctypes.c_char_p, _vp)
 _GET_TYPE = ctypes.CFUNCTYPE(ctypes.c_int, _vp)
+_GRAPH_COMPUTE = ctypes.CFUNCTYPE(ctypes.c_int, _vp, _vp)
 # Entries of struct ggml_backend_device_i, in pointers from the start of the device struct
 # (its first member).
 GET_NAME, GET_TYPE, INIT_BACKEND = 0, 3, 5
 _DEVICE_CPU = 0  # enum ggml_backend_dev_type
+# struct ggml_backend: a guid pointer, then struct ggml_backend_i (get_name first,
+# graph_compute 13th), then the device; in pointers from the start.
+BACKEND_GET_NAME, BACKEND_GRAPH_COMPUTE, BACKEND_DEVICE = 1, 13, 17
+# struct ggml_tensor: type (padded to 8 bytes), buffer, ne[4], nb[4], op; in bytes.
+TENSOR_NE, TENSOR_OP = 16, 80
+# A worker's graph runs the tiled kernel from this many flash attention rows: the engine's
+# prompt chunk (runtime.batching.CHUNK, which test_speculative checks against it).
+TILED_ROWS = 64
 
 
 class Unavailable(RuntimeError):
@@ -68,6 +88,10 @@ class _CpuDevice:
                 (base, "ggml_backend_dev_type", [_vp], ctypes.c_int),
                 (base, "ggml_backend_name", [_vp], ctypes.c_char_p),
                 (base, "ggml_backend_free", [_vp], None),
+                (base, "ggml_graph_n_nodes", [_vp], ctypes.c_int),
+                (base, "ggml_graph_node", [_vp, ctypes.c_int], _vp),
+                (base, "ggml_op_desc", [_vp], ctypes.c_char_p),
+                (base, "ggml_nelements", [_vp], ctypes.c_int64),
                 (cpu, "ggml_backend_cpu_set_use_ref", [_vp, ctypes.c_bool], None)):
             try:
                 fn = getattr(lib, name)
@@ -99,12 +123,64 @@ class _CpuDevice:
             if backend:
                 self.backend_free(backend)
 
+    def attention_rows(self, graph) -> int:
+        """The rows (tokens) of the graph's first flash attention node; 0 without one."""
+        for i in range(self.graph_n_nodes(graph)):
+            node = self.graph_node(graph, i)
+            if ctypes.c_int.from_address(node + TENSOR_OP).value == self._flash_attention_op(node):
+                return ctypes.c_int64.from_address(node + TENSOR_NE + 2 * 8).value
+        return 0
+
+    def _flash_attention_op(self, node) -> int:
+        """ggml_op's number of FLASH_ATTN_EXT, learnt from the first node that is one, with
+        the node's layout checked (-1 until then)."""
+        if self._flash_op is None and self.op_desc(node) == b"FLASH_ATTN_EXT":
+            ne = (ctypes.c_int64 * 4).from_address(node + TENSOR_NE)
+            if ne[0] * ne[1] * ne[2] * ne[3] != self.nelements(node):
+                raise Unavailable("ggml's tensors are laid out otherwise")
+            self._flash_op = ctypes.c_int.from_address(node + TENSOR_OP).value
+        return -1 if self._flash_op is None else self._flash_op
+
+    _flash_op = None
+
     def _init_backend(self, dev, params):
         backend = _INIT_BACKEND(self.original)(dev, params)
         if backend:
             self.backend_cpu_set_use_ref(backend, True)
             self.made.append(backend)
+            if self.on_backend is not None:
+                self.on_backend(backend)
         return backend
+
+    on_backend = None  # a worker's hook for each backend made (worker_attention)
+
+
+class _RowRule:
+    """A worker's CPU backend: before each graph, the reference kernel for fewer than
+    TILED_ROWS flash attention rows, llama.cpp's own choice from that many (see the module
+    docstring)."""
+
+    def __init__(self, device: _CpuDevice, backend: int):
+        self.device, self.backend = device, backend
+        self.table = (_vp * (BACKEND_DEVICE + 1)).from_address(backend)
+        if (self.table[BACKEND_DEVICE] != device.device
+                or _GET_NAME(self.table[BACKEND_GET_NAME])(backend)
+                != device.backend_name(backend)):
+            raise Unavailable("the CPU backend's interface table is laid out otherwise")
+        self.original = _GRAPH_COMPUTE(self.table[BACKEND_GRAPH_COMPUTE])
+        self.wrapper = _GRAPH_COMPUTE(self._graph_compute)
+        self.use_ref = True
+        self.table[BACKEND_GRAPH_COMPUTE] = ctypes.cast(self.wrapper, _vp).value
+
+    def use_ref_for(self, graph) -> bool:
+        return self.device.attention_rows(graph) < TILED_ROWS
+
+    def _graph_compute(self, backend, graph):
+        use_ref = self.use_ref_for(graph)
+        if use_ref != self.use_ref:
+            self.device.backend_cpu_set_use_ref(backend, use_ref)
+            self.use_ref = use_ref
+        return self.original(backend, graph)
 
 
 class Switch:
@@ -128,6 +204,70 @@ _lock = threading.Lock()
 @functools.cache
 def _cpu_device() -> _CpuDevice:
     return _CpuDevice()
+
+
+class _GgmlInitParams(ctypes.Structure):
+    _fields_ = [("mem_size", ctypes.c_size_t), ("mem_buffer", _vp), ("no_alloc", ctypes.c_bool)]
+
+
+@functools.cache
+def _ggml_base():
+    """libggml-base, with the functions that build a graph."""
+    base = ctypes.CDLL(str(Path(llama_cpp.__file__).parent / "lib" / "libggml-base.so.0"))
+    base.ggml_init.argtypes, base.ggml_init.restype = [_GgmlInitParams], _vp
+    base.ggml_free.argtypes = [_vp]
+    base.ggml_new_tensor_4d.argtypes = [_vp, ctypes.c_int] + [ctypes.c_int64] * 4
+    base.ggml_new_tensor_4d.restype = _vp
+    base.ggml_flash_attn_ext.argtypes = [_vp] * 5 + [ctypes.c_float] * 3
+    base.ggml_flash_attn_ext.restype = _vp
+    base.ggml_new_graph.argtypes, base.ggml_new_graph.restype = [_vp], _vp
+    base.ggml_build_forward_expand.argtypes = [_vp, _vp]
+    return base
+
+
+@contextlib.contextmanager
+def attention_graph(rows: int):
+    """A graph (no data) whose one node is flash attention over ``rows`` query rows of a
+    32-cell cache: what a worker reads the rows of."""
+    base = _ggml_base()
+    ctx = base.ggml_init(_GgmlInitParams(16 * 2**20, None, True))
+    try:
+        f32 = 0  # GGML_TYPE_F32
+        q = base.ggml_new_tensor_4d(ctx, f32, 64, rows, 2, 1)  # head size, rows, heads
+        k, v = (base.ggml_new_tensor_4d(ctx, f32, 64, 32, 2, 1) for _ in range(2))
+        graph = base.ggml_new_graph(ctx)
+        base.ggml_build_forward_expand(
+            graph, base.ggml_flash_attn_ext(ctx, q, k, v, None, 0.125, 0.0, 0.0))
+        yield graph
+    finally:
+        base.ggml_free(ctx)
+
+
+def _check_graph_reading(device: _CpuDevice) -> None:
+    """Unavailable where a graph's flash attention rows do not read back as built."""
+    with attention_graph(5) as graph:
+        rows = device.attention_rows(graph)
+    if rows != 5:
+        raise Unavailable(f"a graph's flash attention rows read as {rows}, not 5")
+
+
+def worker_attention() -> list[_RowRule]:
+    """For the rest of this process (an RPC worker): the CPU backends llama.cpp makes follow
+    the engine's rule by the rows of each graph (see the module docstring). Returns the list
+    that fills with them as they are made. :class:`Unavailable` where llama.cpp is not laid
+    out as expected (nothing changed)."""
+    device = _cpu_device()
+    _check_graph_reading(device)
+    probe = _INIT_BACKEND(device.original)(device.device, None)
+    try:
+        _RowRule(device, probe)  # checks the backend's table (then freed with it)
+    finally:
+        device.backend_free(probe)
+    rules: list[_RowRule] = []
+    _lock.acquire()  # held for good: no engine in this process makes a context
+    device.on_backend = lambda backend: rules.append(_RowRule(device, backend))
+    device.table[INIT_BACKEND] = ctypes.cast(device.wrapper, _vp).value
+    return rules
 
 
 @contextlib.contextmanager

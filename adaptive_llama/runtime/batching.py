@@ -229,6 +229,10 @@ class Decoder:
         # the same alone or in a batch of drafts; off for whole prompt chunks, which are
         # always evaluated alone and the same way, where the tiled kernel is faster.
         self.attention_switch = None
+        # Rows of a step's batch at most, drafts included (more sequences: several batches).
+        # With RPC workers, fewer than CHUNK: a worker tells a whole prompt chunk by its rows
+        # (cpu_attention.worker_attention), so no other batch may have as many.
+        self.step_rows = n_batch
         self.drafter = None  # a drafter of adaptive_llama.runtime.drafting: speculation
         self.draft_max = 0
         self.row_cost = RowCost()
@@ -384,34 +388,38 @@ class Decoder:
         generating = [g for g in self.live if g.next_token is not None]  # in slot order
         try:
             self._evaluate_prompts(max(CHUNK, self.n_batch - len(generating)))
-            if not generating:
-                return
-            drafts = self._drafts(generating)
-            firsts, rows = [], 0
-            for generation, draft in zip(generating, drafts):
-                firsts.append(rows)
-                for j, token in enumerate([generation.next_token, *draft]):
-                    self._put(rows + j, token, generation.slot, j, True)
-                rows += 1 + len(draft)
-            self._batch.n_tokens = rows
-            self._attention_for(whole_chunk=False)
-            started = time.perf_counter()
-            self._decode()
-            if self.drafter is not None:
-                self.row_cost.observe(time.perf_counter() - started, rows)
-            for generation in generating:  # the token it fed is in its cache now
-                generation.slot.tokens.append(generation.next_token)
-                generation.next_token = None
-            if self.drafter is None:
-                self._sample([(g, i) for i, g in enumerate(generating)])
-            else:
-                self._verify(generating, drafts, firsts)
+            for start in range(0, len(generating), self.step_rows):
+                self._decode_tokens(generating[start:start + self.step_rows])
         except BaseException:
             # A Ctrl-C or an error mid-step: what the KV cells hold is no longer known.
             for generation in list(self.live):
                 self._forget(generation.slot)
                 self._finish(generation, "interrupted")
             raise
+
+    def _decode_tokens(self, generating: list[Generation]) -> None:
+        """Decode the next token of these sequences (and their drafts) in one batch, then
+        choose their next tokens."""
+        drafts = self._drafts(generating)
+        firsts, rows = [], 0
+        for generation, draft in zip(generating, drafts):
+            firsts.append(rows)
+            for j, token in enumerate([generation.next_token, *draft]):
+                self._put(rows + j, token, generation.slot, j, True)
+            rows += 1 + len(draft)
+        self._batch.n_tokens = rows
+        self._attention_for(whole_chunk=False)
+        started = time.perf_counter()
+        self._decode()
+        if self.drafter is not None:
+            self.row_cost.observe(time.perf_counter() - started, rows)
+        for generation in generating:  # the token it fed is in its cache now
+            generation.slot.tokens.append(generation.next_token)
+            generation.next_token = None
+        if self.drafter is None:
+            self._sample([(g, i) for i, g in enumerate(generating)])
+        else:
+            self._verify(generating, drafts, firsts)
 
     # ---- speculation (adaptive_llama.runtime.drafting) ----
 
@@ -425,7 +433,7 @@ class Decoder:
         def cost(n: int) -> float:
             return self.row_cost.extra(sequences, n, draft_s)
 
-        room = self.n_batch - len(generating)
+        room = self.step_rows - len(generating)
         wants = []
         for generation in generating:
             left = min(generation.request.max_tokens - generation.result.completion_tokens,

@@ -35,7 +35,14 @@ from ..llama import cpu_attention
 from ..llama import rpc as ggml_rpc
 from ..llama.chain import SamplerChain, check_in_graph
 from ..samplers import SEED, SamplerSpec, SpecError, seed_or_fresh, spec_of
-from .batching import MAX_LOGPROBS, Decoder, Generation, GenerationResult, TokenLogprob  # noqa: F401
+from .batching import (  # noqa: F401
+    CHUNK,
+    MAX_LOGPROBS,
+    Decoder,
+    Generation,
+    GenerationResult,
+    TokenLogprob,
+)
 from .chat_template import ChatTemplate
 from .drafting import MAX_DRAFT, ModelDrafter, NgramDrafter
 from .embeddings import Embedder
@@ -159,12 +166,14 @@ class Engine:
             where drafts are kept.
         draft_max: tokens drafted per step at most (the engine drafts fewer, or none,
             where drafts are seldom kept).
-        reference_attention: on the CPU (no GPU layers, no workers), flash attention through
-            llama.cpp's tiled kernel for whole prompt chunks and its one-row reference kernel
-            for every other row, which gives a row the same logits alone or among drafted
-            tokens (:mod:`adaptive_llama.llama.cpu_attention`); else flash attention off.
-            None: on with a ``draft``. Replies are reproducible either way, but the two
-            compute attention differently, so the same seed gives another reply in each.
+        reference_attention: on the CPU (no GPU layers; RPC workers started with
+            ``adaptive-llama rpc-worker`` follow it), flash attention through llama.cpp's
+            tiled kernel for whole prompt chunks and its one-row reference kernel for every
+            other row, which gives a row the same logits alone or among drafted tokens
+            (:mod:`adaptive_llama.llama.cpu_attention`). False: flash attention off, about
+            10% slower decoding. None (the default) or True: on. Replies are reproducible
+            either way, but the two compute attention differently, so the same seed gives
+            another reply in each.
 
     Raises:
         ModelError: the file is missing, not GGUF, truncated or otherwise unloadable.
@@ -208,8 +217,7 @@ class Engine:
         if reference_attention not in (None, True, False):
             raise InvalidArgument(f"`reference_attention` has to be True, False or None, but "
                                   f"is {reference_attention!r}", "reference_attention")
-        self._wants_reference = draft is not None if reference_attention is None \
-            else reference_attention
+        self._wants_reference = reference_attention is not False
         if self.rpc and backend_sampling:
             raise InvalidArgument("backend sampling runs in the graph of the device that "
                                   "holds the output layer, which an RPC worker cannot do "
@@ -254,6 +262,8 @@ class Engine:
         self.decoder.attention_switch = self._attention_switch
         if self.rpc:
             self.decoder.watchdog = ggml_rpc.Watchdog(self.rpc, rpc_timeout)
+            if self.attention == "reference":  # the workers' rule (cpu_attention)
+                self.decoder.step_rows = min(self.decoder.step_rows, CHUNK - 1)
         if backend_sampling:
             self.backend_sampling = self._graph_can_sample()
         if draft is not None:
@@ -297,17 +307,16 @@ class Engine:
             params.n_outputs_max_per_seq = 1
         self.attention = "flash"  # llama.cpp's own choice
         self._attention_switch = None
-        if self.batch_invariant and not self.rpc and self._wants_reference:
+        if self.batch_invariant and self._wants_reference:
             context = self._reference_attention_context(params, requested, verbose)
             if context is not None:
                 return context
         if self.batch_invariant:
             # Batch-invariant evaluation (see batch_invariant) without the reference kernel
-            # (not asked for, or CPU workers, which hold their own backends): llama.cpp's
-            # other CPU flash attention kernels compute a row otherwise in a batch of 64 rows
-            # or more, and split a single row's attention over the threads once 512 cells
-            # are in view. Without flash attention every prompt row is computed the same
-            # way, whatever the batch.
+            # (turned off, or not to be had): llama.cpp's other CPU flash attention kernels
+            # compute a row otherwise in a batch of 64 rows or more, and split a single
+            # row's attention over the threads once 512 cells are in view. Without flash
+            # attention every prompt row is computed the same way, whatever the batch.
             params.flash_attn_type = llama_cpp.LLAMA_FLASH_ATTN_TYPE_DISABLED
             self.attention = "off"
         return self._create_context(params, requested, verbose)
