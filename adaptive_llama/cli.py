@@ -683,7 +683,7 @@ def _open_when_listening(host: str, port: int, page: str) -> None:
     import webbrowser
 
     def open_page():
-        address = "127.0.0.1" if host in ("0.0.0.0", "") else "::1" if host == "::" else host
+        address = _url_host(host).strip("[]")  # where the page's address reaches the server
         deadline = time.monotonic() + 30
         while time.monotonic() < deadline:
             try:

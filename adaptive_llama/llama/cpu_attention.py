@@ -107,6 +107,8 @@ class _CpuDevice:
         self._check_layout()
         self.wrapper = _INIT_BACKEND(self._init_backend)
         self.made: list[int] = []  # the backends the wrapper set use_ref on
+        self.on_backend = None  # a worker's hook for each backend made (worker_attention)
+        self._flash_op: int | None = None  # ggml_op's FLASH_ATTN_EXT, once a node showed it
 
     def _check_layout(self) -> None:
         dev = self.device
@@ -141,8 +143,6 @@ class _CpuDevice:
             self._flash_op = ctypes.c_int.from_address(node + TENSOR_OP).value
         return -1 if self._flash_op is None else self._flash_op
 
-    _flash_op = None
-
     def _init_backend(self, dev, params):
         backend = _INIT_BACKEND(self.original)(dev, params)
         if backend:
@@ -152,8 +152,6 @@ class _CpuDevice:
                 self.on_backend(backend)
         return backend
 
-    on_backend = None  # a worker's hook for each backend made (worker_attention)
-
 
 class _RowRule:
     """A worker's CPU backend: before each graph, the reference kernel for fewer than
@@ -161,7 +159,7 @@ class _RowRule:
     docstring)."""
 
     def __init__(self, device: _CpuDevice, backend: int):
-        self.device, self.backend = device, backend
+        self.device = device
         self.table = (_vp * (BACKEND_DEVICE + 1)).from_address(backend)
         if (self.table[BACKEND_DEVICE] != device.device
                 or _GET_NAME(self.table[BACKEND_GET_NAME])(backend)

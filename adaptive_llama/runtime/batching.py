@@ -18,12 +18,13 @@ conversation's tokens, the sampler and the seed alone, whatever the cache holds,
 prompt is evaluated the one canonical way: in chunks aligned to multiples of ``CHUNK``
 positions, each chunk decoded alone, and the logits of its last token sampled. A cache is
 reused only for whole chunks evaluated that way (``Slot.canonical``), never for the tokens a
-reply generated one at a time: the next turn evaluates them again as prompt. Every row
-that is not part of a whole chunk goes through flash attention's reference kernel where the
-engine runs it (``attention_switch``; with a drafter), which computes it the same way in any
-batch, so that a sequence's drafted tokens are verified in one batch without changing a row
-(:mod:`adaptive_llama.runtime.drafting`); otherwise flash attention is off. The generating rows
-of several sequences share a batch; on the CPU that changes no row either way (tests).
+reply generated one at a time: the next turn evaluates them again as prompt. On the CPU every
+row that is not part of a whole chunk goes through flash attention's reference kernel
+(``attention_switch``; the engine's default), which computes it the same way in any batch, so
+that a sequence's drafted tokens are verified in one batch without changing a row
+(:mod:`adaptive_llama.runtime.drafting`); with ``reference_attention=False`` flash attention
+is off. The generating rows of several sequences share a batch; on the CPU that changes no
+row either way (tests).
 """
 
 from __future__ import annotations

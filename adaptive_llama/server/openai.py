@@ -267,19 +267,21 @@ class _Shown:
     likeliest candidates in OpenAI's fields, and with ``details`` the ``token_details``."""
 
     def __init__(self, top: int | None, details: bool):
-        self.top, self.details = top, details
+        self.top = top
         self._details = TokenDetails() if details else None
 
     def logprobs(self, entries: list[TokenLogprob]) -> list[TokenLogprob] | None:
-        """The entries cut to the candidates asked for (the engine may have made more for
-        the details), or None when the response has no ``logprobs``."""
+        """The entries cut to the candidates asked for (the engine made more only for the
+        details), or None when the response has no ``logprobs``."""
         if self.top is None:
             return None
+        if self._details is None:
+            return entries
         return [dataclasses.replace(e, top=e.top[:self.top]) for e in entries]
 
     def extra(self, entries: list[TokenLogprob], stats: list) -> dict:
         """``{"token_details": [...]}`` for these tokens, or nothing."""
-        return {"token_details": self._details(entries, stats)} if self.details else {}
+        return {} if self._details is None else {"token_details": self._details(entries, stats)}
 
 
 class TokenDetails:
