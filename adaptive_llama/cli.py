@@ -365,7 +365,7 @@ def run(model, sampler, temperature, system, max_tokens, resume, no_save, markdo
                 fail(f"there is no chat file {source!r}")
             known = ", ".join(store.names()[:5]) or "none"
             fail(f"there is no saved chat {resume!r} in {store.folder} (newest: {known})")
-        except (OSError, ValueError) as exc:
+        except (OSError, ValueError, RecursionError) as exc:
             fail(f"cannot read the saved chat {source!r} ({exc}); /chats lists the others")
 
     interactive = sys.stdin.isatty() and sys.stdout.isatty()
@@ -712,18 +712,21 @@ def _open_when_listening(host: str, port: int, page: str) -> None:
 @click.option("--allow-remote", is_flag=True,
               help="Allow a non-loopback --host. The RPC protocol has no authentication: "
                    "anyone who reaches the port can run work on this machine.")
+@click.option("--supervised", is_flag=True, hidden=True,
+              help="Run llama.cpp's RPC server itself (the worker's child process).")
 @user_errors
-def rpc_worker(host, port, threads, device, cache_dir, allow_remote):
+def rpc_worker(host, port, threads, device, cache_dir, allow_remote, supervised):
     """Hold layers of a model for a host on another machine (llama.cpp's RPC server); the
     host names it with --rpc HOST:PORT. Serves one host at a time."""
     from .llama import rpc
-    from .runtime.threads import default_threads
 
     rpc.check_available()
     try:
         address = socket.gethostbyname(host)
     except OSError:
         fail(f"--host {host}: there is no such host name here")
+    if supervised:
+        _rpc_server(address, port, threads, device, cache_dir)
     if not rpc.is_loopback(address):
         if not allow_remote:
             fail(f"--host {host} is reachable from other machines, and llama.cpp's RPC "
@@ -737,23 +740,60 @@ def rpc_worker(host, port, threads, device, cache_dir, allow_remote):
     if cache_dir is not None:
         _writable_folder(cache_dir, "--cache")
     # Ctrl-C (and kill -INT) has to stop the worker even when it was started with SIGINT
-    # ignored or blocked, as a background job of a script inherits it (Python keeps both);
-    # before the server's thread starts, which takes the main thread's mask.
+    # ignored or blocked, as a background job of a script inherits it (Python keeps both).
     signal.signal(signal.SIGINT, signal.default_int_handler)
     signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
-    _batch_invariant_worker()
-    thread = rpc.serve_worker(address, port, threads or default_threads(), devices, cache_dir)
+    supervisor = _supervisor(address, port, threads, device, cache_dir)
     reach = f"{'THIS-MACHINE' if address == '0.0.0.0' else address}:{port}"
     click.echo(f"RPC worker on {address}:{port} serving {rpc.describe(devices)}; the host "
                f"runs with --rpc {reach}. Ctrl-C stops.", err=True)
     try:
-        while thread.is_alive():
-            thread.join(0.5)
+        supervisor.serve_forever()
     except KeyboardInterrupt:
+        supervisor.stop()
         click.echo("RPC worker stopped.", err=True)
-        sys.stdout.flush()
-        os._exit(0)  # the server thread is inside llama.cpp's accept() and cannot be joined
-    fail(f"llama.cpp's RPC server on {address}:{port} stopped (its lines above say why)")
+
+
+def _supervisor(address: str, port: int, threads: int | None, device: str | None,
+                cache_dir: str | None):
+    """ggml's RPC server in a child process behind ``address:port``, started (see
+    adaptive_llama.llama.rpc_supervisor)."""
+    from .llama.rpc_supervisor import Supervisor
+
+    def child(inner_port: int) -> list[str]:
+        options = [f"--threads={threads}"] if threads else []
+        options += [f"--device={device}"] if device else []
+        options += [f"--cache={cache_dir}"] if cache_dir else []
+        return [sys.executable, "-m", "adaptive_llama.cli", "rpc-worker", "--supervised",
+                "--host", "127.0.0.1", "--port", str(inner_port), *options]
+
+    listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    listener.bind((address, port))
+    listener.listen(16)
+    supervisor = Supervisor(listener, child, lambda line: click.echo(line, err=True))
+    try:
+        supervisor.start()
+    except RuntimeError as exc:
+        fail(str(exc))
+    return supervisor
+
+
+def _rpc_server(address: str, port: int, threads: int | None, device: str | None,
+                cache_dir: str | None) -> None:
+    """The supervised child: ggml's RPC server on ``address:port`` until it stops or the
+    worker that started it ends."""
+    from .llama import rpc
+    from .llama.rpc_supervisor import end_with_stdin
+    from .runtime.threads import default_threads
+
+    end_with_stdin()
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the supervisor's to handle
+    _batch_invariant_worker()
+    thread = rpc.serve_worker(address, port, threads or default_threads(),
+                              rpc.worker_devices(device), cache_dir)
+    thread.join()
+    fail(f"llama.cpp's RPC server on {address}:{port} stopped")
 
 
 def _batch_invariant_worker() -> None:

@@ -4,6 +4,7 @@ when a worker is down, of another version, or killed in the middle of a reply.""
 
 import ctypes
 import json
+import select
 import signal
 import socket
 import struct
@@ -723,3 +724,117 @@ def test_server_answers_its_clients_when_a_worker_dies(own_worker, tmp_path):
     assert f"the RPC worker {endpoint} stopped answering" in body["error"]["message"]
     assert error is not None and f"the RPC worker {endpoint} stopped answering" in str(error)
     assert f"Error: the RPC worker {endpoint} stopped answering" in log.read_text()
+
+
+# ---- a worker that outlives ggml's server; every wait on a worker bounded ----
+
+def _hello(sock: socket.socket) -> None:
+    sock.sendall(struct.pack("<BQ", 14, 24) + bytes(24))  # RPC_CMD_HELLO
+    assert len(sock.recv(64)) == 8 + 28
+
+
+@pytest.mark.parametrize("message,crashes", [
+    (struct.pack("<BQ", 6, 2**63), True),  # RPC_CMD_SET_TENSOR of 2^63 bytes: ggml aborts
+    (struct.pack("<BQ", 10, 2**62), False),  # RPC_CMD_GRAPH_COMPUTE of 2^62: ggml refuses it
+])
+def test_a_message_that_crashes_ggmls_server_is_one_line_and_the_next_host_is_served(
+        message, crashes):
+    port = free_port()
+    proc = start_worker(port)
+    try:
+        with socket.create_connection(("127.0.0.1", port), timeout=10) as sock:
+            _hello(sock)
+            peer = "%s:%d" % sock.getsockname()
+            sock.sendall(message)
+            assert sock.recv(64) == b""  # the server ended with the connection
+        assert rpc.probe(f"127.0.0.1:{port}", timeout=30) == 1  # the next host is served
+        assert proc.poll() is None
+    finally:
+        proc.send_signal(signal.SIGINT)
+        _, err = proc.communicate(timeout=30)
+    lines = [line for line in err.splitlines() if "stopped on a message" in line]
+    assert len(lines) == crashes, err
+    if crashes:
+        assert f"from {peer} (" in lines[0] and "started again for the next host" in lines[0]
+    assert "Backtrace" not in err and "gdb" not in err and len(err.splitlines()) == 2 + crashes
+
+
+def test_a_killed_worker_leaves_no_server_behind():
+    port = free_port()
+    proc = start_worker(port)
+    children = Path(f"/proc/{proc.pid}/task/{proc.pid}/children").read_text().split()
+    assert children  # ggml's server, in a process of its own
+    proc.kill()
+    proc.communicate(timeout=10)
+    deadline = time.monotonic() + 10
+    while any(Path(f"/proc/{pid}").exists() for pid in children) and \
+            time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not any(Path(f"/proc/{pid}").exists() for pid in children)
+
+
+def proxy(port: int, *, cut_after: int, close: bool) -> str:
+    """A loopback relay to the worker on ``port``: its first connection (the host's check)
+    whole; later ones pass ``cut_after`` bytes from the host, then the relay closes both
+    sides (``close``) or stops relaying and holds them open (a frozen machine)."""
+    server = socket.create_server(("127.0.0.1", 0))
+    connections = []
+
+    def relay(client: socket.socket) -> None:
+        connections.append(client)
+        upstream = socket.create_connection(("127.0.0.1", port))
+        passed = 0
+        while True:
+            for sock in select.select([client, upstream], [], [])[0]:
+                data = sock.recv(65536)
+                if sock is client:
+                    passed += len(data)
+                if not data or (len(connections) > 1 and passed > cut_after):
+                    if close or not data:
+                        client.close()
+                        upstream.close()
+                        return
+                    time.sleep(3600)
+                (upstream if sock is client else client).sendall(data)
+
+    def serve() -> None:
+        while True:
+            threading.Thread(target=relay, args=(server.accept()[0],), daemon=True).start()
+
+    threading.Thread(target=serve, daemon=True).start()
+    return f"127.0.0.1:{server.getsockname()[1]}"
+
+
+@pytest.mark.parametrize("cut_after,close,line", [
+    (0, False, "no answer from the RPC worker {} for 3 s"),  # the handshake withheld
+    (1_000_000, False, "no answer from the RPC worker {} for 3 s"),  # frozen mid-load
+    (1_000_000, True, "Error: an RPC worker ({}) failed"),  # lost mid-load
+])
+def test_a_worker_frozen_or_lost_while_the_model_loads_is_one_line_and_status_3(
+        smollm2_path, own_worker, cut_after, close, line):
+    endpoint, _ = own_worker
+    relayed = proxy(int(endpoint.rsplit(":", 1)[1]), cut_after=cut_after, close=close)
+    start = time.monotonic()
+    result = subprocess.run([*CLI, "generate", str(smollm2_path), "--rpc", relayed,
+                             "--rpc-timeout", "3", "-n", "1", "--prompt", "hi"],
+                            capture_output=True, text=True, timeout=120)
+    assert result.returncode == rpc.ABORT_STATUS, result.stderr
+    assert time.monotonic() - start < 60
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and line.format(relayed) in lines[0], result.stderr
+
+
+def test_the_watchdog_clock_stops_between_waits():
+    """Idle past the timeout between two steps is no frozen worker."""
+    code = ("import time\nfrom adaptive_llama.llama import rpc\n"
+            "dog = rpc.Watchdog(['127.0.0.1:1'], 0.4)\n"
+            "with dog: time.sleep(0.1)\n"
+            "time.sleep(1.5)\n"
+            "with dog:\n    dog.progress(); time.sleep(0.3); dog.progress(); time.sleep(0.3)\n"
+            "print('alive', flush=True)\n"
+            "with dog: time.sleep(3)\n")
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                            timeout=60)
+    assert result.stdout.strip() == "alive"  # idle, then progress inside: still running
+    assert result.returncode == rpc.ABORT_STATUS  # a wait past the timeout: ended
+    assert "no answer from the RPC worker 127.0.0.1:1 for 0.4 s" in result.stderr

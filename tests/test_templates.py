@@ -4,7 +4,10 @@ short conversation is refused when it is loaded, in one line naming it."""
 
 import subprocess
 import sys
+import threading
 import time
+
+from pathlib import Path
 
 import pytest
 from hypothesis import HealthCheck, given, settings
@@ -12,8 +15,16 @@ from hypothesis import strategies as st
 from test_server import raw, serving
 
 from adaptive_llama.runtime.chat_template import ChatTemplate, TemplateError, load_template
+from adaptive_llama.runtime.template_process import (
+    GRACE_S,
+    TemplateCancelled,
+    TemplateRenderError,
+    TemplateSyntax,
+    render,
+)
 from adaptive_llama.runtime.template_sandbox import (
     MAX_CHARS,
+    MAX_MEMORY,
     MAX_RENDER_S,
     MAX_STEPS,
     TemplateBudgetError,
@@ -281,3 +292,140 @@ def test_the_time_bound_stops_a_render_that_stays_under_the_steps(monkeypatch):
         rendered("{% for i in range(100000) %}{% for j in range(100000) %}"
                  "{% endfor %}{% endfor %}")
     assert time.monotonic() - start < 1.5
+
+
+# ---- one call whose cost grows from its arguments, hidden from the load's conversation ----
+
+def hidden(call: str) -> str:
+    """A template that is plain ChatML, but for a conversation of seven messages."""
+    return ("{% if messages|length == 7 %}" + call + "{% endif %}"
+            "{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n"
+            "{% endfor %}<|im_start|>assistant\n")
+
+
+ONE_CALL = {
+    "sort": "{{ ('x' * 16000000)|list|sort|length }}",
+    "wide format fields": "{{ ('{0:>16000000}' * 40).format(1) }}",
+    "title, ten times": "{% for i in range(10) %}{{ ('x' * 15000000)|title|length }}"
+                        "{% endfor %}",
+    "wordwrap": "{{ ('x ' * 1000000)|wordwrap(1)|length }}",
+    "expandtabs": "{{ ('\\t' * 1000000).expandtabs(100)|length }}",
+    "indent": "{{ ('x\\n' * 1000000)|indent(100)|length }}",
+    "lipsum": "{{ lipsum(10000, max=1000)|length }}",
+    "batch": "{{ ('xy' * 8000000)|batch(1)|list|length }}",
+    "unique": "{{ ('x' * 16000000)|list|unique|list|length }}",
+    "urlize": "{{ ('x.co ' * 3000000)|urlize|length }}",
+    "striptags": "{{ ('<a>' * 5000000)|striptags|length }}",
+    "% formatting": "{{ ('%s' * 40) % ((('x' * 1000000),) * 40) }}",
+    "a list as text": "{{ ('x' * 16000000)|list|string|length }}",
+    "integer growth": "{% set ns = namespace(n=3) %}{% for i in range(64) %}"
+                      "{% set ns.n = ns.n * ns.n %}{% endfor %}{{ ns.n > 0 }}",
+}
+
+
+@pytest.mark.parametrize("name", ONE_CALL)
+def test_one_call_past_the_bounds_ends_within_them_on_the_conversation_it_hides_for(name):
+    evil = template(hidden(ONE_CALL[name]))  # the load's four messages do not reach it
+    assert "".join(p for p, _ in evil.render(HI)[0]).endswith("<|im_start|>assistant")
+    start = time.monotonic()
+    with pytest.raises(TemplateBudgetError, match="more than|power|bits"):
+        evil.render(HI * 7)
+    assert time.monotonic() - start < MAX_RENDER_S + GRACE_S + 1
+    assert evil.render(HI)[0]  # the next render has its own renderer and budget
+
+
+BIG_TEXT = "('x\\n <a> y.co\\t' * 300000)"  # 4.5 M characters of each kind a filter reads
+BIG_LIST = "range(100000)|list"
+ARGUMENTS = ["", "(16000000)", "('y' * 1000)", "(16000000, 'y' * 1000)",
+             "('y' * 1000, 16000000)", "(0, 16000000, 16000000)"]
+
+
+def _each_call():
+    """Every filter and every method a template can call, on a large value, with large
+    arguments."""
+    from adaptive_llama.runtime.template_sandbox import BoundedEnvironment
+
+    for name in BoundedEnvironment().filters:
+        for value in (BIG_TEXT, BIG_LIST):
+            for args in ARGUMENTS:
+                yield f"{{{{ {value}|{name}{args} }}}}"
+    for value, kind in ((BIG_TEXT, str), (BIG_LIST, list), ("{'a': " + BIG_TEXT + "}", dict)):
+        for name in dir(kind):
+            if not name.startswith("_"):
+                for args in ARGUMENTS:
+                    yield f"{{{{ ({value}).{name}{args or '()'} }}}}"
+    for args in ARGUMENTS:
+        yield f"{{{{ lipsum{args or '()'} }}}}"
+
+
+def test_every_filter_and_method_stays_within_the_bounds(monkeypatch):
+    """The documented bounds hold whatever a template calls: each render ends with its text
+    or an error by the deadline, and no text past MAX_CHARS comes back."""
+    from adaptive_llama.runtime import template_sandbox
+    monkeypatch.setattr(template_sandbox, "MAX_RENDER_S", 0.3)
+    slowest = 0.0
+    for source in _each_call():
+        start = time.monotonic()
+        try:
+            text = render(source, context={})
+            assert len(text) <= MAX_CHARS, source
+        except (TemplateBudgetError, TemplateRenderError, TemplateSyntax):
+            pass
+        took = time.monotonic() - start
+        slowest = max(slowest, took)
+        assert took < 0.3 + GRACE_S + 1, source
+    assert slowest > 0.3  # some did reach the deadline: the walk is large enough
+
+
+def test_a_render_given_up_stops_its_renderer_at_once():
+    cancelled = threading.Event()
+    threading.Timer(0.2, cancelled.set).start()
+    start = time.monotonic()
+    with pytest.raises(TemplateCancelled):
+        render(ONE_CALL["sort"], context={}, cancelled=cancelled)
+    assert time.monotonic() - start < 0.2 + 0.5
+    assert render("{{ 1 + 1 }}", context={}) == "2"
+
+
+def test_renders_run_beside_each_other():
+    """A hostile render does not hold up another one (each has its own process)."""
+    slow = threading.Thread(target=lambda: pytest.raises(TemplateBudgetError, render,
+                                                         ONE_CALL["sort"], context={}))
+    slow.start()
+    time.sleep(0.3)
+    start = time.monotonic()
+    assert render("{{ messages[0].content }}", context={"messages": HI}) == "hi"
+    assert time.monotonic() - start < 1.0
+    slow.join()
+
+
+@pytest.mark.parametrize("source", [
+    "{{ " + "(" * 100 + "1" + ")" * 100 + " }}",
+    "{% if true %}" * 100 + "x" + "{% endif %}" * 100,
+    "{% macro m() %}{{ caller() }}{% endmacro %}" + "{% call m() %}" * 100 + "x"
+    + "{% endcall %}" * 100,
+    "{{ [" * 100 + "1" + "]" * 100 + " }}",
+])
+def test_a_template_nested_deep_is_one_line(source, tmp_path):
+    with pytest.raises(TemplateError) as caught:
+        ChatTemplate(source, bos="", eos="", specials=lambda: None, origin="t")
+    assert "\n" not in str(caught.value) and str(caught.value).startswith("t ")
+    path = tmp_path / "deep.jinja"
+    path.write_text(source)
+    for args in (["generate", "--chat", "--prompt", "hi", "-n", "1"], ["serve", "--port", "0"]):
+        result = cli(*args, "--chat-template", str(path))
+        assert result.returncode != 0
+        assert len(result.stderr.strip().splitlines()) == 1, result.stderr
+        assert str(path) in result.stderr
+
+
+def test_the_renderer_has_its_memory_bounded():
+    from adaptive_llama.runtime import template_process
+    child = template_process._Renderer()
+    try:
+        limits = Path(f"/proc/{child.process.pid}/limits").read_text()
+    finally:
+        child.stop()
+    soft = next(line.split()[3] for line in limits.splitlines()
+                if line.startswith("Max address space"))
+    assert int(soft) == MAX_MEMORY

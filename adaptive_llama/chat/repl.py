@@ -581,7 +581,7 @@ class Repl:
         for message in last:
             text = message["content"]
             text = text if len(text) <= limit else text[:limit].rstrip() + " ..."
-            self.note(f"{'>>> ' if message['role'] == 'user' else ''}{text}")
+            self.note(f"{'>>> ' if message['role'] == 'user' else ''}{visible(text)}")
 
     def take_settings(self, given: dict, restored_from: str) -> None:
         """After a restore: the values given on the command line win over the saved ones,
@@ -628,6 +628,10 @@ def check_saved_chat(data, current: Chat) -> dict:
     system = data.get("system", current.system)
     if system is not None and not isinstance(system, str):
         raise ValueError(f"`system` has to be text, but is {system!r}")
+    for i, message in enumerate(messages):
+        _check_text(message["content"], f"`messages[{i}].content`")
+    if system is not None:
+        _check_text(system, "`system`")
     sampler = data.get("sampler", str(current.sampler))
     seed = data.get("seed", current.seed)
     if isinstance(seed, bool) or isinstance(data.get("max_tokens"), bool):
@@ -636,6 +640,26 @@ def check_saved_chat(data, current: Chat) -> dict:
             "sampler": parse_spec(sampler),
             "seed": None if seed is None else SEED.validate(seed),
             "max_tokens": MAX_TOKENS.validate(data.get("max_tokens", current.max_tokens))}
+
+
+def _check_text(text: str, field: str) -> None:
+    """ValueError for text that cannot be written out: a lone surrogate (``"\\ud800"`` in
+    JSON) is half of a character."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise ValueError(f"{field} holds {text[exc.start]!r} at character {exc.start}, half of "
+                         "a character (a lone surrogate), which is no text") from None
+
+
+_CONTROLS = re.compile("[\x00-\x08\x0b-\x1f\x7f-\x9f]")
+
+
+def visible(text: str) -> str:
+    """``text`` with control characters written out (``\\x1b``): a saved chat is a file
+    anyone may have written, and its escapes would clear the screen, retitle the window or
+    set the clipboard."""
+    return _CONTROLS.sub(lambda m: f"\\x{ord(m.group()):02x}", text)
 
 
 def _backend_text(engine) -> str:

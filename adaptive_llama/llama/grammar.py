@@ -101,7 +101,7 @@ def json_gbnf(schema: dict) -> str:
     check_schema(schema)
     try:
         gbnf = _converted(_with_gbnf_patterns(schema))
-    except (ValueError, AssertionError, KeyError, TypeError, IndexError) as exc:
+    except (ValueError, AssertionError, KeyError, TypeError, IndexError, RecursionError) as exc:
         raise UnsupportedSchema(f"the schema cannot become a grammar: {exc}") from None
     # The converter's string character is anything but a quote or a backslash, so a raw
     # newline or tab could stand inside a string, which JSON forbids (llama.cpp's own
@@ -136,6 +136,41 @@ class _Converter(SchemaConverter):
             return self._add_rule(rule_name, self._prefix_tree(texts))
         return super().visit(schema, name)
 
+    def resolve_refs(self, schema: dict, url: str) -> dict:
+        """Every local ``$ref`` (checked: it points at a schema) registered under its whole
+        pointer. The converter's own skipped what stands beside a ``$ref`` (the root's
+        ``$defs`` beside the root's ``$ref``: a KeyError for a reference in them) and could
+        not step into a list (``#/anyOf/0``)."""
+        def visit(node) -> None:
+            if isinstance(node, list):
+                for item in node:
+                    visit(item)
+            elif isinstance(node, dict):
+                ref = node.get("$ref")
+                if isinstance(ref, str) and ref.startswith("#"):
+                    node["$ref"] = f"{url}{ref}"
+                    self._refs.setdefault(node["$ref"], _pointed_at(schema, ref))
+                for value in node.values():
+                    visit(value)
+
+        visit(schema)
+        return schema
+
+    def _resolve_ref(self, ref: str) -> str:
+        """The rule of the schema ``ref`` points at, named after its whole pointer: the
+        converter named it after the pointer's last part, so that ``#/$defs/a/items`` and
+        ``#/properties/b/items`` shared one rule, the first one's."""
+        names = self.__dict__.setdefault("_ref_names", {})
+        if ref not in names:
+            base = "ref" + re.sub(r"[^a-zA-Z0-9]+", "-", ref.split("#", 1)[-1]).rstrip("-")
+            names[ref] = base if base not in names.values() else f"{base}-{len(names)}"
+        name = names[ref]
+        if name not in self._rules and ref not in self._refs_being_resolved:
+            self._refs_being_resolved.add(ref)
+            name = self.visit(self._refs[ref], name)
+            self._refs_being_resolved.remove(ref)
+        return name
+
     def _prefix_tree(self, texts: list[str]) -> str:
         """GBNF matching exactly ``texts`` (distinct, sorted), each shared prefix once."""
         prefix = os.path.commonprefix(texts) if len(texts) > 1 else texts[0]
@@ -147,6 +182,15 @@ class _Converter(SchemaConverter):
                     for _, group in itertools.groupby((r for r in rests if r), key=lambda r: r[0])]
         tail = "(" + " | ".join(branches) + ")" + ("?" if "" in rests else "")
         return " ".join([*head, tail])
+
+
+def _pointed_at(schema: dict, ref: str):
+    """The value at the JSON pointer ``ref`` (``#/...``) in ``schema``."""
+    target = schema
+    for part in ref[1:].split("/")[1:]:
+        part = part.replace("~1", "/").replace("~0", "~")
+        target = target[int(part)] if isinstance(target, list) else target[part]
+    return target
 
 
 def _converted(schema: dict) -> str:

@@ -43,6 +43,8 @@ CONNECT_TIMEOUT_S = 5.0
 ABORT_STATUS = 3          # the exit status after llama.cpp aborted (a worker lost)
 STEP_TIMEOUT_S = 300.0    # the longest decode step with workers before giving up on them
 
+_MAX_HOST = 253  # characters of a DNS name
+_HOST = re.compile(r"[A-Za-z0-9._:-]*")  # a DNS name or an IPv4 (or IPv6, refused after)
 _CMD_HELLO = 14           # RPC_CMD_HELLO (fixed across versions)
 _CMD_DEVICE_COUNT = 15    # RPC_CMD_DEVICE_COUNT
 _CONN_CAPS = 24           # RPC_CONN_CAPS_SIZE: the HELLO request's size
@@ -64,24 +66,31 @@ def parse_endpoints(value: str | list | tuple) -> list[str]:
     """``HOST:PORT[,HOST:PORT...]`` (or a list of them) as a list of ``host:port``; one-line
     ValueError for a malformed, repeated or excess one."""
     items = value.split(",") if isinstance(value, str) else list(value)
+    if len(items) > MAX_SERVERS:
+        raise ValueError(f"llama.cpp takes at most {MAX_SERVERS} workers, but {len(items)} "
+                         "are given")
     endpoints = []
     for item in items:
         if not isinstance(item, str) or not item.strip():
-            raise ValueError(f"give workers as HOST:PORT[,HOST:PORT...], but got {value!r}")
+            raise ValueError(f"give workers as HOST:PORT[,HOST:PORT...], but got "
+                             f"{str(value)[:100]!r}")
         endpoint = _endpoint(item.strip())
         if endpoint in endpoints:
             raise ValueError(f"the worker {endpoint} is given twice")
         endpoints.append(endpoint)
     if not endpoints:
         raise ValueError("give at least one worker as HOST:PORT")
-    if len(endpoints) > MAX_SERVERS:
-        raise ValueError(f"llama.cpp takes at most {MAX_SERVERS} workers, but {len(endpoints)} "
-                         "are given")
     return endpoints
 
 
 def _endpoint(text: str) -> str:
     host, sep, port = text.rpartition(":")
+    if "://" in text:
+        raise ValueError(f"{text[:80]}: give a worker as HOST:PORT, without a scheme "
+                         "(llama.cpp's RPC protocol is its own, not HTTP)")
+    if len(host) > _MAX_HOST or not _HOST.fullmatch(host.strip("[]")):
+        raise ValueError(f"{text[:80]}: {host[:40]!r} is not a host name or address (at most "
+                         f"{_MAX_HOST} letters, digits, dots, hyphens)")
     if text.startswith("[") or host.count(":"):
         raise ValueError(f"{text}: llama.cpp's RPC backend does not take IPv6 addresses; give "
                          "an IPv4 address or a host name")
@@ -310,17 +319,21 @@ def endpoints_down(endpoints: list[str], timeout: float = 1.0) -> list[str]:
 
 _handlers: list[Callable[[str], None]] = []
 _abort_callback = None
+_stderr: int | None = None  # a copy of stderr's descriptor, made before llama.cpp silences it
 
 
 def on_abort(handler: Callable[[str], None] | None = None) -> Callable[[], None]:
     """If llama.cpp aborts the process (a worker lost mid-reply): print one line on stderr
     saying what happened, run ``handler(line)`` (it may add what the user keeps), and exit
     with status ABORT_STATUS. Returns a function that removes the handler."""
-    global _abort_callback
+    global _abort_callback, _stderr
     with _lock:
-        if _abort_callback is None:
-            _abort_callback = ctypes.CFUNCTYPE(None, ctypes.c_char_p)(_aborting)
-            _ggml().set_abort_callback(ctypes.cast(_abort_callback, ctypes.c_void_p))
+        if _stderr is None:
+            _stderr = os.dup(2)
+        if _abort_callback is None:  # kept only once llama.cpp has it
+            callback = ctypes.CFUNCTYPE(None, ctypes.c_char_p)(_aborting)
+            _ggml().set_abort_callback(ctypes.cast(callback, ctypes.c_void_p))
+            _abort_callback = callback
         if handler is not None:
             _handlers.append(handler)
     return lambda: _handlers.remove(handler) if handler in _handlers else None
@@ -338,6 +351,18 @@ def abort_line(message: str) -> str:
     return f"{lost} ({text}); restart {'them' if len(down) > 1 else 'it'} and start again"
 
 
+def _say(text: str) -> None:
+    """``text`` on stderr, also while llama.cpp has it on /dev/null (it does while a model
+    loads): then on the copy of it made when the first handler was set."""
+    print(text, end="", file=sys.stderr, flush=True)
+    try:
+        silenced = os.path.samestat(os.fstat(2), os.stat(os.devnull))
+    except OSError:
+        silenced = True
+    if silenced and _stderr is not None:
+        os.write(_stderr, text.encode("utf-8", "replace"))
+
+
 def _aborting(message: bytes) -> None:
     """ggml's abort callback: runs in the thread that aborts, with llama.cpp's message; the
     process must not return to llama.cpp (it would call abort())."""
@@ -348,7 +373,7 @@ def _end(account: Callable[[], str]) -> None:
     """Print ``account()`` as one line, run the handlers, exit with ABORT_STATUS."""
     try:
         line = account()
-        print(f"\nError: {line}", file=sys.stderr, flush=True)
+        _say(f"\nError: {line}\n")
         for handler in list(_handlers):
             try:
                 handler(line)
@@ -365,10 +390,12 @@ def _end(account: Callable[[], str]) -> None:
 
 class Watchdog:
     """Ends the process as a lost worker does (:func:`on_abort`'s line, handlers and status)
-    when a decode step with layers on ``endpoints`` takes longer than ``timeout_s``: llama.cpp
-    waits on a worker's connection with no timeout, so a frozen machine or a network that
-    drops without a reset would stall the reply for ever. Used as a context manager around
-    each step; one daemon thread watches."""
+    when llama.cpp waits on the workers at ``endpoints`` for longer than ``timeout_s``:
+    llama.cpp waits on a worker's connection with no timeout, so a frozen machine or a
+    network that drops without a reset would stall the host for ever. Used as a context
+    manager around each wait (the handshake, loading the model, making its context, each
+    decode step); :meth:`progress` restarts the clock inside one (a large model's load
+    reports each tensor sent). One daemon thread watches."""
 
     def __init__(self, endpoints: list[str], timeout_s: float):
         self.endpoints = endpoints
@@ -380,6 +407,10 @@ class Watchdog:
 
     def stop(self) -> None:
         self._stopped.set()
+
+    def progress(self) -> None:
+        if self._since is not None:
+            self._since = time.monotonic()
 
     def __enter__(self):
         self._since = time.monotonic()

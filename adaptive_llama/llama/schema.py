@@ -1,7 +1,7 @@
 """What a JSON schema may hold to become a grammar (:mod:`.grammar`): the keywords that
 llama-cpp-python's converter enforces, in the combinations it enforces them, within bounds.
 
-The converter takes one branch per schema (``$ref``, then ``anyOf``/``oneOf``, a list of
+The converter takes one branch per schema (``$ref``, then ``anyOf``, a list of
 types, ``const``, ``enum``, an object's ``properties``, ``allOf``, an array's ``items``, a
 string's ``pattern``, ``format`` or lengths, else the bare type) and passes over every
 other keyword of that schema without a word, as it passes over keywords it does not know
@@ -20,16 +20,28 @@ from __future__ import annotations
 import json
 import re
 
+try:  # the parser of Python's own regular expressions (3.11 renamed it)
+    from re import _constants as _sre
+    from re import _parser as _sre_parse
+except ImportError:  # Python 3.10
+    import sre_constants as _sre
+    import sre_parse as _sre_parse
+
 MAX_DEPTH = 32  # schemas nested inside one another
 MAX_COUNT = 1000  # minItems, maxItems, minLength, maxLength, a pattern's {m,n}
 MAX_VALUES = 1000  # enum and const values in one schema, all together
 MAX_PATTERN = 500  # characters of one pattern
 MAX_NESTED_COUNT = 128  # a pattern's nested quantifiers: the product of their largest counts
 MAX_SUBSCHEMAS = 2000  # schemas in one schema, all together
+MAX_OPTIONAL = 256  # optional properties of one object (the converter recurses once for each)
 
 ANNOTATIONS = {"title", "description", "$schema", "$id", "$comment", "default", "examples",
                "readOnly", "writeOnly", "deprecated"}
 CONTAINERS = {"$defs", "definitions"}  # hold schemas that $ref points at; enforce nothing
+# Where a schema stands (a $ref may point there): a name, an index, or the place itself.
+_SCHEMA_MAPS = {"$defs", "definitions", "properties"}
+_SCHEMA_LISTS = {"anyOf", "allOf", "prefixItems", "items"}
+_SCHEMA_ONE = {"items", "additionalProperties"}
 FORMATS = ("date", "time", "date-time", "uuid")
 _OBJECT = {"type", "properties", "required", "additionalProperties"}
 _ITEMS = {"type", "items", "minItems", "maxItems"}
@@ -37,7 +49,6 @@ _ITEMS = {"type", "items", "minItems", "maxItems"}
 HONOURED = {
     "$ref": {"$ref"},
     "anyOf": {"anyOf"},
-    "oneOf": {"oneOf"},
     "type list": {"type"},
     "const": {"const", "type"},
     "enum": {"enum", "type"},
@@ -57,7 +68,10 @@ _JSON_TYPES = {"null": (type(None),), "boolean": (bool,), "string": (str,), "arr
 # before this is tried).
 _QUANTIFIER = re.compile(r"\{(\d*)(,?)(\d*)\}")
 _BACK_REFERENCE = re.compile(r"\\[1-9]|\\k<")
-_RAW_IN_JSON = re.compile(r"\\[\\tnrfv0]|\\x[01][0-9a-fA-F]|\\u00[01][0-9a-fA-F]")
+# What a JSON string holds only escaped (and DEL, which grammar.py leaves out with them).
+_NOT_IN_JSON = frozenset({*range(0x20), 0x22, 0x5C, 0x7F})
+_NEGATED_CATEGORIES = {_sre.CATEGORY_NOT_DIGIT, _sre.CATEGORY_NOT_SPACE,
+                       _sre.CATEGORY_NOT_WORD}
 
 
 class UnsupportedSchema(ValueError):
@@ -67,7 +81,9 @@ class UnsupportedSchema(ValueError):
 def check_schema(schema) -> None:
     """UnsupportedSchema for the first thing (depth first) in ``schema`` that the grammar
     cannot enforce, that no JSON satisfies, or that passes a bound (:data:`MAX_COUNT`, ...)."""
-    _Checker(schema).check(schema, "", 0)
+    checker = _Checker(schema)
+    checker.check(schema, "", 0)
+    checker.no_recursion()
 
 
 def _at(where: str) -> str:
@@ -79,6 +95,7 @@ class _Checker:
         self.root = root
         self.values = 0
         self.subschemas = 0
+        self.refs: list[tuple[str, str]] = []  # (where a $ref stands, where it points)
 
     def check(self, schema, where: str, depth: int) -> None:
         if not isinstance(schema, dict):
@@ -94,6 +111,10 @@ class _Checker:
         if self.subschemas > MAX_SUBSCHEMAS:
             raise UnsupportedSchema(f"the schema holds more than {MAX_SUBSCHEMAS} schemas "
                                     f"(the last {_at(where)})")
+        if "oneOf" in schema:
+            raise UnsupportedSchema(f"`oneOf` {_at(where)} is not supported: the grammar "
+                                    "cannot keep a reply from matching two of its schemas, "
+                                    "which `oneOf` forbids; use `anyOf`")
         for keyword in schema:
             if keyword not in ENFORCED and keyword not in ANNOTATIONS | CONTAINERS:
                 raise UnsupportedSchema(f"`{keyword}` {_at(where)} is not supported by "
@@ -115,12 +136,8 @@ class _Checker:
         kind = schema.get("type")
         if "$ref" in schema:
             return "$ref"
-        if "anyOf" in schema and "oneOf" in schema:
-            raise UnsupportedSchema(f"`anyOf` and `oneOf` together {_at(where)} are not "
-                                    "supported; keep one")
-        for keyword in ("anyOf", "oneOf"):
-            if keyword in schema:
-                return keyword
+        if "anyOf" in schema:
+            return "anyOf"
         if isinstance(kind, list):
             return "type list"
         if kind is not None and kind not in _JSON_TYPES:
@@ -152,16 +169,82 @@ class _Checker:
     # ---- one method a branch: its own rules, and the schemas inside it ----
 
     def _ref(self, schema: dict, where: str, depth: int) -> None:
-        ref = schema["$ref"]
+        self._target(schema["$ref"], where)
+        parts = schema["$ref"][1:].split("/")[1:] if schema["$ref"][1:] else []
+        self.refs.append((where, "".join("/" + _pointer_part(_unescaped_pointer(p))
+                                         for p in parts)))
+
+    def no_recursion(self) -> None:
+        """UnsupportedSchema for a schema that holds a reference to itself (directly or
+        through others): the converter cannot write a grammar for it. A depth-first walk
+        from each place a reference points at, through the references inside it."""
+        state: dict[str, str] = {}
+
+        def visit(place: str) -> str | None:
+            state[place] = "open"
+            for where, target in self.refs:
+                if where == place or where.startswith(place + "/"):
+                    if state.get(target) == "open":
+                        return where
+                    if target not in state and (found := visit(target)):
+                        return found
+            state[place] = "done"
+            return None
+
+        for _, target in self.refs:
+            if target not in state and (found := visit(target)):
+                raise UnsupportedSchema(f"`$ref` {_at(found)} points back at a schema that "
+                                        "holds it (a recursive schema), which the grammar "
+                                        "cannot write; give the nesting a fixed depth")
+
+    def _target(self, ref, where: str) -> dict:
+        """The schema a ``$ref`` points at: one the checker sees (the root, or one under
+        ``$defs``, ``properties``, ``items``, ...), never a value (``default``,
+        ``examples``, ``title``), whose keywords the checker would not see; and not a chain
+        of references that comes back to itself, which describes no value."""
         if not (isinstance(ref, str) and ref.startswith("#")):
             raise UnsupportedSchema(f"`$ref` {_at(where)} can only point inside the "
                                     f"schema (#/...), not to {ref!r}")
+        target, seen = self._lookup(ref), [ref]
+        if target is None:
+            raise UnsupportedSchema(f"`$ref` {_at(where)} has to point at a schema (the root, "
+                                    "or one under $defs, definitions, properties, items, "
+                                    "prefixItems, anyOf, allOf or additionalProperties), "
+                                    f"but points at {ref[:60]!r}")
+        follow = target
+        while follow is not None and set(follow) - ANNOTATIONS == {"$ref"}:
+            if follow["$ref"] in seen:
+                raise UnsupportedSchema(f"`$ref` {_at(where)} starts a chain of references "
+                                        f"that comes back to {follow['$ref'][:60]!r}: no "
+                                        "value satisfies it")
+            seen.append(follow["$ref"])
+            follow = self._lookup(follow["$ref"])
+        return target
+
+    def _lookup(self, ref: str) -> dict | None:
+        """The schema at the JSON pointer ``ref`` (``#/...``), reached through the places
+        where schemas stand only; None if there is none."""
+        target = self.root
+        steps = [_unescaped_pointer(p) for p in ref[1:].split("/")[1:]] if ref[1:] else []
+        while steps:
+            keyword = steps.pop(0)
+            place = target.get(keyword)
+            if keyword in _SCHEMA_ONE and isinstance(place, dict):
+                target = place
+            elif keyword in _SCHEMA_MAPS and isinstance(place, dict) and steps:
+                target = place.get(steps.pop(0))
+            elif keyword in _SCHEMA_LISTS and isinstance(place, list) and steps:
+                index = steps.pop(0)
+                target = place[int(index)] if index.isdigit() and int(index) < len(
+                    place) else None
+            else:
+                return None
+            if not isinstance(target, dict):
+                return None
+        return target
 
     def _anyOf(self, schema: dict, where: str, depth: int) -> None:
         self._alternatives(schema, "anyOf", where, depth)
-
-    def _oneOf(self, schema: dict, where: str, depth: int) -> None:
-        self._alternatives(schema, "oneOf", where, depth)
 
     def _alternatives(self, schema: dict, keyword: str, where: str, depth: int) -> None:
         alternatives = _list(schema, keyword, where)
@@ -207,6 +290,11 @@ class _Checker:
             raise UnsupportedSchema(f"`required` {_at(where)} names {missing[0]!r}, which "
                                     "`properties` does not define: the grammar enforces "
                                     "only the properties it defines")
+        optional = len(properties) - len(set(required))
+        if optional > MAX_OPTIONAL:
+            raise UnsupportedSchema(f"`properties` {_at(where)} has {optional} optional "
+                                    f"properties; at most {MAX_OPTIONAL} are allowed (list "
+                                    "more of them in `required`)")
         for name, sub in properties.items():
             self.check(sub, f"{where}/properties/{_pointer_part(name)}", depth + 1)
         extra = schema.get("additionalProperties")
@@ -240,15 +328,7 @@ class _Checker:
         """``part``, or the schema its ``$ref`` (alone beside annotations) points at."""
         if not (isinstance(part, dict) and "$ref" in part):
             return part
-        self._ref(part, where, 0)
-        target = self.root
-        for step in part["$ref"].lstrip("#").split("/")[1:]:
-            step = step.replace("~1", "/").replace("~0", "~")
-            if not (isinstance(target, dict) and step in target):
-                raise UnsupportedSchema(f"`$ref` {_at(where)} points at nothing: "
-                                        f"{part['$ref']!r}")
-            target = target[step]
-        return target
+        return self._target(part["$ref"], where)
 
     def _tuple(self, schema: dict, where: str, depth: int) -> None:
         if "prefixItems" in schema and schema.get("items", False) is not False:
@@ -324,7 +404,7 @@ def _pattern_problem(pattern) -> str | None:
         re.compile(pattern)
     except re.error as exc:
         return f"is not a valid regular expression: {exc}"
-    if '"' in pattern or _RAW_IN_JSON.search(pattern):
+    if _matches_unescaped(_sre_parse.parse(pattern)):
         return ("can match a quote, a backslash or a control character, which a JSON "
                 "string holds only escaped; the grammar would write them raw")
     if _BACK_REFERENCE.search(pattern):
@@ -332,6 +412,35 @@ def _pattern_problem(pattern) -> str | None:
     if "(?" in pattern:
         return "holds (?...) (a lookaround or a named group), which the grammar does not know"
     return _quantifier_problem(pattern)
+
+
+def _matches_unescaped(parsed) -> bool:
+    """Whether a parsed pattern can match a character that a JSON string holds only escaped,
+    with its escapes decoded (``\\x22``, ``\\u005c``, ``\\N{...}``, octal, a raw control
+    character) and its ranges spanned. ``.``, a negated range and ``\\D``, ``\\S``,
+    ``\\W`` cannot: the grammar leaves those characters out of them (grammar.py)."""
+    for op, value in parsed:
+        if op == _sre.LITERAL and value in _NOT_IN_JSON:
+            return True
+        if op == _sre.IN and value and value[0][0] != _sre.NEGATE and (
+                len(value) > 1 or value[0][0] != _sre.CATEGORY) and any(
+                _unescaped_in_range(*item) for item in value):
+            return True
+        if op == _sre.BRANCH and any(_matches_unescaped(b) for b in value[1]):
+            return True
+        if op in (_sre.MAX_REPEAT, _sre.MIN_REPEAT) and _matches_unescaped(value[2]):
+            return True
+        if op == _sre.SUBPATTERN and _matches_unescaped(value[-1]):
+            return True
+    return False
+
+
+def _unescaped_in_range(op, value) -> bool:
+    if op == _sre.LITERAL:
+        return value in _NOT_IN_JSON
+    if op == _sre.RANGE:
+        return any(value[0] <= code <= value[1] for code in _NOT_IN_JSON)
+    return op == _sre.CATEGORY and value in _NEGATED_CATEGORIES
 
 
 def _quantifier_problem(pattern: str) -> str | None:
@@ -432,6 +541,11 @@ def _list(schema: dict, keyword: str, where: str) -> list:
     if not isinstance(value, list):
         raise UnsupportedSchema(f"`{keyword}` {_at(where)} has to be a list")
     return value
+
+
+def _unescaped_pointer(part: str) -> str:
+    """One part of a JSON pointer (RFC 6901) as the name it stands for."""
+    return part.replace("~1", "/").replace("~0", "~")
 
 
 def _pointer_part(name: str) -> str:

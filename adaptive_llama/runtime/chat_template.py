@@ -25,18 +25,15 @@ turn of ``<tool_response>`` blocks.
 
 from __future__ import annotations
 
-import contextvars
 import functools
-import json
 import re
 import secrets
+import threading
 from collections.abc import Callable, Iterator
-from datetime import datetime
 from pathlib import Path
 
-import jinja2
-
-from .template_sandbox import BoundedEnvironment, TemplateBudgetError, check_size, step
+from .template_process import TemplateCrashed, TemplateSyntax, render
+from .template_sandbox import TemplateBudgetError
 
 CHATML_TOOLS = """\
 {%- if tools %}
@@ -110,12 +107,10 @@ _PROBE = [{"role": "system", "content": "s"}, {"role": "user", "content": "u"},
           {"role": "assistant", "content": "a"}, {"role": "user", "content": "u"}]
 # Keys whose values a template compares with literals ("user", "function", "string"): kept.
 _CHECKED_KEYS = frozenset({"role", "type", "format", "$ref"})
-_texts: contextvars.ContextVar[list[str] | None] = contextvars.ContextVar("_texts",
-                                                                          default=None)
 
 
 class ChatTemplate:
-    """One model's chat template.
+    """One model's chat template, rendered in a renderer process (:mod:`.template_process`).
 
     Args:
         source: the Jinja template.
@@ -125,8 +120,8 @@ class ChatTemplate:
         origin: what the template is, for messages ("the chat template of model.gguf").
 
     Raises:
-        TemplateError: a syntax error, or a template that passes the render bounds on a
-            short conversation.
+        TemplateError: a syntax error, or a template that passes the render bounds (or
+            stops its renderer) on a short conversation.
     """
 
     def __init__(self, source: str, *, bos: str, eos: str,
@@ -135,44 +130,44 @@ class ChatTemplate:
         self.origin = origin
         self._specials = specials
         self._bos, self._eos = bos, eos
-        self._environment = BoundedEnvironment()
-        self._environment.filters["tojson"] = self._tojson
-        try:
-            self._template = self._environment.from_string(source)
-        except jinja2.TemplateSyntaxError as exc:
-            raise TemplateError(f"{origin} is not valid Jinja: line {exc.lineno}: "
-                                f"{exc.message}") from None
         try:
             self._render(_PROBE, None)
-        except TemplateBudgetError as exc:
+        except TemplateSyntax as exc:
+            where = f"line {exc.line}: " if exc.line else ""
+            raise TemplateError(f"{origin} is not valid Jinja: {where}{exc}") from None
+        except (TemplateBudgetError, TemplateCrashed) as exc:
             raise TemplateError(f"{origin} cannot be used: rendering a four-message "
                                 f"conversation, {exc}") from None
-        except Exception:  # noqa: BLE001 (the template's own refusal of the probe's roles)
+        except ValueError:  # the template's own refusal of the probe's roles
             pass
 
-    def render(self, messages: list[dict], tools: list[dict] | None = None
+    def render(self, messages: list[dict], tools: list[dict] | None = None,
+               cancelled: threading.Event | None = None
                ) -> tuple[list[tuple[str, bool]], bool]:
         """The conversation as (markup, False) and (client text, True) parts, and whether
         the template wrote the BOS itself (always: templates write ``bos_token``). A
         message's ``content`` is text, a tool call's ``arguments`` an object.
-        TemplateBudgetError for a render that passes the bounds."""
+
+        Raises what :func:`.template_process.render` raises: TemplateBudgetError past the
+        bounds, TemplateCancelled once ``cancelled`` is set (the renderer is stopped)."""
         nonce = str(secrets.randbelow(10**8))  # digits: upper() or lower() keep the mark
         texts: list[str] = []
         marker = _Marker(nonce, texts)
         marked = [marker.message(m) for m in messages]
         offered = [marker.tool(t) for t in tools] if tools else None
-        token = _texts.set(texts)
-        try:
-            rendered = self._render(marked, offered)
-        finally:
-            _texts.reset(token)
+        rendered = self._render(marked, offered, texts, cancelled)
         return list(_split_marks(rendered, texts, nonce)), True
 
-    def _render(self, messages: list[dict], tools: list[dict] | None) -> str:
-        return self._environment.render(
-            self._template, messages=messages, tools=tools or None, bos_token=self._bos,
-            eos_token=self._eos, add_generation_prompt=True, raise_exception=_raise,
-            strftime_now=_strftime_now, functions=None, function_call=None, tool_choice=None)
+    def _render(self, messages: list[dict], tools: list[dict] | None,
+                texts: list[str] | None = None, cancelled: threading.Event | None = None
+                ) -> str:
+        pattern = self._specials() if "tojson" in self.source else None
+        return render(self.source, texts=texts, cancelled=cancelled,
+                      specials=pattern.pattern if pattern else None,
+                      context={"messages": messages, "tools": tools or None,
+                               "bos_token": self._bos, "eos_token": self._eos,
+                               "add_generation_prompt": True, "functions": None,
+                               "function_call": None, "tool_choice": None})
 
     @functools.cached_property
     def writes_tools(self) -> bool:
@@ -182,7 +177,7 @@ class ChatTemplate:
             "name": probe, "description": "", "parameters": {"type": "object"}}}
         try:
             rendered = self._render([{"role": "user", "content": "hi"}], [tool])
-        except Exception:  # noqa: BLE001 (the template's own error, whatever its kind)
+        except ValueError:  # the template's own error, or a bound
             return False
         return probe in rendered
 
@@ -191,25 +186,6 @@ class ChatTemplate:
         """Whether the template asks for Hermes's tool calls (``<tool_call>`` JSON), the
         one format whose calls are read back from a reply (:mod:`.tools`)."""
         return self.writes_tools and HERMES_CALL in self.source
-
-    def _tojson(self, x, ensure_ascii=False, indent=None, separators=None, sort_keys=False):
-        """Hugging Face's ``tojson``, of the texts behind the marks, unable to write a
-        control token."""
-        step()
-        texts = _texts.get()
-        value = _unmarked(x, texts) if texts else x
-        text = json.dumps(value, ensure_ascii=ensure_ascii, indent=indent,
-                          separators=separators, sort_keys=sort_keys)
-        check_size(len(text), "a JSON text")
-        return self._escape_specials(text)
-
-    def _escape_specials(self, text: str) -> str:
-        pattern = self._specials()
-        if pattern is None:
-            return text
-        # Inside JSON a control token's text can only stand in a string, where an escape
-        # of its first character reads the same.
-        return pattern.sub(lambda m: _json_escape(m.group()[0]) + m.group()[1:], text)
 
 
 class _Marker:
@@ -273,38 +249,6 @@ class _Marker:
             else:
                 out[key] = self.schema(item)
         return out
-
-
-_MARK = re.compile("\ue000\\d+:(\\d+)\ue001")
-
-
-def _unmarked(value, texts: list[str]):
-    """``value`` with every mark replaced by its text (for JSON written by the template)."""
-    def text(s):
-        return _MARK.sub(lambda m: texts[int(m.group(1))], s) if "\ue000" in s else s
-    if isinstance(value, str):
-        return text(value)
-    if isinstance(value, dict):
-        return {text(k) if isinstance(k, str) else k: _unmarked(v, texts)
-                for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return [_unmarked(v, texts) for v in value]
-    return value
-
-
-def _raise(message: str):
-    raise ValueError(message)
-
-
-def _strftime_now(form: str) -> str:
-    return datetime.now().strftime(form)
-
-
-def _json_escape(char: str) -> str:
-    """``char`` as JSON's ``\\uXXXX`` escape (two, a surrogate pair, beyond the BMP)."""
-    units = char.encode("utf-16-be")
-    return "".join(f"\\u{int.from_bytes(units[i:i + 2], 'big'):04x}"
-                   for i in range(0, len(units), 2))
 
 
 def _split_marks(rendered: str, texts: list[str], nonce: str) -> Iterator[tuple[str, bool]]:

@@ -20,6 +20,7 @@ generates for many prompts at once.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 import re
@@ -57,6 +58,14 @@ from .vocab import Vocab
 log = logging.getLogger(__name__)
 
 CTX_STEP = 256  # llama.cpp rounds a context up to a multiple of this
+class _NoWatchdog(contextlib.nullcontext):
+    """In place of :class:`~..llama.rpc.Watchdog` without workers."""
+
+    def progress(self) -> None:
+        pass
+
+
+_NO_WATCHDOG = _NoWatchdog()
 N_BATCH = 512   # tokens per llama_decode call at most (prompt chunks and generating rows)
 
 __all__ = ["ContextOverflow", "Engine", "GenerationResult", "InvalidArgument", "Request",
@@ -227,41 +236,47 @@ class Engine:
         self.path: Path = resolve_model(model)
         if self.rpc and n_gpu_layers == 0:
             n_gpu_layers = -1  # workers given to hold nothing would be a mistake
-        devices = ggml_rpc.connect(self.rpc) if self.rpc else []
-        gpus = len(ggml_rpc.local_gpus()) if self.rpc else 0
-        if self.rpc and tensor_split and len(tensor_split) > len(devices) + gpus:
-            raise InvalidArgument(f"`tensor_split` has {len(tensor_split)} shares, but there "
-                                  f"are {len(devices)} worker and {gpus} local GPU devices",
-                                  "tensor_split")
-        # Whether a token's logits are a function of the tokens before it alone (whatever
-        # the batch, the cache, the threads or the other sequences): on CPUs, here or in
-        # CPU workers, yes (see _new_context); with layers on a GPU, llama.cpp's kernels
-        # depend on the batch (a worker's device is not known here: docs/distributed.md).
-        self.batch_invariant = n_gpu_layers == 0 or (bool(self.rpc) and gpus == 0)
-        self.n_gpu_layers = n_gpu_layers
-        set_llama_log(verbose)
-        self._model, layers = load_model(
-            self.path, n_gpu_layers, verbose, tensor_split=tensor_split,
-            devices=ggml_rpc.model_devices(devices))
-        self.layers = [dict(run, device=ggml_rpc.device_label(run["device"]))
-                       for run in layer_devices(layers)]
-        self._embedder: Embedder | None = None
-        self._embedder_lock = threading.Lock()
-        self.vocab = Vocab(self._model)
-        self.n_vocab = self.vocab.n_vocab
-        # llama.cpp rounds each sequence's context up to a multiple of 256.
-        requested = n_ctx or min(self._model.n_ctx_train(), MAX_CTX)
-        self.n_ctx = -(-requested // CTX_STEP) * CTX_STEP
-        self.parallel = parallel
-        threads = n_threads or default_threads()
-        self._context = self._new_context(requested, threads, verbose)
-        self.ctx = self._context.ctx  # the llama_context *, for llama.cpp calls
+        # Every wait on the workers is bounded: the handshake, the load (restarted by each
+        # tensor sent), the context; then each decode step (the decoder's).
+        watchdog = ggml_rpc.Watchdog(self.rpc, rpc_timeout) if self.rpc else _NO_WATCHDOG
+        with watchdog:
+            devices = ggml_rpc.connect(self.rpc) if self.rpc else []
+            gpus = len(ggml_rpc.local_gpus()) if self.rpc else 0
+            if self.rpc and tensor_split and len(tensor_split) > len(devices) + gpus:
+                raise InvalidArgument(
+                    f"`tensor_split` has {len(tensor_split)} shares, but there are "
+                    f"{len(devices)} worker and {gpus} local GPU devices", "tensor_split")
+            # Whether a token's logits are a function of the tokens before it alone
+            # (whatever the batch, the cache, the threads or the other sequences): on CPUs,
+            # here or in CPU workers, yes (see _new_context); with layers on a GPU, llama.cpp's
+            # kernels depend on the batch (a worker's device is not known here:
+            # docs/distributed.md).
+            self.batch_invariant = n_gpu_layers == 0 or (bool(self.rpc) and gpus == 0)
+            self.n_gpu_layers = n_gpu_layers
+            set_llama_log(verbose)
+            self._model, layers = load_model(
+                self.path, n_gpu_layers, verbose, tensor_split=tensor_split,
+                devices=ggml_rpc.model_devices(devices), progress=watchdog.progress,
+                device_label=ggml_rpc.device_label)
+            self.layers = [dict(run, device=ggml_rpc.device_label(run["device"]))
+                           for run in layer_devices(layers)]
+            self._embedder: Embedder | None = None
+            self._embedder_lock = threading.Lock()
+            self.vocab = Vocab(self._model)
+            self.n_vocab = self.vocab.n_vocab
+            # llama.cpp rounds each sequence's context up to a multiple of 256.
+            requested = n_ctx or min(self._model.n_ctx_train(), MAX_CTX)
+            self.n_ctx = -(-requested // CTX_STEP) * CTX_STEP
+            self.parallel = parallel
+            threads = n_threads or default_threads()
+            self._context = self._new_context(requested, threads, verbose)
+            self.ctx = self._context.ctx  # the llama_context *, for llama.cpp calls
         self.decoder = Decoder(self.ctx, self.vocab, parallel, self.n_ctx,
                                min(N_BATCH, self.n_ctx * parallel),
                                ThreadTuner(self.ctx, threads, adaptive=n_threads is None))
         self.decoder.attention_switch = self._attention_switch
         if self.rpc:
-            self.decoder.watchdog = ggml_rpc.Watchdog(self.rpc, rpc_timeout)
+            self.decoder.watchdog = watchdog
             if self.attention == "reference":  # the workers' rule (cpu_attention)
                 self.decoder.step_rows = min(self.decoder.step_rows, CHUNK - 1)
         if backend_sampling:
@@ -461,21 +476,22 @@ class Engine:
             return self.chat_prompt_tokens([{"role": "user", "content": text}])
         return self.tokenize(text)
 
-    def chat_prompt_tokens(self, messages: list[dict],
-                           tools: list[dict] | None = None) -> list[int]:
+    def chat_prompt_tokens(self, messages: list[dict], tools: list[dict] | None = None,
+                           cancelled: threading.Event | None = None) -> list[int]:
         """Tokens of the conversation rendered with the chat template (the model's own, or
         the one the engine was given), with ``tools`` (OpenAI's function definitions) for a
         template that shows them (:attr:`ChatTemplate.writes_tools`).
 
         Only the template's own markup becomes control tokens: the messages' text is
         tokenized as text, so a message containing ``<|im_end|>`` cannot end its turn or
-        forge another role's.
+        forge another role's. The render stops when ``cancelled`` is set
+        (:class:`~.template_process.TemplateCancelled`).
         """
         if self.chat_template is None:
             raise ModelError(f"{self.name} has no chat template (tokenizer.chat_template): "
                              "use plain completion (generate without --chat), or give one "
                              "(--chat-template)")
-        parts, added_bos = self.chat_template.render(messages, tools)
+        parts, added_bos = self.chat_template.render(messages, tools, cancelled)
         tokens = [] if added_bos else self.tokenize("", add_bos=True)
         text: list[str] = []  # plain text gathered since the last control token
         for part, is_content in parts:

@@ -181,6 +181,9 @@ def check_gguf(path: Path) -> None:
                          f"{', '.join(BUNDLED)} (adaptive-llama models)")
     if path.is_dir():
         raise ModelError(f"{path}: is a directory, not a GGUF file")
+    if not path.is_file():  # a FIFO or a device would block the read, or never end
+        raise ModelError(f"{path}: is not a regular file (a pipe or a device); give a GGUF "
+                         "file")
     try:
         with path.open("rb") as f:
             head = f.read(4)

@@ -17,7 +17,8 @@ import asyncio
 import contextlib
 import json
 import logging
-from typing import Annotated, Literal
+import threading
+from typing import Annotated, Callable, Literal, TypeVar
 
 import numpy as np
 from fastapi import Request
@@ -34,6 +35,7 @@ from .pool import FOREVER, LoadedModel, ModelPool, ServedModel, keep_alive_s  # 
 from .scheduler import Job
 
 log = logging.getLogger("adaptive_llama.server")
+T = TypeVar("T")
 
 DISCONNECT_POLL_S = 0.25
 MAX_BODY = 2 * 2**20  # bytes: about 500k tokens of text, more than any context holds
@@ -147,18 +149,44 @@ def _template_call(call: ToolCallMessage, where: str) -> dict:
             "function": {"name": call.function.name, "arguments": arguments}}
 
 
-async def chat_prompt(engine: Engine, messages: list[Message],
+async def chat_prompt(request: Request, engine: Engine, messages: list[Message],
                       tools: list[Tool] | None = None) -> list[int]:
-    """The conversation's tokens in the model's chat template, rendered off the event loop
-    (a long conversation must not stall other requests), with ``tools`` shown to the model;
-    a 400 on ``messages`` when the model has no template or its template rejects the roles
-    given."""
+    """The conversation's tokens in the model's chat template, with ``tools`` shown to the
+    model (:func:`template_prompt`)."""
     rendered = [m.as_template_message(i) for i, m in enumerate(messages)]
     offered = [t.model_dump(exclude_none=True) for t in tools] if tools else None
+    return await template_prompt(request, engine, rendered, offered)
+
+
+async def template_prompt(request: Request, engine: Engine, messages: list[dict],
+                          tools: list[dict] | None = None) -> list[int]:
+    """The tokens of ``messages`` (the chat template's dicts) in the model's chat template,
+    rendered off the event loop (a long conversation must not stall other requests) and
+    stopped when the client leaves; a 400 on ``messages`` when the model has no template or
+    its template rejects the roles given or passes its bounds."""
+    def render(cancelled: threading.Event) -> list[int]:
+        return engine.chat_prompt_tokens(messages, tools, cancelled)
     try:
-        return await asyncio.to_thread(engine.chat_prompt_tokens, rendered, offered)
+        return await _watched(request, render)
+    except APIError:
+        raise
     except Exception as exc:  # the template's own error, whatever its kind
         raise APIError(400, f"messages: {exc}", param="messages") from None
+
+
+async def _watched(request: Request, work: Callable[[threading.Event], T]) -> T:
+    """``work(cancelled)`` off the event loop; when the client leaves, ``cancelled`` is set
+    (the work stops) and the answer is a 499, which nobody reads."""
+    cancelled = threading.Event()
+    task = asyncio.ensure_future(asyncio.to_thread(work, cancelled))
+    try:
+        while not (await asyncio.wait({task}, timeout=DISCONNECT_POLL_S))[0]:
+            if await request.is_disconnected():
+                task.add_done_callback(lambda t: t.cancelled() or t.exception())
+                raise APIError(499, "the client disconnected")
+        return task.result()
+    finally:
+        cancelled.set()
 
 
 def check_tools(model: LoadedModel, tools: list[Tool]) -> list[str]:

@@ -74,6 +74,7 @@ from .common import (
     parse_body,
     sampler_for,
     server_of,
+    template_prompt,
     wait,
 )
 
@@ -412,7 +413,7 @@ async def chat(request: Request):
     offered = body.tools or []
     async with server.model(body.model, keep_alive=body.keep_alive_wanted()) as model:
         functions = check_tools(model, offered) if offered else []
-        tokens = await chat_prompt(model.engine, body.messages, offered)
+        tokens = await chat_prompt(request, model.engine, body.messages, offered)
         job = await _job(model, tokens, body, "messages", request.url.path)
         return await _respond(model, request, job, body, "chat", functions)
 
@@ -432,7 +433,7 @@ async def generate(request: Request):
         else:
             messages = ([{"role": "system", "content": body.system}] if body.system else [])
             messages.append({"role": "user", "content": body.prompt})
-            tokens = await asyncio.to_thread(engine.chat_prompt_tokens, messages)
+            tokens = await template_prompt(request, engine, messages)
         job = await _job(model, tokens, body, "prompt", request.url.path)
         return await _respond(model, request, job, body, "generate")
 

@@ -301,7 +301,7 @@ class TokenDetails:
     def _one(self, entry: TokenLogprob, stats) -> dict:
         return {"text": self._decoder.decode(entry.text), "logprob": entry.logprob,
                 "top": [{"text": text.decode("utf-8", "replace"), "p": math.exp(lp)}
-                        for _, text, lp in entry.top],
+                        for _, text, lp in entry.top[:DETAIL_CANDIDATES]],
                 "k": stats.k if stats else None,
                 "mass": _number(stats.kept_mass) if stats else None,
                 "entropy": _number(stats.entropy) if stats else None}
@@ -492,7 +492,7 @@ async def chat_completions(request: Request):
     offered = body.tools_offered()
     async with server.model(body.model, any_name_for_one=True) as model:
         functions = check_tools(model, offered) if offered else []
-        tokens = await chat_prompt(model.engine, body.messages, offered)
+        tokens = await chat_prompt(request, model.engine, body.messages, offered)
         job = await _job(model, tokens, body, body.max_completion_tokens or body.max_tokens,
                          "messages", request.url.path, *await _chat_grammar(body, offered))
         return await _respond(model, request, job, body, "chat", functions)
