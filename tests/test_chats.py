@@ -252,3 +252,33 @@ def test_the_command_line_wins_over_a_resumed_chat_and_show_says_so():
     assert "system      Be brief." in out
     assert "sampler: command line" in out and "max-tokens: command line" in out
     assert f"seed: saved chat {name}" in out
+
+
+def test_hostile_resume_files_are_one_line_and_leave_no_lock(tmp_path):
+    cases = {
+        "deep.json": "[" * 1000 + "]" * 1000,  # 2 KB nested 1,000 deep
+        "surrogate.json": '{"messages": [{"role": "user", "content": "a\\ud800b"}]}',
+        "system.json": '{"system": "\\udfff", "messages": []}',
+    }
+    for name, text in cases.items():
+        path = tmp_path / name
+        path.write_text(text)
+        result = run("--resume", str(path), input="")
+        assert result.returncode == 2, result.stderr
+        assert len(result.stderr.strip().splitlines()) == 1 and str(path) in result.stderr
+        assert "Traceback" not in result.stderr
+    assert "`messages[0].content` holds '\\ud800' at character 1" in run(
+        "--resume", str(tmp_path / "surrogate.json"), input="").stderr
+    folder = store().folder
+    assert not folder.exists() or not list(folder.glob("*.lock"))
+
+
+def test_a_resumed_chat_shows_its_control_characters_visibly(tmp_path):
+    chat = tmp_path / "escapes.json"
+    chat.write_text(json.dumps({"messages": [
+        {"role": "user", "content": "clear\x1b[2J\x1b]0;title\x07 \x1b]52;c;cHduZWQ=\x07"},
+        {"role": "assistant", "content": "ok\x9b31m\x00"}]}))
+    out = run("--resume", str(chat), input="").stdout
+    assert "\x1b[2J" not in out and "\x1b]" not in out and "\x07" not in out
+    assert "\x9b" not in out and "\x00" not in out
+    assert "clear\\x1b[2J\\x1b]0;title\\x07" in out and "ok\\x9b31m\\x00" in out

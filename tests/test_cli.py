@@ -186,6 +186,15 @@ def test_random_bytes(tmp_path):
     assert_one_line_error(run_cli("run", str(bad)), str(bad), "not a GGUF")
 
 
+def test_a_pipe_as_model_or_draft_is_refused_not_waited_on(tmp_path):
+    fifo = tmp_path / "model.gguf"
+    os.mkfifo(fifo)
+    assert_one_line_error(run_cli("generate", str(fifo), "--prompt", "x"), str(fifo),
+                          "is not a regular file")
+    assert_one_line_error(run_cli("generate", "--draft", str(fifo), "--prompt", "x"),
+                          str(fifo), "is not a regular file")
+
+
 def test_truncated_gguf(tmp_path, smollm2_path):
     cut = tmp_path / "truncated.gguf"
     with open(smollm2_path, "rb") as src:

@@ -109,11 +109,21 @@ def test_endpoints_parse(text, expected):
     ("", "HOST:PORT"),
     ([], "at least one"),
     (",".join(f"h:{p}" for p in range(1, 18)), "at most 16"),
+    ("http://10.0.0.2:50052", "without a scheme"),
+    ("h" * 100_000 + ":50052", "is not a host name or address"),
+    ("a b:50052", "is not a host name or address"),
 ])
 def test_bad_endpoints_are_one_line(text, message):
     with pytest.raises(ValueError, match=message.replace("[", r"\[").replace(".", r"\.")) as e:
         rpc.parse_endpoints(text)
     assert "\n" not in str(e.value)
+
+
+def test_many_workers_are_refused_at_once():
+    start = time.monotonic()
+    with pytest.raises(ValueError, match="at most 16 workers, but 65536 are given"):
+        rpc.parse_endpoints([f"h:{i % 65535 + 1}" for i in range(65536)])
+    assert time.monotonic() - start < 1
 
 
 def test_config_takes_workers_and_shares(tmp_path, monkeypatch):
@@ -838,3 +848,23 @@ def test_the_watchdog_clock_stops_between_waits():
     assert result.stdout.strip() == "alive"  # idle, then progress inside: still running
     assert result.returncode == rpc.ABORT_STATUS  # a wait past the timeout: ended
     assert "no answer from the RPC worker 127.0.0.1:1 for 0.4 s" in result.stderr
+
+
+def test_a_worker_without_the_memory_for_its_layers_is_named(smollm2_path, own_worker):
+    """Its allocation fails (the address space of ggml's server bounded a little past what
+    it has): the line names the worker and the size, not a corrupt file."""
+    endpoint, proc = own_worker
+    server = Path(f"/proc/{proc.pid}/task/{proc.pid}/children").read_text().split()[0]
+    status = Path(f"/proc/{server}/status").read_text()
+    size_kb = int(next(line.split()[1] for line in status.splitlines()
+                       if line.startswith("VmSize")))
+    subprocess.run(["prlimit", f"--as={(size_kb + 20 * 1024) * 1024}", "--pid", server],
+                   check=True)
+    result = subprocess.run([*CLI, "generate", str(smollm2_path), "--rpc", endpoint, "-n",
+                             "1", "--prompt", "hi"], capture_output=True, text=True,
+                            timeout=120)
+    assert result.returncode == 2
+    assert result.stderr.strip().splitlines() == [
+        f"Error: {smollm2_path}: RPC0 ({endpoint}) could not allocate 92 MiB for its share of "
+        "the model: give it fewer layers (--tensor-split, --n-gpu-layers) or use a device "
+        "with more free memory"]

@@ -587,6 +587,7 @@ def test_token_details_give_each_tokens_k_mass_entropy_and_candidates(client):
         assert 0 < d["mass"] <= 1 + 1e-6 and d["entropy"] >= 0 and d["k"] >= 1
         if d["k"] == 1:  # the kept set is the top token alone: it was chosen
             assert d["text"] == d["top"][0]["text"] or not d["text"]
+            assert d["mass"] == pytest.approx(p[0], rel=1e-4)
         assert math.exp(d["logprob"]) <= p[0] + 1e-9
     plain = client.chat.completions.create(**kwargs)
     assert "token_details" not in plain.model_extra
@@ -609,6 +610,14 @@ def test_streamed_token_details_beside_logprobs_cut_to_what_was_asked(client):
                for t, d in zip(logprobs, details))
     # Greedy chooses no candidate set: no k, no mass.
     assert all(d["k"] is None and d["mass"] is None for d in details)
+
+
+def test_token_details_name_five_candidates_whatever_top_logprobs_asks(client):
+    r = client.chat.completions.create(model="any", messages=HELLO, max_tokens=6, seed=5,
+                                       logprobs=True, top_logprobs=8,
+                                       extra_body={"token_details": True})
+    assert all(len(t.top_logprobs) == 8 for t in r.choices[0].logprobs.content)
+    assert all(len(d["top"]) == 5 for d in r.model_extra["token_details"])
 
 
 def test_completion_logprobs_follow_the_legacy_shape(client):

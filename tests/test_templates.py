@@ -2,6 +2,7 @@
 bounded in time, steps and size, and a template that is no Jinja or passes the bounds on a
 short conversation is refused when it is loaded, in one line naming it."""
 
+import re
 import subprocess
 import sys
 import threading
@@ -429,3 +430,38 @@ def test_the_renderer_has_its_memory_bounded():
     soft = next(line.split()[3] for line in limits.splitlines()
                 if line.startswith("Max address space"))
     assert int(soft) == MAX_MEMORY
+
+
+def _children(pid: int) -> dict[int, str]:
+    """The child processes of ``pid`` and their states (R: running)."""
+    states = {}
+    for child in Path(f"/proc/{pid}/task/{pid}/children").read_text().split():
+        try:
+            states[int(child)] = Path(f"/proc/{child}/stat").read_text().split(") ")[1][0]
+        except OSError:
+            pass
+    return states
+
+
+def test_a_server_stops_a_render_when_its_client_leaves_and_serves_others_meanwhile(
+        smollm2_path, tmp_path):
+    evil = tmp_path / "evil.jinja"
+    evil.write_text(hidden(ONE_CALL["sort"]))
+    log = tmp_path / "server.log"
+    for port in serving(smollm2_path, log, "--chat-template", str(evil)):
+        listening = subprocess.run(["ss", "-ltnpH", f"sport = :{port}"],
+                                   capture_output=True, text=True).stdout
+        server_pid = int(re.search(r"pid=(\d+)", listening).group(1))
+        leaving = threading.Thread(target=lambda: pytest.raises(
+            OSError, raw, "POST", port, "/v1/chat/completions",
+            {"messages": HI * 7, "max_tokens": 1}, timeout=0.6))
+        leaving.start()
+        time.sleep(0.3)
+        busy = [pid for pid, state in _children(server_pid).items() if state == "R"]
+        start = time.monotonic()  # another client is served while that render runs
+        status, _, _ = raw("POST", port, "/v1/chat/completions",
+                           {"messages": HI, "max_tokens": 1})
+        assert status == 200 and time.monotonic() - start < 1.5
+        leaving.join()
+        time.sleep(0.6)  # the client left at 0.6 s; the render's deadline is at 2 s
+        assert busy and not set(busy) & set(_children(server_pid))

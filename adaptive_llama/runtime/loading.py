@@ -90,7 +90,8 @@ def _load_failure(path: Path, failed: list[tuple[str, int | None]],
     """Why a load failed, in one line: a device that could not allocate its share, or the
     file."""
     if failed:
-        device, size = failed[-1]
+        device = failed[-1][0]
+        size = next((size for _, size in reversed(failed) if size), None)
         name = re.sub(r"\[.*", "", device)  # "RPC0[127.0.0.1:50052]": the device's name
         amount = f" {size / 2**20:,.0f} MiB" if size else ""
         return (f"{path}: {device_label(name)} could not allocate{amount} for its share of "
