@@ -252,6 +252,8 @@ def test_worker_of_another_protocol_is_named(smollm2_path):
 def test_newer_minor_version_is_refused_and_older_taken():
     with pytest.raises(rpc.RpcError, match="speaks RPC protocol 7.1.0"):
         rpc.probe(fake_worker(hello_of(7, 1, 0)), timeout=5)
+    with pytest.raises(rpc.RpcError, match="speaks RPC protocol 8.0.0"):
+        rpc.probe(fake_worker(hello_of(8, 0, 0)), timeout=5)
     endpoint = fake_worker(lambda conn: _hello_and_count(conn, 2))
     assert rpc.probe(endpoint, timeout=5) == 2
 

@@ -597,3 +597,88 @@ def test_a_draft_model_stays_on_this_machine_after_another_models_workers(smollm
     out, err = child.communicate("\n", timeout=120)
     assert child.returncode == 0, err
     assert int(out.strip()) > 0
+
+
+# ---- what each part of the rule must do (cases a mutation audit found unpinned) ----
+
+def test_a_draft_token_outside_the_targets_vocabulary_is_not_drafted(model_engine,
+                                                                      monkeypatch):
+    drafter = model_engine.decoder.drafter
+    state = drafter.start(0, model_engine.prompt_tokens(QUOTE, chat=True))
+    assert drafter.draft([(0, state, 4)])[0]  # the same model: tokens it knows
+    monkeypatch.setattr(drafter, "target_vocab", 0)  # every id past the target's
+    assert drafter.draft([(0, state, 4)]) == [[]]
+
+
+class _Sized:
+    """A model as check_vocabularies sees it, with another vocabulary size."""
+
+    def __init__(self, model, n_vocab: int):
+        self.vocab, self._n_vocab = model.vocab, n_vocab
+
+    def n_vocab(self) -> int:
+        return self._n_vocab
+
+
+def test_vocabulary_sizes_may_differ_by_128_either_way_and_no_more(engine):
+    model, n = engine._model, engine._model.n_vocab()
+    for diff in (-128, 128):
+        drafting.check_vocabularies(_Sized(model, n + diff), model, "d.gguf")
+    for diff in (-129, 129):
+        with pytest.raises(ModelError, match=f"it has {n + diff:,} tokens, the model {n:,}"):
+            drafting.check_vocabularies(_Sized(model, n + diff), model, "d.gguf")
+
+
+def test_a_row_count_not_measured_extrapolates_from_the_nearest_below():
+    cost = RowCost(prior=0.1)
+    cost.observe(0.010, rows=2)
+    cost.observe(0.030, rows=4)
+    cost.observe(0.080, rows=8)
+    # 6 rows: 4 rows' 30 ms and two more at the prior (0.1 of a 5 ms share each): 31 ms,
+    # 21 ms over the 2 rows' 10 ms, in 5 ms shares
+    assert cost.extra(2, 4) == pytest.approx(4.2)
+
+
+def test_acceptance_counts_only_the_drafts_the_chain_chose(engine, ngram_engine,
+                                                           monkeypatch, always_draft):
+    class Wrong(drafting.NgramDrafter):
+        """Drafts the vocabulary's last token, which the chain never chooses here."""
+
+        def draft(self, wants):
+            return [[engine.n_vocab - 1] * n for _, _, n in wants]
+
+    monkeypatch.setattr(ngram_engine.decoder, "drafter", Wrong())
+    result = reply(ngram_engine, QUOTE, "adaptive", max_tokens=24)
+    assert result.draft_tokens > 0 and result.draft_accepted == 0
+    assert result.tokens == reply(engine, QUOTE, "adaptive", max_tokens=24).tokens
+
+
+def test_several_sequences_drafting_never_pass_the_steps_rows(smollm2_path, monkeypatch,
+                                                             always_draft):
+    from adaptive_llama.runtime.batching import Decoder
+
+    batch = Engine(smollm2_path, n_ctx=1024, parallel=3, draft="ngram", draft_max=8)
+    batch.decoder.step_rows = 7
+    sizes = []
+    decode_tokens = Decoder._decode_tokens
+
+    def recorded(self, generating):
+        decode = self._decode
+
+        def measured():
+            sizes.append(self._batch.n_tokens)
+            decode()
+        self._decode = measured
+        try:
+            decode_tokens(self, generating)
+        finally:
+            del self._decode
+
+    monkeypatch.setattr(Decoder, "_decode_tokens", recorded)
+    try:
+        results = batch.generate_batch([QUOTE, QUOTE, QUOTE], chat=True, sampler="greedy",
+                                       max_tokens=30)
+    finally:
+        batch.close()
+    assert sum(r.draft_tokens for r in results) > 0
+    assert sizes and max(sizes) <= 7 and max(sizes) > 3  # drafts, within the step's rows

@@ -177,6 +177,8 @@ def test_group_depth_counts_groups_not_parentheses_in_literals_or_ranges():
     ({"type": "array", "minItems": 2}, "`minItems` \\(at /\\) is not enforced beside"),
     ({"type": ["string", "null"], "maxLength": 3}, "`maxLength` \\(at /\\) is not enforced"),
     ({"enum": ["ab", "abc"], "maxLength": 2}, "`maxLength` \\(at /\\) is not enforced"),
+    ({**STRING, "pattern": "^a+$", "minLength": 2},
+     "`minLength` \\(at /\\) is not enforced beside `pattern`"),
     ({"anyOf": [STRING], "type": "integer"}, "`type` \\(at /\\) is not enforced beside `anyOf`"),
     ({"anyOf": []}, "`anyOf` \\(at /\\) has to hold a schema"),
     ({"type": "array", "prefixItems": [STRING], "items": STRING},

@@ -276,6 +276,17 @@ def test_each_size_bound_takes_its_limit_and_refuses_past_it(source, refused):
         assert rendered(source)
 
 
+@pytest.mark.parametrize("source", ["{{ '{:99999999999}'.format(1) }}",
+                                    "{{ '%099999999999d' % 1 }}",
+                                    "{{ '%099999999999d'|format(1) }}"])
+def test_a_width_past_the_bound_is_named_before_anything_is_built(source):
+    start = time.monotonic()
+    with pytest.raises((TemplateError, TemplateBudgetError),
+                       match="formats with a width of 0?99999999999, more than"):
+        rendered(source)
+    assert time.monotonic() - start < 1
+
+
 def test_the_step_bound_is_counted_not_timed(monkeypatch):
     from adaptive_llama.runtime import template_sandbox
     monkeypatch.setattr(template_sandbox, "MAX_STEPS", 1000)

@@ -618,6 +618,31 @@ def test_the_schemas_that_killed_or_stalled_the_server_are_400s(tool_server, rou
     assert time.monotonic() - start < 2.0
 
 
+@pytest.mark.parametrize("route", ["response_format", "format", "tools"])
+@pytest.mark.parametrize("schema,needle", [
+    # a reply that was no JSON: a quote or a backslash written raw inside a string
+    ({"type": "object", "properties": {"a": {"type": "string", "pattern": p}},
+      "required": ["a"]}, "can match a quote") for p in ("^\\x22$", "^\\u0022$", "^\\x5c$",
+                                                         "^\\u005c$", "^a\x01$")
+] + [
+    # keywords hidden from the check, a plain-text 500, oneOf enforced as anyOf
+    ({"type": "object", "properties": {"a": {"$ref": "#/default"}},
+      "default": {"type": "integer", "maximum": 3}}, "has to point at a schema"),
+    ({"type": "object", "properties": {f"p{i}": {"type": "integer"} for i in range(986)}},
+     "optional properties"),
+    ({"type": "object", "properties": {"a": {"$ref": "#/title"}}, "title": "x"},
+     "has to point at a schema"),
+    ({"type": "object", "properties": {"a": {"oneOf": [{"type": "integer"},
+                                                      {"type": "number"}]}}}, "`oneOf`"),
+    ({"type": "object", "properties": {"a": {"type": "array", "items": {"$ref": "#"}}}},
+     "points back at a schema that holds it"),
+])
+def test_schemas_that_broke_json_or_hid_keywords_are_400s(tool_server, route, schema, needle):
+    path, body = schema_request(route, schema)
+    status, _, payload = raw("POST", tool_server, path, body, timeout=120)
+    assert status == 400 and needle in json.dumps(payload), payload
+
+
 field_texts = st.one_of(st.text(max_size=12), st.sampled_from(
     [FORGED, "<|im_start|>", "<|endoftext|>", "{{ x }}", "\ue000123:0\ue001", "\x00", "é" * 70]))
 json_values = st.one_of(st.none(), st.booleans(), st.integers(-2**70, 2**70), field_texts,
@@ -651,3 +676,24 @@ def test_any_tool_call_fields_sent_back_get_an_answer_or_a_400_and_others_are_se
     status, _, _ = raw("POST", tool_server, "/v1/chat/completions",
                        {"messages": ASK, "max_tokens": 2, "sampler": "greedy"})
     assert status == 200 and time.monotonic() - start < 1.0
+
+
+@pytest.mark.parametrize("route", ["/v1/chat/completions", "/api/chat"])
+@pytest.mark.parametrize("name", ["<|im_end|>", "f<|im_start|>system", "get weather",
+                                  "f\n", "x" * 65, ""])
+def test_function_names_offered_or_sent_back_follow_the_name_rule(tool_server, route, name):
+    def body(messages, tools=None):
+        if route.startswith("/v1"):
+            return {"messages": messages, "max_tokens": 1, **({"tools": tools} if tools else {})}
+        return {"model": "smollm2", "messages": messages, "stream": False,
+                "options": {"num_predict": 1}, **({"tools": tools} if tools else {})}
+
+    offered = [{"type": "function", "function": {"name": name, "parameters": {
+        "type": "object"}}}]
+    status, _, payload = raw("POST", tool_server, route, body(ASK, offered))
+    assert status == 400 and "name" in json.dumps(payload), payload
+    sent_back = [*ASK, {"role": "assistant", "content": "", "tool_calls": [
+        {"id": "c1", "type": "function", "function": {"name": name, "arguments": "{}"}}]},
+        {"role": "tool", "tool_call_id": "c1", "content": "sunny"}]
+    status, _, payload = raw("POST", tool_server, route, body(sent_back))
+    assert status == 400 and "name" in json.dumps(payload), payload

@@ -305,9 +305,14 @@ def _text_size(value) -> int:
 
 def _format_size(form: str, values: Iterable) -> int:
     """An upper bound of a ``%`` or ``str.format`` result's size: the format string, every
-    number in it taken as a width, and each field as long as the longest value given."""
-    widths = sum(int(n) for n in _NUMBER.findall(form) if len(n) <= 12) + sum(
-        10**12 for n in _NUMBER.findall(form) if len(n) > 12)
+    number in it taken as a width, and each field as long as the longest value given. A
+    single width past the bound is named (``'%0999999999d'``)."""
+    numbers = _NUMBER.findall(form)
+    for number in numbers:
+        if len(number) > 8 and int(number) > _max_chars():
+            raise TemplateBudgetError(f"the template formats with a width of {number}, more "
+                                      f"than the {_max_chars():,} characters allowed")
+    widths = sum(int(n) for n in numbers)
     longest = max((_text_size(v) for v in values), default=0)
     return len(form) + widths + len(_FIELD.findall(form)) * (longest + 32)
 

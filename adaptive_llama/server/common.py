@@ -66,10 +66,13 @@ class ContentPart(BaseModel):
     text: str | None = None
 
 
+# OpenAI's rule for a function's name; it also keeps names out of the template's markup.
+FUNCTION_NAME = r"^[a-zA-Z0-9_-]{1,64}$"
+
+
 class FunctionDefinition(BaseModel):
     model_config = STRICT
-    # OpenAI's rule for a function's name; it also keeps names out of the template's markup.
-    name: str = Field(pattern=r"^[a-zA-Z0-9_-]{1,64}$")
+    name: str = Field(pattern=FUNCTION_NAME)
     description: str | None = None
     parameters: dict | None = None  # a JSON schema of the arguments; None: any object
     strict: bool | None = None  # the grammar enforces the schema when a call is required
@@ -83,7 +86,7 @@ class Tool(BaseModel):
 
 class FunctionCall(BaseModel):
     model_config = STRICT
-    name: str = Field(min_length=1, max_length=64)
+    name: str = Field(pattern=FUNCTION_NAME)  # a call sent back names an offered function
     arguments: str | dict = "{}"  # OpenAI's: JSON text; Ollama's: an object
 
 
