@@ -52,11 +52,13 @@ $(VENV)/.installed-%: $(DEPS) $(VENV)/.llama-$(LLAMA_KEY) | $(PY)
 chat: $(VENV)/.installed-default-model
 	$(VENV)/bin/adaptive-llama run
 
-# The whole suite twice: with the backend a normal install picks (C), then with the numba
-# kernel and in-chain samplers forced, as on a machine without a C compiler.
+# The whole suite with the backend a normal install picks (C), then the tests whose outcome
+# depends on the backend (marked `backend`; tests/test_marks.py keeps the mark on every test
+# that uses the kernel or the chain) with the numba kernel and in-chain samplers forced, as
+# on a machine without a C compiler.
 test: $(VENV)/.installed-test chromium
 	$(PY) -m pytest -q
-	ADAPTIVE_LLAMA_IMPL=numba $(PY) -m pytest -q -p no:cacheprovider
+	ADAPTIVE_LLAMA_IMPL=numba $(PY) -m pytest -q -p no:cacheprovider -m backend
 
 # The chat page's tests (tests/test_web.py) drive Debian's Chromium; as root with apt-get it is
 # installed here, otherwise they are skipped (and fail under CI=true, as .ci/run sets).

@@ -34,3 +34,23 @@ def engine(smollm2_path):
     eng = Engine(smollm2_path, seed=1, n_ctx=1024, n_gpu_layers=GPU_LAYERS)
     yield eng
     eng.close()
+
+
+def generating_batch_rows(monkeypatch) -> list[int]:
+    """The rows of every batch the decoders decode for generating sequences (a token each,
+    and their drafts), prompt chunks left out: appended to the list returned, as they run."""
+    from adaptive_llama.runtime.batching import Decoder
+
+    rows: list[int] = []
+    decode_tokens = Decoder._decode_tokens
+
+    def recorded(self, generating):
+        decode = self._decode
+        self._decode = lambda: (rows.append(self._batch.n_tokens), decode())[1]
+        try:
+            decode_tokens(self, generating)
+        finally:
+            del self._decode
+
+    monkeypatch.setattr(Decoder, "_decode_tokens", recorded)
+    return rows

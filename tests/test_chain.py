@@ -11,6 +11,9 @@ from adaptive_llama.kernel import adaptive_k_reference
 from adaptive_llama.llama import chain as chain_module
 from adaptive_llama.llama.chain import SamplerChain, use_sampler
 
+# The numba pass of `make test` runs these again (tests/test_marks.py).
+pytestmark = pytest.mark.backend
+
 
 @pytest.fixture(autouse=True)
 def backend_chosen_again_after_each_test():

@@ -133,6 +133,7 @@ def test_an_empty_stop_string_does_not_empty_the_reply():
     assert json.loads(result.stdout)["completion_tokens"] == 6
 
 
+@pytest.mark.backend  # the backend it reports
 def test_generate_json():
     result = run_cli("generate", "smollm2", "--prompt", "The sea is", "--sampler",
                      "adaptive:eps=0.005", "--max-tokens", "12", "--seed", "4", "--json")

@@ -14,10 +14,14 @@ import re
 
 import llama_cpp
 import numpy as np
+import pytest
 from conftest import GPU_LAYERS
 from test_repl import chat as repl_chat
 
 from adaptive_llama import Chat, Engine
+
+# The numba pass of `make test` runs these again (tests/test_marks.py).
+pytestmark = pytest.mark.backend
 
 LONG = ("The history of the river Danube is long and full of events. " * 20
         + "Tell me about the sea:")  # 266 tokens

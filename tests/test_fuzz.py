@@ -6,6 +6,7 @@ import io
 import json
 import string
 
+import pytest
 from click.testing import CliRunner
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -13,6 +14,9 @@ from hypothesis import strategies as st
 from adaptive_llama.chat.repl import Repl
 from adaptive_llama.cli import main
 from adaptive_llama.samplers import SAMPLERS, SamplerSpec, SpecError, parse_spec
+
+# The numba pass of `make test` runs these again (tests/test_marks.py).
+pytestmark = pytest.mark.backend
 
 NASTY_NUMBERS = ["0", "-0", "-1", "1", "nan", "NaN", "inf", "-inf", "1e-300", "5e-324",
                  "1e-20", "1e400", "-1e400", str(2**31), str(2**32), str(2**70), "0x10",

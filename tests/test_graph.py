@@ -31,6 +31,9 @@ from adaptive_llama.llama import graph
 from adaptive_llama.runtime import config
 from adaptive_llama.samplers import SpecError
 
+# The numba pass of `make test` runs these again (tests/test_marks.py).
+pytestmark = pytest.mark.backend
+
 # float32 logarithms put dConf within ~1e-7 (absolute, times ln V) of its float64 value: an
 # answer may differ from the reference only where some dConf lies this close to epsilon.
 GRAPH_REL = 1e-4

@@ -21,6 +21,9 @@ from adaptive_llama.kernel import (
 )
 from adaptive_llama.kernel.numba_impl import adaptive_numba
 
+# The numba pass of `make test` runs these again (tests/test_marks.py).
+pytestmark = pytest.mark.backend
+
 LIB, WHY = native.load()
 
 

@@ -10,6 +10,9 @@ from adaptive_llama.kernel import adaptive_k_reference
 from adaptive_llama.llama.chain import SamplerChain
 from adaptive_llama.samplers import SpecError, parse_spec, spec_from_options
 
+# The numba pass of `make test` runs these again (tests/test_marks.py).
+pytestmark = pytest.mark.backend
+
 # ---- the spec syntax (pure Python) ----
 
 

@@ -151,6 +151,7 @@ def test_compare_answers_the_last_message_again():
     assert "(0 messages)" in out  # /compare never added to the conversation
 
 
+@pytest.mark.backend  # the backend it reports
 def test_save_and_load_roundtrip(tmp_path):
     path = tmp_path / "chat.json"
     out = chat("/set eps 0.002", "/set system Be brief.", "/set seed 3", "Hello",

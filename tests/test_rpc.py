@@ -19,6 +19,7 @@ import numpy as np
 import openai
 import pytest
 from click.testing import CliRunner
+from conftest import generating_batch_rows
 from test_server import free_port, raw
 
 from adaptive_llama import Engine
@@ -27,6 +28,7 @@ from adaptive_llama.cli import main
 from adaptive_llama.llama import rpc
 from adaptive_llama.runtime import config
 from adaptive_llama.runtime.batching import CHUNK
+from adaptive_llama.runtime.drafting import DraftLength, NgramDrafter
 from adaptive_llama.runtime.loading import layer_devices
 
 CLI = [sys.executable, "-m", "adaptive_llama.cli"]
@@ -519,28 +521,37 @@ def test_batched_replies_match_alone(engine, split_engine):
     assert [r.text for r in split] == [r.text for r in alone]
 
 
-def test_with_workers_drafts_keep_the_text_and_batches_stay_under_a_chunk(engine, workers,
-                                                                         smollm2_path):
+class _FullDrafts(NgramDrafter):
+    """Prompt lookup's drafts, made as long as asked with their last token."""
+
+    def draft(self, wants):
+        drafts = super().draft(wants)
+        return [d + [(d or state.tokens)[-1]] * (n - len(d))
+                for d, (_, state, n) in zip(drafts, wants)]
+
+
+def test_with_workers_drafts_keep_the_text_and_batches_stay_under_a_chunk(
+        engine, workers, smollm2_path, monkeypatch):
     """The workers compute a whole prompt chunk (CHUNK rows) with the tiled kernel, any other
     batch with the reference one, as the host does; so the host keeps every other batch under
-    CHUNK rows (here four sequences drafting up to 31 tokens each), and a reply with drafts
-    and workers is the same text as alone without either."""
+    CHUNK rows (here four sequences drafting all they may, up to 31 tokens each), and a reply
+    with drafts and workers is the same text as alone without either."""
     prompts = [f"Repeat exactly, twice: {s} {s}" for s in (
         "The quick brown fox jumps over the lazy dog.", "One, two, three, four, five, six.",
         "Red sky at night, sailor's delight.", "All that glitters is not gold.")]
     alone = engine.generate_batch(prompts, sampler="greedy", max_tokens=40, seed=2)
+    monkeypatch.setattr(DraftLength, "next_length", lambda self, cost: self.n_max)
     drafted = Engine(smollm2_path, seed=1, n_ctx=1024, parallel=4, rpc=workers,
                      draft="ngram", draft_max=31)
+    drafted.decoder.drafter = _FullDrafts()
+    rows = generating_batch_rows(monkeypatch)
     try:
-        rows, decode = [], drafted.decoder._decode
-        drafted.decoder._decode = lambda: (rows.append(drafted.decoder._batch.n_tokens),
-                                           decode())[1]
         split = drafted.generate_batch(prompts, sampler="greedy", max_tokens=40, seed=2)
     finally:
         drafted.close()
     assert [r.text for r in split] == [r.text for r in alone]
     assert sum(r.draft_accepted for r in split) > 0
-    assert max(n for n in rows if n != CHUNK) < CHUNK
+    assert max(rows) == CHUNK - 1  # the drafts fill a step up to the bound, never past it
 
 
 def test_shares_and_local_layers(workers, smollm2_path):

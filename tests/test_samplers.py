@@ -19,6 +19,9 @@ from adaptive_llama.samplers import (
     valid_specs,
 )
 
+# The numba pass of `make test` runs these again (tests/test_marks.py).
+pytestmark = pytest.mark.backend
+
 
 @pytest.mark.parametrize("text,name,params,temp", [
     ("greedy", "greedy", {}, 1.0),

@@ -114,6 +114,7 @@ def test_models_lists_the_loaded_model(client):
     assert models[0].model_extra["loaded"] and models[0].model_extra["n_ctx"] == 512
 
 
+@pytest.mark.backend  # the backend it reports
 def test_chat_non_streaming_fills_usage_and_sampler_stats(client):
     r = client.chat.completions.create(model="any", messages=HELLO, max_tokens=12, seed=7)
     assert r.choices[0].message.role == "assistant"

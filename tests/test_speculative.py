@@ -11,7 +11,7 @@ import logging
 import llama_cpp
 import numpy as np
 import pytest
-from conftest import GPU_LAYERS
+from conftest import GPU_LAYERS, generating_batch_rows
 
 from adaptive_llama import Engine
 from adaptive_llama.llama import cpu_attention
@@ -20,6 +20,9 @@ from adaptive_llama.runtime.batching import CHUNK
 from adaptive_llama.runtime.drafting import DraftLength, PromptLookup, RowCost
 from adaptive_llama.runtime.models import ModelError
 from adaptive_llama.runtime.request import InvalidArgument
+
+# The numba pass of `make test` runs these again (tests/test_marks.py).
+pytestmark = pytest.mark.backend
 
 LONG = ("The history of the river Danube is long and full of events. " * 20
         + "Tell me about the sea:")  # 266 tokens
@@ -655,30 +658,13 @@ def test_acceptance_counts_only_the_drafts_the_chain_chose(engine, ngram_engine,
 
 def test_several_sequences_drafting_never_pass_the_steps_rows(smollm2_path, monkeypatch,
                                                              always_draft):
-    from adaptive_llama.runtime.batching import Decoder
-
     batch = Engine(smollm2_path, n_ctx=1024, parallel=3, draft="ngram", draft_max=8)
     batch.decoder.step_rows = 7
-    sizes = []
-    decode_tokens = Decoder._decode_tokens
-
-    def recorded(self, generating):
-        decode = self._decode
-
-        def measured():
-            sizes.append(self._batch.n_tokens)
-            decode()
-        self._decode = measured
-        try:
-            decode_tokens(self, generating)
-        finally:
-            del self._decode
-
-    monkeypatch.setattr(Decoder, "_decode_tokens", recorded)
+    rows = generating_batch_rows(monkeypatch)
     try:
         results = batch.generate_batch([QUOTE, QUOTE, QUOTE], chat=True, sampler="greedy",
                                        max_tokens=30)
     finally:
         batch.close()
     assert sum(r.draft_tokens for r in results) > 0
-    assert sizes and max(sizes) <= 7 and max(sizes) > 3  # drafts, within the step's rows
+    assert max(rows) == 7  # drafts fill the step, and never pass it

@@ -315,19 +315,24 @@ def hidden(call: str) -> str:
             "{% endfor %}<|im_start|>assistant\n")
 
 
+# Each is refused by a size bound before it runs, or (repeated, where one call's cost
+# depends on the machine's speed) by the step or the time bound, whichever comes first.
 ONE_CALL = {
-    "sort": "{{ ('x' * 16000000)|list|sort|length }}",
+    "sort": "{% for i in range(10) %}{{ ('x' * 16000000)|list|sort|length }}{% endfor %}",
     "wide format fields": "{{ ('{0:>16000000}' * 40).format(1) }}",
     "title, ten times": "{% for i in range(10) %}{{ ('x' * 15000000)|title|length }}"
                         "{% endfor %}",
-    "wordwrap": "{{ ('x ' * 1000000)|wordwrap(1)|length }}",
+    "wordwrap": "{{ ('x ' * 4500000)|wordwrap(1)|length }}",
     "expandtabs": "{{ ('\\t' * 1000000).expandtabs(100)|length }}",
     "indent": "{{ ('x\\n' * 1000000)|indent(100)|length }}",
     "lipsum": "{{ lipsum(10000, max=1000)|length }}",
-    "batch": "{{ ('xy' * 8000000)|batch(1)|list|length }}",
-    "unique": "{{ ('x' * 16000000)|list|unique|list|length }}",
+    "batch": "{% for i in range(10) %}{{ ('xy' * 8000000)|batch(1)|list|length }}"
+             "{% endfor %}",
+    "unique": "{% for i in range(10) %}{{ ('x' * 16000000)|list|unique|list|length }}"
+              "{% endfor %}",
     "urlize": "{{ ('x.co ' * 3000000)|urlize|length }}",
-    "striptags": "{{ ('<a>' * 5000000)|striptags|length }}",
+    "striptags": "{% for i in range(20) %}{{ ('<a>' * 5000000)|striptags|length }}"
+                 "{% endfor %}",
     "% formatting": "{{ ('%s' * 40) % ((('x' * 1000000),) * 40) }}",
     "a list as text": "{{ ('x' * 16000000)|list|string|length }}",
     "integer growth": "{% set ns = namespace(n=3) %}{% for i in range(64) %}"
