@@ -103,7 +103,7 @@ def _warn_misspelt_tables() -> None:
 def _rpc(ctx, param, value):
     if value is None:
         return None
-    from .llama.rpc import parse_endpoints
+    from .endpoints import parse_endpoints
 
     try:
         return parse_endpoints(value)
@@ -718,6 +718,7 @@ def _open_when_listening(host: str, port: int, page: str) -> None:
 def rpc_worker(host, port, threads, device, cache_dir, allow_remote, supervised):
     """Hold layers of a model for a host on another machine (llama.cpp's RPC server); the
     host names it with --rpc HOST:PORT. Serves one host at a time."""
+    from .endpoints import is_loopback
     from .llama import rpc
 
     rpc.check_available()
@@ -727,7 +728,7 @@ def rpc_worker(host, port, threads, device, cache_dir, allow_remote, supervised)
         fail(f"--host {host}: there is no such host name here")
     if supervised:
         _rpc_server(address, port, threads, device, cache_dir)
-    if not rpc.is_loopback(address):
+    if not is_loopback(address):
         if not allow_remote:
             fail(f"--host {host} is reachable from other machines, and llama.cpp's RPC "
                  "protocol has no authentication: anyone who reaches the port can run work "

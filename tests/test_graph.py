@@ -27,7 +27,7 @@ from test_server import raw, serving
 from adaptive_llama import Engine
 from adaptive_llama.cli import main
 from adaptive_llama.kernel import adaptive_k_reference, dconf_of_head, dconf_reference
-from adaptive_llama.llama import graph
+from adaptive_llama.llama import ggml, graph
 from adaptive_llama.runtime import config
 from adaptive_llama.samplers import SpecError
 
@@ -314,7 +314,7 @@ def test_a_device_without_an_operation_falls_back_to_the_cpu_with_one_warning(
         smollm2_path, monkeypatch, caplog, probe, reason):
     # A device (on the CPU, llama.cpp hands the sampler no device) that lacks one operation,
     # or whose probe raises: either way the CPU chain runs, never a half-built graph chain.
-    api = graph.ggml()
+    api = ggml.lib
     monkeypatch.setattr(api, "backend_buft_get_device", lambda buft: 1)
     monkeypatch.setattr(api, "backend_dev_name", lambda device: b"FakeGPU")
     monkeypatch.setattr(graph, "unsupported_op", probe)

@@ -10,7 +10,7 @@ import pytest
 PACKAGE = Path(__file__).resolve().parent.parent / "adaptive_llama"
 # From the bottom up; a module may import its own layer and the ones below.
 LAYERS = [
-    {"samplers", "kernel"},           # the maths and the sampler table: numpy, numba, C only
+    {"samplers", "kernel", "endpoints"},  # the maths, the sampler table, workers' addresses
     {"llama"},                        # every contact with llama.h
     {"runtime"},                      # engine, batching, threads, models, settings
     {"chat", "eval", "server"},       # what runs on the engine; siblings, independent

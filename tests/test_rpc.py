@@ -4,6 +4,8 @@ when a worker is down, of another version, or killed in the middle of a reply.""
 
 import ctypes
 import json
+import os
+import re
 import select
 import signal
 import socket
@@ -25,7 +27,8 @@ from test_server import free_port, raw
 from adaptive_llama import Engine
 from adaptive_llama.chat.saved import ChatStore
 from adaptive_llama.cli import main
-from adaptive_llama.llama import rpc
+from adaptive_llama.endpoints import is_loopback, parse_endpoints
+from adaptive_llama.llama import ggml, rpc
 from adaptive_llama.runtime import config
 from adaptive_llama.runtime.batching import CHUNK
 from adaptive_llama.runtime.drafting import DraftLength, NgramDrafter
@@ -95,7 +98,7 @@ def split_engine(workers, smollm2_path):
     (["10.0.0.2:007"], ["10.0.0.2:7"]),
 ])
 def test_endpoints_parse(text, expected):
-    assert rpc.parse_endpoints(text) == expected
+    assert parse_endpoints(text) == expected
 
 
 @pytest.mark.parametrize("text, message", [
@@ -117,14 +120,14 @@ def test_endpoints_parse(text, expected):
 ])
 def test_bad_endpoints_are_one_line(text, message):
     with pytest.raises(ValueError, match=message.replace("[", r"\[").replace(".", r"\.")) as e:
-        rpc.parse_endpoints(text)
+        parse_endpoints(text)
     assert "\n" not in str(e.value)
 
 
 def test_many_workers_are_refused_at_once():
     start = time.monotonic()
     with pytest.raises(ValueError, match="at most 16 workers, but 65536 are given"):
-        rpc.parse_endpoints([f"h:{i % 65535 + 1}" for i in range(65536)])
+        parse_endpoints([f"h:{i % 65535 + 1}" for i in range(65536)])
     assert time.monotonic() - start < 1
 
 
@@ -330,12 +333,11 @@ def test_the_abort_callback_is_llamas(monkeypatch):
     """Installed in the ggml that libllama uses (not in a copy of the library)."""
     monkeypatch.setattr(rpc, "_handlers", [])
     rpc.on_abort()
-    lib = rpc._registry()
     ours = ctypes.cast(rpc._abort_callback, ctypes.c_void_p).value
-    assert lib.set_abort_callback(ctypes.cast(rpc._abort_callback, ctypes.c_void_p)) == ours
+    assert ggml.lib.set_abort_callback(ctypes.cast(rpc._abort_callback, ctypes.c_void_p)) == ours
     libllama = ctypes.CDLL(str(Path(llama_cpp.__file__).parent / "lib" / "libllama.so"))
     assert ctypes.cast(libllama.ggml_abort, ctypes.c_void_p).value == \
-        ctypes.cast(lib.base.ggml_abort, ctypes.c_void_p).value
+        ctypes.cast(ggml.library("ggml-base").ggml_abort, ctypes.c_void_p).value
 
 
 def test_a_real_abort_is_one_line_and_status_3():
@@ -344,7 +346,7 @@ def test_a_real_abort_is_one_line_and_status_3():
     port = free_port()
     code = ("from adaptive_llama.llama import rpc\n"
             "rpc.on_abort(lambda line: print('kept:', line, flush=True))\n"
-            "add = rpc._ggml().proc('ggml_backend_rpc_add_server', rpc._ADD_SERVER)\n"
+            "add = rpc._proc('ggml_backend_rpc_add_server', rpc.ggml.RPC_ADD_SERVER)\n"
             f"add(b'127.0.0.1:{port}')\n")
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                             timeout=60)
@@ -371,12 +373,12 @@ def test_model_devices_end_with_null(monkeypatch):
 
 
 def test_sixteen_workers_are_the_most():
-    assert len(rpc.parse_endpoints([f"h:{p}" for p in range(1, 17)])) == 16
+    assert len(parse_endpoints([f"h:{p}" for p in range(1, 17)])) == 16
 
 
 def test_loopback_names():
-    assert rpc.is_loopback("localhost") and rpc.is_loopback("127.0.0.2")
-    assert not rpc.is_loopback("10.0.0.1") and not rpc.is_loopback("nosuchhost.invalid")
+    assert is_loopback("localhost") and is_loopback("127.0.0.2")
+    assert not is_loopback("10.0.0.1") and not is_loopback("nosuchhost.invalid")
 
 
 @pytest.mark.parametrize("error, message", [
@@ -428,9 +430,8 @@ def test_worker_device_names():
     result = CliRunner().invoke(main, ["rpc-worker", "--device", "cuda7"])
     assert result.exit_code == 2
     assert "--device: there is no device 'cuda7' here; there are CPU" in result.output
-    lib = rpc._registry()
     cpu = rpc.worker_devices("CPU")
-    assert len(cpu) == 1 and lib.name(cpu[0]) == "CPU" and rpc.worker_devices("cpu") == cpu
+    assert len(cpu) == 1 and rpc._name(cpu[0]) == "CPU" and rpc.worker_devices("cpu") == cpu
     assert rpc.worker_devices(" cpu ,CPU") == cpu * 2
     assert rpc.worker_devices(None) == (rpc.local_gpus() or cpu)  # GPUs first, else the CPU
     assert "CPU (" in rpc.describe(cpu) and "GiB)" in rpc.describe(cpu)
@@ -881,3 +882,72 @@ def test_a_worker_without_the_memory_for_its_layers_is_named(smollm2_path, own_w
         f"Error: {smollm2_path}: RPC0 ({endpoint}) could not allocate 92 MiB for its share of "
         "the model: give it fewer layers (--tensor-split, --n-gpu-layers) or use a device "
         "with more free memory"]
+
+
+# ---- ggml's ABI in one module (adaptive_llama.llama.ggml) ----
+
+def test_the_mirrored_layouts_hold_and_a_moved_one_is_named(monkeypatch):
+    ggml.check_layouts()
+    for name, moved, says in (("BACKEND_GRAPH_COMPUTE", 12, "graph_compute entry moved"),
+                              ("BACKEND_DEVICE", 18, "get_name and device entries moved"),
+                              ("DEVICE_GET_TYPE", 0, "get_name and get_type entries moved"),
+                              ("TENSOR_NE", 24, "sizes (ne) elsewhere"),
+                              ("TENSOR_OP", 84, "operation (op) elsewhere")):
+        monkeypatch.setattr(ggml, name, moved)
+        ggml.check_layouts.cache_clear()
+        try:
+            with pytest.raises(ggml.Unavailable, match=re.escape(says)) as caught:
+                ggml.check_layouts()
+            assert "\n" not in str(caught.value)
+        finally:
+            monkeypatch.undo()
+            ggml.check_layouts.cache_clear()
+    ggml.check_layouts()
+
+
+def test_library_names_by_platform():
+    assert ggml.file_names("ggml-base", "linux") == ["libggml-base.so.0", "libggml-base.so"]
+    assert ggml.file_names("ggml", "darwin") == ["libggml.0.dylib", "libggml.dylib"]
+    assert ggml.file_names("ggml-cpu", "win32")[0] == "ggml-cpu.dll"
+
+
+def _engine_in_a_process(code: str, env: dict | None = None) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          timeout=120, env={**os.environ, **(env or {})})
+
+
+def test_libraries_under_other_names_fall_back_with_one_warning():
+    """As on a platform whose libraries are named otherwise: flash attention off, one
+    warning that names what is missing, the engine working."""
+    result = _engine_in_a_process(
+        "from adaptive_llama.llama import ggml\n"
+        "ggml.file_names = lambda stem, platform=None: [f'lib{stem}.elsewhere']\n"
+        "from adaptive_llama import Engine\n"
+        "engine = Engine('smollm2', n_ctx=256)\n"
+        "print(engine.attention, engine.generate('Hi', max_tokens=3, seed=1).completion_tokens)\n")
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.split() == ["off", "3"]
+    warnings = [line for line in result.stderr.splitlines() if "flash attention is off" in line]
+    assert len(warnings) == 1 and "libggml-base.elsewhere" in warnings[0]
+
+
+def test_llama_cpp_lib_path_names_the_libraries(tmp_path):
+    for library in (Path(llama_cpp.__file__).parent / "lib").iterdir():
+        (tmp_path / library.name).symlink_to(library)
+    result = _engine_in_a_process(
+        "from adaptive_llama.llama import ggml\n"
+        "from adaptive_llama import Engine\n"
+        "engine = Engine('smollm2', n_ctx=256)\n"
+        "print(engine.attention, ggml.library('ggml-base')._name)\n",
+        env={"LLAMA_CPP_LIB_PATH": str(tmp_path)})
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.split() == ["reference", str(tmp_path / "libggml-base.so.0")]
+
+
+def test_settings_are_checked_without_loading_llama_cpp(tmp_path):
+    result = _engine_in_a_process(
+        "import sys\nfrom adaptive_llama.runtime import config\n"
+        "print(config.KEYS['rpc'](['10.0.0.2:50052']), config.KEYS['tensor_split']([3, 2]))\n"
+        "print(sorted(m for m in sys.modules if m.startswith(('llama_cpp', 'numpy'))))\n")
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.splitlines() == ["['10.0.0.2:50052'] [3.0, 2.0]", "[]"]

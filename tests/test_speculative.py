@@ -14,7 +14,7 @@ import pytest
 from conftest import GPU_LAYERS, generating_batch_rows
 
 from adaptive_llama import Engine
-from adaptive_llama.llama import cpu_attention
+from adaptive_llama.llama import cpu_attention, ggml
 from adaptive_llama.runtime import drafting
 from adaptive_llama.runtime.batching import CHUNK
 from adaptive_llama.runtime.drafting import DraftLength, PromptLookup, RowCost
@@ -135,14 +135,18 @@ def test_reference_attention_is_the_default_and_false_turns_flash_attention_off(
 
 def test_the_cpu_device_table_is_checked_before_it_is_written(monkeypatch):
     device = cpu_attention._cpu_device()
-    before = device.table[cpu_attention.INIT_BACKEND]
+    before = device.table[ggml.DEVICE_INIT_BACKEND]
     with cpu_attention.reference_attention() as made:
-        assert device.table[cpu_attention.INIT_BACKEND] != before
+        assert device.table[ggml.DEVICE_INIT_BACKEND] != before
         assert made == []
-    assert device.table[cpu_attention.INIT_BACKEND] == before  # the original is back
-    monkeypatch.setattr(cpu_attention, "GET_TYPE", cpu_attention.GET_NAME)
-    with pytest.raises(cpu_attention.Unavailable, match="laid out otherwise"):
-        cpu_attention._CpuDevice()
+    assert device.table[ggml.DEVICE_INIT_BACKEND] == before  # the original is back
+    monkeypatch.setattr(ggml, "DEVICE_GET_TYPE", ggml.DEVICE_GET_NAME)  # a moved entry
+    ggml.check_layouts.cache_clear()
+    try:
+        with pytest.raises(ggml.Unavailable, match="get_name and get_type entries moved"):
+            cpu_attention._CpuDevice()
+    finally:
+        ggml.check_layouts.cache_clear()
 
 
 def test_whole_prompt_chunks_take_the_tiled_kernel_and_every_other_row_the_reference(
@@ -159,8 +163,7 @@ def test_whole_prompt_chunks_take_the_tiled_kernel_and_every_other_row_the_refer
 def test_the_switch_sets_the_flag_only_when_it_changes(monkeypatch):
     flags = []
     device = cpu_attention._cpu_device()
-    monkeypatch.setattr(device, "backend_cpu_set_use_ref",
-                        lambda backend, on: flags.append((backend, on)))
+    monkeypatch.setattr(device, "set_use_ref", lambda backend, on: flags.append((backend, on)))
     switch = cpu_attention.Switch([11, 12])
     switch.set(True)
     assert flags == []  # made with the reference kernel on
@@ -175,7 +178,7 @@ def test_a_workers_backend_takes_the_tiled_kernel_from_a_whole_chunks_rows(monke
     graph, which only a whole prompt chunk has CHUNK of (the host keeps other batches under)."""
     assert cpu_attention.TILED_ROWS == CHUNK
     device = cpu_attention._cpu_device()
-    backend = cpu_attention._INIT_BACKEND(device.original)(device.device, None)
+    backend = ggml.INIT_BACKEND(device.original)(device.device, None)
     try:
         rule = cpu_attention._RowRule(device, backend)
         for rows, reference in ((1, True), (16, True), (CHUNK - 1, True), (CHUNK, False),
@@ -184,26 +187,14 @@ def test_a_workers_backend_takes_the_tiled_kernel_from_a_whole_chunks_rows(monke
                 assert device.attention_rows(graph) == rows
                 assert rule.use_ref_for(graph) is reference, rows
         flags = []
-        monkeypatch.setattr(device, "backend_cpu_set_use_ref",
-                            lambda b, on: flags.append(on))
+        monkeypatch.setattr(device, "set_use_ref", lambda b, on: flags.append(on))
         monkeypatch.setattr(rule, "original", lambda b, graph: 0)
         for rows in (CHUNK, CHUNK, 1, 5, CHUNK):
             with cpu_attention.attention_graph(rows) as graph:
                 assert rule._graph_compute(backend, graph) == 0
         assert flags == [False, True, False]  # set only when it changes
     finally:
-        device.backend_free(backend)
-
-
-def test_a_workers_backend_table_is_checked(monkeypatch):
-    device = cpu_attention._cpu_device()
-    backend = cpu_attention._INIT_BACKEND(device.original)(device.device, None)
-    try:
-        monkeypatch.setattr(cpu_attention, "BACKEND_DEVICE", cpu_attention.BACKEND_DEVICE + 1)
-        with pytest.raises(cpu_attention.Unavailable, match="laid out otherwise"):
-            cpu_attention._RowRule(device, backend)
-    finally:
-        device.backend_free(backend)
+        ggml.lib.backend_free(backend)
 
 
 # ---- same text ----

@@ -52,18 +52,15 @@ import ctypes
 import functools
 import logging
 import math
-from pathlib import Path
 
 import numpy as np
 
 from ..kernel import dconf_of_head, k_from_dconf
+from . import ggml
 from .abi import SamplerIface
 
 log = logging.getLogger(__name__)
 
-GGML_TYPE_F32 = 0
-GGML_TYPE_I32 = 26
-GGML_SORT_ORDER_ASC = 0
 FLT_MIN = float(np.finfo(np.float32).tiny)
 PROBE_VOCAB = 128 * 1024  # the vocabulary size llama.cpp's own support probes use
 # float32 logarithms put dConf within ~1e-7 (absolute, times ln V) of its float64 value: the
@@ -71,84 +68,6 @@ PROBE_VOCAB = 128 * 1024  # the vocabulary size llama.cpp's own support probes u
 # (relative) to epsilon.
 TOLERANCE = 1e-4
 ALWAYS = 1e30  # the threshold's entry for the most likely token: above it whatever its dConf
-
-_p = ctypes.c_void_p
-_i64 = ctypes.c_int64
-_f = ctypes.c_float
-_i = ctypes.c_int
-
-# name: (result type, argument types); every op takes the ggml_context first.
-_SIGNATURES = {
-    "ggml_nelements": (_i64, [_p]),
-    "ggml_reshape_1d": (_p, [_p, _p, _i64]),
-    "ggml_reshape_2d": (_p, [_p, _p, _i64, _i64]),
-    "ggml_view_1d": (_p, [_p, _p, _i64, ctypes.c_size_t]),
-    "ggml_soft_max_ext": (_p, [_p, _p, _p, _f, _f]),
-    "ggml_top_k": (_p, [_p, _p, _i]),
-    "ggml_argsort": (_p, [_p, _p, _i]),
-    "ggml_get_rows": (_p, [_p, _p, _p]),
-    "ggml_set_rows": (_p, [_p, _p, _p, _p]),
-    "ggml_cumsum": (_p, [_p, _p]),
-    "ggml_sum": (_p, [_p, _p]),
-    "ggml_pad_ext": (_p, [_p, _p] + [_i] * 8),
-    "ggml_scale_bias": (_p, [_p, _p, _f, _f]),
-    "ggml_clamp": (_p, [_p, _p, _f, _f]),
-    "ggml_add": (_p, [_p, _p, _p]),
-    "ggml_mul": (_p, [_p, _p, _p]),
-    "ggml_div": (_p, [_p, _p, _p]),
-    "ggml_log": (_p, [_p, _p]),
-    "ggml_step": (_p, [_p, _p]),
-    "ggml_set_output": (None, [_p]),
-    "ggml_set_name": (_p, [_p, ctypes.c_char_p]),
-    # graphs of our own: the support probe and the standalone evaluation
-    "ggml_init": (_p, [ctypes.c_size_t, _p, ctypes.c_bool]),
-    "ggml_free": (None, [_p]),
-    "ggml_tensor_overhead": (ctypes.c_size_t, []),
-    "ggml_graph_overhead_custom": (ctypes.c_size_t, [ctypes.c_size_t, ctypes.c_bool]),
-    "ggml_new_graph_custom": (_p, [_p, ctypes.c_size_t, ctypes.c_bool]),
-    "ggml_new_tensor_1d": (_p, [_p, _i, _i64]),
-    "ggml_build_forward_expand": (None, [_p, _p]),
-    "ggml_graph_n_nodes": (_i, [_p]),
-    "ggml_graph_node": (_p, [_p, _i]),
-    "ggml_get_data": (_p, [_p]),
-    "ggml_op_desc": (ctypes.c_char_p, [_p]),
-    "ggml_backend_buft_get_device": (_p, [_p]),
-    "ggml_backend_dev_supports_op": (ctypes.c_bool, [_p, _p]),
-    "ggml_backend_dev_name": (ctypes.c_char_p, [_p]),
-    # the constants' device buffer, and reading the self-check's tensors back
-    "ggml_backend_alloc_ctx_tensors_from_buft": (_p, [_p, _p]),
-    "ggml_backend_buffer_free": (None, [_p]),
-    "ggml_backend_tensor_set": (None, [_p, _p, ctypes.c_size_t, ctypes.c_size_t]),
-    "ggml_backend_tensor_get": (None, [_p, _p, ctypes.c_size_t, ctypes.c_size_t]),
-}
-
-
-class _InitParams(ctypes.Structure):  # struct ggml_init_params, passed by value
-    _fields_ = [("mem_size", ctypes.c_size_t), ("mem_buffer", _p), ("no_alloc", ctypes.c_bool)]
-
-
-@functools.cache
-def ggml():
-    """ggml's functions from the libraries llama-cpp-python ships (the ones llama.cpp uses)."""
-    import llama_cpp
-
-    # By their sonames, the files llama.cpp itself links: the unversioned names in the wheel
-    # are copies, which would load a second ggml.
-    lib_dir = Path(llama_cpp.__file__).parent / "lib"
-    base = ctypes.CDLL(str(lib_dir / "libggml-base.so.0"))
-    api = type("GGML", (), {})()
-    for name, (restype, argtypes) in _SIGNATURES.items():
-        fn = getattr(base, name)
-        fn.restype, fn.argtypes = restype, argtypes
-        setattr(api, name.removeprefix("ggml_"), fn)
-    api.init.argtypes = [_InitParams]
-    api.init_params = _InitParams
-    cpu = ctypes.CDLL(str(lib_dir / "libggml-cpu.so.0"))
-    api.graph_compute_with_ctx = cpu.ggml_graph_compute_with_ctx
-    api.graph_compute_with_ctx.restype = _i
-    api.graph_compute_with_ctx.argtypes = [_p, _p, _i]
-    return api
-
 
 def n_candidates(n_vocab: int, epsilon: float) -> int:
     """K: how many of the most likely tokens can hold k* (fewer than 1/epsilon have p > eps)."""
@@ -179,7 +98,7 @@ def build(ctx, logits, candidates, epsilon: float, uniform: bool, consts, temp: 
     others, their ids, and the K probabilities and tail mass T that decided (for the
     self-check).
     """
-    g = ggml()
+    g = ggml.lib
     V = g.nelements(logits)
     K = n_candidates(V, epsilon)
     x = g.reshape_1d(ctx, logits, V)
@@ -190,7 +109,7 @@ def build(ctx, logits, candidates, epsilon: float, uniform: bool, consts, temp: 
 
     top = g.top_k(ctx, x, K)                                     # any order
     p_top = rows(probs, top, V)
-    order = g.argsort(ctx, p_top, GGML_SORT_ORDER_ASC)           # a sort of K, not of V
+    order = g.argsort(ctx, p_top, ggml.SORT_ORDER_ASC)           # a sort of K, not of V
     ids, p = rows(top, order, K), rows(p_top, order, K)
     out_ids = ids if candidates is None else rows(candidates, ids, V)
     if K == 1:  # V = 1: the one token is k* = 1
@@ -227,10 +146,10 @@ class _Graph:
     """A ggml context and graph of our own (freed on exit); ``alloc``: tensors get memory."""
 
     def __init__(self, mem_size: int, alloc: bool, max_nodes: int = 2048):
-        g = ggml()
+        g = ggml.lib
         size = mem_size + max_nodes * g.tensor_overhead() + g.graph_overhead_custom(
             max_nodes, False)
-        self.ctx = g.init(g.init_params(size, None, not alloc))
+        self.ctx = g.init(ggml.InitParams(size, None, not alloc))
         if not self.ctx:
             raise MemoryError(f"ggml could not allocate {size} bytes for a graph")
         self.gf = g.new_graph_custom(self.ctx, max_nodes, False)
@@ -239,13 +158,13 @@ class _Graph:
         return self
 
     def __exit__(self, *exc):
-        ggml().free(self.ctx)
+        ggml.lib.free(self.ctx)
 
 
 def _const_tensor(g, ctx, V: int, epsilon: float):
     """A tensor of ``ctx`` for the :func:`constants` of a row of V, and those values."""
     values = constants(V, n_candidates(V, epsilon), epsilon)
-    return g.new_tensor_1d(ctx, GGML_TYPE_F32, values.size), values
+    return g.new_tensor_1d(ctx, ggml.TYPE_F32, values.size), values
 
 
 def _array(g, tensor, ctype, n):
@@ -260,10 +179,10 @@ def evaluate(logits, epsilon: float, uniform: bool = False, threads: int = 1,
     For tests and measurements: the same operations llama.cpp puts in its graph, on a row
     given here. Returns float32 and int32 arrays of K entries, ascending order.
     """
-    g = ggml()
+    g = ggml.lib
     x = np.ascontiguousarray(logits, dtype=np.float32)
     with _Graph(64 * 4 * x.size + (1 << 20), alloc=True) as graph:
-        row = g.new_tensor_1d(graph.ctx, GGML_TYPE_F32, x.size)
+        row = g.new_tensor_1d(graph.ctx, ggml.TYPE_F32, x.size)
         ctypes.memmove(g.get_data(row), x.ctypes.data, x.nbytes)
         consts, values = _const_tensor(g, graph.ctx, x.size, epsilon)
         ctypes.memmove(g.get_data(consts), values.ctypes.data, values.nbytes)
@@ -279,9 +198,9 @@ def evaluate(logits, epsilon: float, uniform: bool = False, threads: int = 1,
 def graph_ops(epsilon: float, uniform: bool, n_vocab: int = PROBE_VOCAB) -> list[str]:
     """The compute operations the sampler adds to llama.cpp's graph for one sequence, in
     order (views and reshapes, which move no data, left out)."""
-    g = ggml()
+    g = ggml.lib
     with _Graph(0, alloc=False) as graph:
-        logits = g.new_tensor_1d(graph.ctx, GGML_TYPE_F32, n_vocab)
+        logits = g.new_tensor_1d(graph.ctx, ggml.TYPE_F32, n_vocab)
         consts = _const_tensor(g, graph.ctx, n_vocab, epsilon)[0]
         for tensor in build(graph.ctx, logits, None, epsilon, uniform, consts)[:2]:
             g.build_forward_expand(graph.gf, tensor)
@@ -292,10 +211,10 @@ def graph_ops(epsilon: float, uniform: bool, n_vocab: int = PROBE_VOCAB) -> list
 
 def unsupported_op(device, epsilon: float, uniform: bool) -> str | None:
     """The first operation of the sampler's graph that ``device`` cannot run, or None."""
-    g = ggml()
+    g = ggml.lib
     with _Graph(0, alloc=False) as graph:
-        logits = g.new_tensor_1d(graph.ctx, GGML_TYPE_F32, PROBE_VOCAB)
-        candidates = g.new_tensor_1d(graph.ctx, GGML_TYPE_I32, PROBE_VOCAB)
+        logits = g.new_tensor_1d(graph.ctx, ggml.TYPE_F32, PROBE_VOCAB)
+        candidates = g.new_tensor_1d(graph.ctx, ggml.TYPE_I32, PROBE_VOCAB)
         consts = _const_tensor(g, graph.ctx, PROBE_VOCAB, epsilon)[0]
         for tensor in build(graph.ctx, logits, candidates, epsilon, uniform, consts)[:2]:
             g.build_forward_expand(graph.gf, tensor)
@@ -326,8 +245,8 @@ class _InGraph:
 
     def constants_on_device(self, V: int):
         if V not in self.consts:
-            g = ggml()
-            ctx = g.init(g.init_params(4 * g.tensor_overhead(), None, True))
+            g = ggml.lib
+            ctx = g.init(ggml.InitParams(4 * g.tensor_overhead(), None, True))
             tensor, values = _const_tensor(g, ctx, V, self.epsilon)
             buffer = g.backend_alloc_ctx_tensors_from_buft(ctx, self.buft)
             if not buffer:
@@ -339,7 +258,7 @@ class _InGraph:
         return self.consts[V][2]
 
     def free(self):
-        g = ggml()
+        g = ggml.lib
         for ctx, buffer, _ in self.consts.values():
             g.backend_buffer_free(buffer)
             g.free(ctx)
@@ -360,12 +279,12 @@ def _backend_init(smpl, buft, n_outputs_max_per_seq):
     try:
         sampler = _graph_samplers[_address(smpl)]
         sampler.buft = buft
-        device = ggml().backend_buft_get_device(buft)
+        device = ggml.lib.backend_buft_get_device(buft)
         if not device:  # llama.cpp: no device means the CPU, which runs every operation
             return True
         missing = unsupported_op(device, sampler.epsilon, sampler.uniform)
         if missing is not None:  # the engine reports it, once
-            refusals.append(f"{ggml().backend_dev_name(device).decode()} cannot run the "
+            refusals.append(f"{ggml.lib.backend_dev_name(device).decode()} cannot run the "
                             f"{missing} operation that the adaptive sampler needs")
         return missing is None
     except Exception:  # an exception must not cross into llama.cpp
@@ -379,7 +298,7 @@ def _backend_apply(smpl, ctx, gf, data):
     try:
         sampler = _graph_samplers[_address(smpl)]
         d = data.contents
-        g = ggml()
+        g = ggml.lib
         V = g.nelements(d.logits)
         d.logits, d.candidates, decided = build(ctx, d.logits, d.candidates, sampler.epsilon,
                                                 sampler.uniform, sampler.constants_on_device(V),
@@ -447,7 +366,7 @@ def checked(sampler: int, k: int) -> None:
     part = _graph_samplers.get(sampler)
     if _checks is None or part is None or part.decided is None:
         return
-    g = ggml()
+    g = ggml.lib
     p_t, T_t, V = part.decided
     p = np.empty(g.nelements(p_t), np.float32)
     T = np.empty(1, np.float32)

@@ -20,7 +20,6 @@ sends, so it listens on the loopback address unless told otherwise.
 from __future__ import annotations
 
 import ctypes
-import ipaddress
 import logging
 import os
 import re
@@ -29,26 +28,20 @@ import struct
 import sys
 import threading
 import time
-from pathlib import Path
 from typing import Callable
 
 import llama_cpp
 
+from . import ggml
+from .ggml import RPC_CMD_DEVICE_COUNT, RPC_CMD_HELLO, RPC_CONN_CAPS, RPC_PROTOCOL
+
 log = logging.getLogger(__name__)
 
-DEFAULT_PORT = 50052
-MAX_SERVERS = 16          # GGML_RPC_MAX_SERVERS
-PROTOCOL = (7, 0)         # RPC_PROTO_MAJOR_VERSION, RPC_PROTO_MINOR_VERSION of this llama.cpp
 CONNECT_TIMEOUT_S = 5.0
 ABORT_STATUS = 3          # the exit status after llama.cpp aborted (a worker lost)
 STEP_TIMEOUT_S = 300.0    # the longest decode step with workers before giving up on them
 
-_MAX_HOST = 253  # characters of a DNS name
-_HOST = re.compile(r"[A-Za-z0-9._:-]*")  # a DNS name or an IPv4 (or IPv6, refused after)
-_CMD_HELLO = 14           # RPC_CMD_HELLO (fixed across versions)
-_CMD_DEVICE_COUNT = 15    # RPC_CMD_DEVICE_COUNT
-_CONN_CAPS = 24           # RPC_CONN_CAPS_SIZE: the HELLO request's size
-_HELLO_REPLY = 4 + _CONN_CAPS
+_HELLO_REPLY = 4 + RPC_CONN_CAPS
 
 REBUILD = ("rebuild it with the RPC backend: `make clean && make chat` in adaptive-llama's "
            "folder, or CMAKE_ARGS=\"-DGGML_RPC=ON\" pip install --force-reinstall "
@@ -60,135 +53,49 @@ class RpcError(ValueError):
     as the package's other user errors)."""
 
 
-# ---- endpoints ----
-
-def parse_endpoints(value: str | list | tuple) -> list[str]:
-    """``HOST:PORT[,HOST:PORT...]`` (or a list of them) as a list of ``host:port``; one-line
-    ValueError for a malformed, repeated or excess one."""
-    items = value.split(",") if isinstance(value, str) else list(value)
-    if len(items) > MAX_SERVERS:
-        raise ValueError(f"llama.cpp takes at most {MAX_SERVERS} workers, but {len(items)} "
-                         "are given")
-    endpoints = []
-    for item in items:
-        if not isinstance(item, str) or not item.strip():
-            raise ValueError(f"give workers as HOST:PORT[,HOST:PORT...], but got "
-                             f"{str(value)[:100]!r}")
-        endpoint = _endpoint(item.strip())
-        if endpoint in endpoints:
-            raise ValueError(f"the worker {endpoint} is given twice")
-        endpoints.append(endpoint)
-    if not endpoints:
-        raise ValueError("give at least one worker as HOST:PORT")
-    return endpoints
-
-
-def _endpoint(text: str) -> str:
-    host, sep, port = text.rpartition(":")
-    if "://" in text:
-        raise ValueError(f"{text[:80]}: give a worker as HOST:PORT, without a scheme "
-                         "(llama.cpp's RPC protocol is its own, not HTTP)")
-    if len(host) > _MAX_HOST or not _HOST.fullmatch(host.strip("[]")):
-        raise ValueError(f"{text[:80]}: {host[:40]!r} is not a host name or address (at most "
-                         f"{_MAX_HOST} letters, digits, dots, hyphens)")
-    if text.startswith("[") or host.count(":"):
-        raise ValueError(f"{text}: llama.cpp's RPC backend does not take IPv6 addresses; give "
-                         "an IPv4 address or a host name")
-    if not sep or not host:
-        raise ValueError(f"{text}: give a worker as HOST:PORT (its default port is "
-                         f"{DEFAULT_PORT})")
-    if not port.isdigit() or not 1 <= int(port) <= 65535:
-        raise ValueError(f"{text}: the port has to be a number from 1 to 65535")
-    return f"{host}:{int(port)}"
-
-
-def is_loopback(host: str) -> bool:
-    """Whether ``host`` (a name or an IPv4 address) is this machine's loopback address."""
-    try:
-        return ipaddress.ip_address(socket.gethostbyname(host)).is_loopback
-    except (OSError, ValueError):
-        return False
-
-
 # ---- the library ----
 
-class _Ggml:
-    """ctypes bindings of the ggml backend registry in llama-cpp-python's own libraries."""
-
-    def __init__(self):
-        # By the names libllama was linked against: the wheel holds copies, not links, for
-        # the unversioned names, and a copy would be a second ggml with its own registry and
-        # its own abort callback.
-        folder = Path(llama_cpp.__file__).parent / "lib"
-        self.ggml = ctypes.CDLL(str(folder / "libggml.so.0"))
-        self.base = ctypes.CDLL(str(folder / "libggml-base.so.0"))
-        vp, cp, sz = ctypes.c_void_p, ctypes.c_char_p, ctypes.c_size_t
-        for lib, name, args, res in (
-                (self.ggml, "ggml_backend_reg_by_name", [cp], vp),
-                (self.ggml, "ggml_backend_register", [vp], None),
-                (self.ggml, "ggml_backend_dev_count", [], sz),
-                (self.ggml, "ggml_backend_dev_get", [sz], vp),
-                (self.ggml, "ggml_backend_dev_by_name", [cp], vp),
-                (self.base, "ggml_backend_reg_get_proc_address", [vp, cp], vp),
-                (self.base, "ggml_backend_reg_dev_count", [vp], sz),
-                (self.base, "ggml_backend_reg_dev_get", [vp, sz], vp),
-                (self.base, "ggml_backend_reg_name", [vp], cp),
-                (self.base, "ggml_backend_dev_name", [vp], cp),
-                (self.base, "ggml_backend_dev_description", [vp], cp),
-                (self.base, "ggml_backend_dev_type", [vp], ctypes.c_int),
-                (self.base, "ggml_backend_dev_backend_reg", [vp], vp),
-                (self.base, "ggml_backend_dev_memory", [vp, ctypes.POINTER(sz),
-                                                        ctypes.POINTER(sz)], None),
-                (self.base, "ggml_set_abort_callback", [vp], vp)):
-            fn = getattr(lib, name)
-            fn.argtypes, fn.restype = args, res
-            setattr(self, name.removeprefix("ggml_"), fn)
-
-    def proc(self, name: str, signature):
-        """A function of the RPC registry (as llama.cpp's own --rpc reaches it)."""
-        reg = self.backend_reg_by_name(b"RPC")
-        address = reg and self.backend_reg_get_proc_address(reg, name.encode())
-        if not address:
-            raise RpcError(f"this llama-cpp-python has no {name}: {REBUILD}")
-        return signature(address)
-
-    def devices(self) -> list[int]:
-        return [self.backend_dev_get(i) for i in range(self.backend_dev_count())]
-
-    def name(self, dev: int) -> str:
-        return self.backend_dev_name(dev).decode()
-
-    def memory(self, dev: int) -> tuple[int, int]:
-        free, total = ctypes.c_size_t(), ctypes.c_size_t()
-        self.backend_dev_memory(dev, ctypes.byref(free), ctypes.byref(total))
-        return free.value, total.value
-
-    def is_rpc(self, dev: int) -> bool:
-        return self.backend_reg_name(self.backend_dev_backend_reg(dev)) == b"RPC"
-
-
-_ADD_SERVER = ctypes.CFUNCTYPE(ctypes.c_void_p, ctypes.c_char_p)
-_START_SERVER = ctypes.CFUNCTYPE(None, ctypes.c_char_p, ctypes.c_char_p, ctypes.c_size_t,
-                                 ctypes.c_size_t, ctypes.POINTER(ctypes.c_void_p))
-_DEVICE_CPU, _DEVICE_GPU, _DEVICE_IGPU = 0, 1, 3  # enum ggml_backend_dev_type
-_lib: _Ggml | None = None
 _lock = threading.Lock()
 _connected: dict[str, list[int]] = {}  # endpoint -> its devices, registered in this process
 
 
-def _registry() -> _Ggml:
-    global _lib
-    if _lib is None:
-        _lib = _Ggml()
-    return _lib
-
-
-def _ggml() -> _Ggml:
-    """The registry, where llama.cpp has its RPC backend; RpcError otherwise."""
+def _ggml():
+    """ggml's functions (:data:`.ggml.lib`), where llama.cpp has its RPC backend; RpcError
+    otherwise."""
     if not llama_cpp.llama_supports_rpc():
         raise RpcError(f"this llama-cpp-python was built without llama.cpp's RPC backend: "
                        f"{REBUILD}")
-    return _registry()
+    try:
+        ggml.library("ggml")
+    except ggml.Unavailable as exc:
+        raise RpcError(str(exc)) from None
+    return ggml.lib
+
+
+def _proc(name: str, signature):
+    _ggml()
+    try:
+        return ggml.rpc_proc(name, signature)
+    except ggml.Unavailable:
+        raise RpcError(f"this llama-cpp-python has no {name}: {REBUILD}") from None
+
+
+def _devices() -> list[int]:
+    return [ggml.lib.backend_dev_get(i) for i in range(ggml.lib.backend_dev_count())]
+
+
+def _name(dev: int) -> str:
+    return ggml.lib.backend_dev_name(dev).decode()
+
+
+def _memory(dev: int) -> tuple[int, int]:
+    free, total = ctypes.c_size_t(), ctypes.c_size_t()
+    ggml.lib.backend_dev_memory(dev, ctypes.byref(free), ctypes.byref(total))
+    return free.value, total.value
+
+
+def _is_rpc(dev: int) -> bool:
+    return ggml.lib.backend_reg_name(ggml.lib.backend_dev_backend_reg(dev)) == b"RPC"
 
 
 def check_available() -> None:
@@ -218,16 +125,17 @@ def probe(endpoint: str, timeout: float = CONNECT_TIMEOUT_S) -> int:
         raise RpcError(f"{where} cannot be reached ({exc.strerror or exc})") from None
     with sock:
         try:
-            sock.sendall(struct.pack("<BQ", _CMD_HELLO, _CONN_CAPS) + bytes(_CONN_CAPS))
+            sock.sendall(struct.pack("<BQ", RPC_CMD_HELLO, RPC_CONN_CAPS)
+                         + bytes(RPC_CONN_CAPS))
             size, = struct.unpack("<Q", _recv(sock, 8))
             if size != _HELLO_REPLY:
                 raise RpcError(f"{where} answered the handshake with {size} bytes, not "
                                f"{_HELLO_REPLY}: {_versions()}")
             major, minor, patch = _recv(sock, size)[:3]
-            if major != PROTOCOL[0] or minor > PROTOCOL[1]:
+            if major != RPC_PROTOCOL[0] or minor > RPC_PROTOCOL[1]:
                 raise RpcError(f"{where} speaks RPC protocol {major}.{minor}.{patch}, this "
-                               f"host {PROTOCOL[0]}.{PROTOCOL[1]}: {_versions()}")
-            sock.sendall(struct.pack("<BQ", _CMD_DEVICE_COUNT, 0))
+                               f"host {RPC_PROTOCOL[0]}.{RPC_PROTOCOL[1]}: {_versions()}")
+            sock.sendall(struct.pack("<BQ", RPC_CMD_DEVICE_COUNT, 0))
             _recv(sock, 8)
             count, = struct.unpack("<I", _recv(sock, 4))
         except TimeoutError:
@@ -261,7 +169,7 @@ def connect(endpoints: list[str]) -> list[int]:
     """The llama.cpp devices of the workers at ``endpoints``, in order: each worker checked
     (:func:`probe`), then registered with llama.cpp once per process."""
     lib = _ggml()
-    add_server = lib.proc("ggml_backend_rpc_add_server", _ADD_SERVER)
+    add_server = _proc("ggml_backend_rpc_add_server", ggml.RPC_ADD_SERVER)
     on_abort()  # from now on a lost worker ends the process with one line, not a core dump
     with _lock:
         for endpoint in endpoints:
@@ -290,15 +198,15 @@ def model_devices(rpc_devices: list[int]) -> ctypes.Array | None:
 
 def local_gpus() -> list[int]:
     """This machine's own GPU devices (CUDA, Vulkan, ...) known to llama.cpp."""
-    lib = _registry()
-    return [dev for dev in lib.devices()
-            if lib.backend_dev_type(dev) in (_DEVICE_GPU, _DEVICE_IGPU) and not lib.is_rpc(dev)]
+    return [dev for dev in _devices()
+            if ggml.lib.backend_dev_type(dev) in (ggml.DEVICE_GPU, ggml.DEVICE_IGPU)
+            and not _is_rpc(dev)]
 
 
 def device_label(name: str) -> str:
     """A device as users know it: ``RPC0`` becomes ``RPC0 (10.0.0.2:50052)``."""
     for endpoint, devices in _connected.items():
-        if any(_lib.name(dev) == name for dev in devices):
+        if any(_name(dev) == name for dev in devices):
             return f"{name} ({endpoint})"
     return name
 
@@ -438,24 +346,24 @@ def worker_devices(names: str | None) -> list[int]:
     """The devices a worker serves: those named (``cpu``, ``cuda0``, comma-separated, any
     case), else this machine's GPUs, else its CPU; ValueError listing the devices there are
     for an unknown name."""
-    lib = _ggml()
-    local = [dev for dev in lib.devices() if not lib.is_rpc(dev)]
+    _ggml()
+    local = [dev for dev in _devices() if not _is_rpc(dev)]
     if names:
-        by_name = {lib.name(dev).lower(): dev for dev in local}
+        by_name = {_name(dev).lower(): dev for dev in local}
         chosen = []
         for name in (n.strip().lower() for n in names.split(",")):
             if name not in by_name:
                 raise ValueError(f"--device: there is no device {name!r} here; there are "
-                                 f"{', '.join(lib.name(dev) for dev in local)}")
+                                 f"{', '.join(_name(dev) for dev in local)}")
             chosen.append(by_name[name])
         return chosen
-    return local_gpus() or [dev for dev in local if lib.backend_dev_type(dev) == _DEVICE_CPU][:1]
+    return local_gpus() or [dev for dev in local
+                            if ggml.lib.backend_dev_type(dev) == ggml.DEVICE_CPU][:1]
 
 
 def describe(devices: list[int]) -> str:
-    lib = _ggml()
-    return ", ".join(f"{lib.name(dev)} ({lib.memory(dev)[1] / 2**30:.1f} GiB)"
-                     for dev in devices)
+    _ggml()
+    return ", ".join(f"{_name(dev)} ({_memory(dev)[1] / 2**30:.1f} GiB)" for dev in devices)
 
 
 def check_bindable(host: str, port: int) -> None:
@@ -476,7 +384,7 @@ def serve_worker(host: str, port: int, threads: int, devices: list[int],
     """Start ggml's RPC server on ``host:port`` (an IPv4 address) in a daemon thread, which
     ends only if the server could not start; the caller waits on it (Ctrl-C stays with the
     main thread)."""
-    start = _ggml().proc("ggml_backend_rpc_start_server", _START_SERVER)
+    start = _proc("ggml_backend_rpc_start_server", ggml.RPC_START_SERVER)
     array = (ctypes.c_void_p * len(devices))(*devices)
     endpoint = f"{host}:{port}".encode()
     cache = cache_dir.encode() if cache_dir else None

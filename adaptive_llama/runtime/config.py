@@ -46,8 +46,9 @@ if sys.version_info >= (3, 11):
 else:  # pragma: no cover - Python 3.10
     import tomli as tomllib
 
+from ..endpoints import parse_endpoints
 from ..samplers import SpecError, parse_spec
-from .limits import MAX_CTX, MAX_THREADS
+from .limits import MAX_CTX, MAX_DEVICES, MAX_THREADS
 from .request import check_shares
 
 DEFAULTS_TABLE = "defaults"
@@ -103,18 +104,14 @@ def _chat_template(value):
 
 
 def _workers(value):
-    from ..llama.rpc import parse_endpoints  # it imports llama.cpp's bindings
-
     if not isinstance(value, (str, list)):
         raise ValueError(f"has to be a list of \"HOST:PORT\" texts, but is {value!r}")
     return parse_endpoints(value)
 
 
 def _shares(value):
-    import llama_cpp
-
     try:
-        return check_shares("tensor_split", value, llama_cpp.llama_max_devices())
+        return check_shares("tensor_split", value, MAX_DEVICES)
     except ValueError as exc:
         raise ValueError(str(exc).removeprefix("`tensor_split` ")) from None
 

@@ -32,6 +32,7 @@ from typing import Callable, Iterator
 import llama_cpp  # noqa: E402  (after .chain, which checks its version)
 from llama_cpp import _internals  # noqa: E402
 
+from ..endpoints import parse_endpoints
 from ..llama import cpu_attention
 from ..llama import rpc as ggml_rpc
 from ..llama.chain import SamplerChain, check_in_graph
@@ -299,7 +300,7 @@ class Engine:
         if value is None or value == [] or value == "":
             return []
         try:
-            return ggml_rpc.parse_endpoints(value)
+            return parse_endpoints(value)
         except ValueError as exc:
             raise InvalidArgument(f"`rpc`: {exc}", "rpc") from None
 

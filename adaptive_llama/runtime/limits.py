@@ -9,3 +9,5 @@ MAX_THREADS = 512
 # longest, Llama 4 Scout's, is 10M). llama.cpp holds n_ctx in 32 bits: a larger value
 # wrapped around, and one near it had llama.cpp try to allocate for tens of seconds.
 MAX_CTX = 2**24
+MAX_DEVICES = 16  # llama.cpp's LLAMA_MAX_DEVICES: settings are checked against it without
+# loading llama.cpp; the engine checks the loaded build's own (llama_max_devices)

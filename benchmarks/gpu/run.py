@@ -201,7 +201,7 @@ def run_device(args) -> dict:
 
     out["llama_cpp"] = llama_cpp.__version__
     out["gpu_offload"] = bool(llama_cpp.llama_supports_gpu_offload())
-    out["local_gpus"] = [rpc._registry().name(d) for d in rpc.local_gpus()]
+    out["local_gpus"] = [rpc._name(d) for d in rpc.local_gpus()]
     return out
 
 
