@@ -343,31 +343,12 @@ def run(model, sampler, temperature, system, max_tokens, resume, no_save, markdo
     Each chat is saved as it goes, in $XDG_STATE_HOME/adaptive-llama/chats (a reply cut off
     by a crash or Ctrl-C keeps what was shown); --resume continues one."""
     from .chat.repl import Repl, check_saved_chat
-    from .chat.saved import ChatStore, read_text_file
+    from .chat.saved import ChatStore
 
     sampler = _with_temperature(sampler, temperature)
     store = None if no_save else ChatStore()
     if resume is not None:
-        if store is None:
-            fail("--resume continues a saved chat, which --no-save turns off")
-        resume = resume or store.latest()
-        if resume is None:
-            fail(f"there is no saved chat to resume yet (in {store.folder})")
-        source = resume  # what the user named: a saved chat, or a chat file
-        try:
-            if _is_chat_file(resume):
-                saved = json.loads(read_text_file(Path(resume)))
-                resume = store.new_name()  # the file's chat is kept as a new saved chat
-            else:
-                saved = store.load(resume)
-        except FileNotFoundError:
-            if _is_chat_file(source):
-                fail(f"there is no chat file {source!r}")
-            known = ", ".join(store.names()[:5]) or "none"
-            fail(f"there is no saved chat {resume!r} in {store.folder} (newest: {known})")
-        except (OSError, ValueError, RecursionError) as exc:
-            fail(f"cannot read the saved chat {source!r} ({exc}); /chats lists the others")
-
+        source, resume, saved = _saved_chat(store, resume)
     interactive = sys.stdin.isatty() and sys.stdout.isatty()
     # The seed is the chat's (`/set seed` changes it), not the engine's.
     engine = load_engine(model, n_gpu_layers, n_ctx, threads, None, verbose,
@@ -400,6 +381,31 @@ def run(model, sampler, temperature, system, max_tokens, resume, no_save, markdo
         _continue(repl, store, resume)
         repl.autosave()  # a chat file's chat is in the saved chats from now on
     repl.loop()
+
+
+def _saved_chat(store, resume: str) -> tuple[str, str, dict]:
+    """What --resume names (the newest chat for ""), the saved chat it continues into (a
+    chat file's is kept as a new one) and the data read; one line and exit 2 otherwise."""
+    from .chat.saved import read_text_file
+
+    if store is None:
+        fail("--resume continues a saved chat, which --no-save turns off")
+    resume = resume or store.latest()
+    if resume is None:
+        fail(f"there is no saved chat to resume yet (in {store.folder})")
+    source = resume  # what the user named: a saved chat, or a chat file
+    try:
+        if _is_chat_file(resume):
+            data = json.loads(read_text_file(Path(resume)))
+            return source, store.new_name(), data
+        return source, resume, store.load(resume)
+    except FileNotFoundError:
+        if _is_chat_file(source):
+            fail(f"there is no chat file {source!r}")
+        known = ", ".join(store.names()[:5]) or "none"
+        fail(f"there is no saved chat {resume!r} in {store.folder} (newest: {known})")
+    except (OSError, ValueError, RecursionError) as exc:
+        fail(f"cannot read the saved chat {source!r} ({exc}); /chats lists the others")
 
 
 def _is_chat_file(argument: str) -> bool:

@@ -89,3 +89,15 @@ def test_no_import_circles():
 
     circles = [m for m in GRAPH if m and reaches(m, m, set())]
     assert circles == []
+
+
+def test_no_function_is_longer_than_60_lines():
+    """A function that long has parts with names of their own: split it there."""
+    long = []
+    for path in PACKAGE.rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                lines = node.end_lineno - node.lineno + 1
+                if lines > 60:
+                    long.append(f"{module_name(path)}.{node.name}: {lines} lines")
+    assert long == []

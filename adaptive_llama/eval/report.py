@@ -54,65 +54,81 @@ def markdown(report: dict) -> str:
         lines += [f"**Interim report**: {', '.join(report['pending'])} still to run; the "
                   "command above resumes from the texts made so far.", ""]
     for task, result in report.get("open_ended", {}).items():
-        lines += [f"## Open-ended generation: {task}", "", f"{result['stand_in']}. "
-                  f"Hyperparameters picked by MAUVE on {result['n_dev']} dev prefixes "
-                  f"(1 sample each); figures from {result['n_test']} disjoint test prefixes.",
-                  "", "| method | spec | rep-2 | rep-3 | rep-4 | diversity | MAUVE | "
-                  "coherence | k |", "|---|---|---|---|---|---|---|---|---|"]
-        for method, m in result["methods"].items():
-            lines.append(
-                f"| {method} | `{m['spec']}` | {_pm(m['rep2'])} | {_pm(m['rep3'])} | "
-                f"{_pm(m['rep4'])} | {_pm(m['diversity'], 3)} | {_sd(m['mauve'], 3)} | "
-                f"{_pm(m['coherence'], 3)} | {_sd(m['k'], 1)} |")
-        if result["dev_mauve"]:
-            lines += [""] + dev_sweep_table(result)
-        if "paired" in result:
-            lines += [""] + paired_section(result["paired"])
-        if "temperatures" in result:
-            lines += [""] + temperature_section(result["temperatures"])
-        if "temperature_paired" in result:
-            lines += [""] + temperature_paired_section(result["temperature_paired"])
-        lines.append("")
-    if "ablation" in report:
-        lines += ["## Threshold ablation (adaptive)", "",
-                  "| epsilon | sampling in the kept set | k | kept mass | Conf | diversity | "
-                  "coherence |", "|---|---|---|---|---|---|---|"]
-        for row in report["ablation"]:
-            lines.append(f"| {row['epsilon']} | {row['mode']} | {_sd(row['k'], 1)} | "
-                         f"{_sd(row['kept_mass'], 3)} | {_sd(row['conf'], 3)} | "
-                         f"{_pm(row['diversity'], 3)} | {_pm(row['coherence'], 3)} |")
-        lines.append("")
-    if "penalties" in report:
-        lines += ["## Penalties with adaptive decoding", "",
-                  "Each sampler bare and with a penalty, on the same test prefixes (95 % "
-                  "intervals over texts; MAUVE over k-means seeds).", "",
-                  "| spec | rep-2 | rep-3 | rep-4 | diversity | coherence | MAUVE |",
-                  "|---|---|---|---|---|---|---|"]
-        for row in report["penalties"]:
-            lines.append(f"| `{row['spec']}` | {_pm(row['rep2'])} | {_pm(row['rep3'])} | "
-                         f"{_pm(row['rep4'])} | {_pm(row['diversity'], 3)} | "
-                         f"{_pm(row['coherence'], 3)} | {_sd(row['mauve'], 3)} |")
-        lines.append("")
-    if "latency_us" in report:
-        table = {k: v for k, v in report["latency_us"].items() if k != "note"}
-        specs = list(next(iter(table.values())))
-        lines += ["## Sampler time per token (median µs, one llama_sampler_sample call, "
-                  "no decode)", "", "| model | " + " | ".join(f"`{s}`" for s in specs) + " |",
-                  "|---" * (len(specs) + 1) + "|"]
-        for model, row in table.items():
-            lines.append(f"| {model} | " + " | ".join(f"{row[s]:.0f}" for s in specs) + " |")
-        if "note" in report["latency_us"]:
-            lines.append(f"\n{report['latency_us']['note']}.")
-        lines.append("")
-    if "gsm8k" in report:
-        g = report["gsm8k"]
-        lines += [f"## GSM8K ({g['n']} test problems, up to {g['max_tokens']} tokens)", "",
-                  "Prompt (chat template, user turn): `" + g["prompt"].replace("\n", " ")
-                  + "`. A zero-shot chain-of-thought prompt: the paper's appendix C text was "
-                  "not available offline.", ""] + gsm8k_table(g) + [""]
-        if g.get("paired"):
-            lines += gsm8k_paired_section(g["paired"]) + [""]
+        lines += open_ended_section(task, result)
+    for key, section in (("ablation", ablation_section), ("penalties", penalties_section),
+                         ("latency_us", latency_section), ("gsm8k", gsm8k_section)):
+        if key in report:
+            lines += section(report[key])
     return "\n".join(lines)
+
+
+def open_ended_section(task: str, result: dict) -> list[str]:
+    lines = [f"## Open-ended generation: {task}", "", f"{result['stand_in']}. "
+             f"Hyperparameters picked by MAUVE on {result['n_dev']} dev prefixes "
+             f"(1 sample each); figures from {result['n_test']} disjoint test prefixes.",
+             "", "| method | spec | rep-2 | rep-3 | rep-4 | diversity | MAUVE | "
+             "coherence | k |", "|---|---|---|---|---|---|---|---|---|"]
+    for method, m in result["methods"].items():
+        lines.append(
+            f"| {method} | `{m['spec']}` | {_pm(m['rep2'])} | {_pm(m['rep3'])} | "
+            f"{_pm(m['rep4'])} | {_pm(m['diversity'], 3)} | {_sd(m['mauve'], 3)} | "
+            f"{_pm(m['coherence'], 3)} | {_sd(m['k'], 1)} |")
+    if result["dev_mauve"]:
+        lines += [""] + dev_sweep_table(result)
+    if "paired" in result:
+        lines += [""] + paired_section(result["paired"])
+    if "temperatures" in result:
+        lines += [""] + temperature_section(result["temperatures"])
+    if "temperature_paired" in result:
+        lines += [""] + temperature_paired_section(result["temperature_paired"])
+    return lines + [""]
+
+
+def ablation_section(rows: list[dict]) -> list[str]:
+    lines = ["## Threshold ablation (adaptive)", "",
+             "| epsilon | sampling in the kept set | k | kept mass | Conf | diversity | "
+             "coherence |", "|---|---|---|---|---|---|---|"]
+    for row in rows:
+        lines.append(f"| {row['epsilon']} | {row['mode']} | {_sd(row['k'], 1)} | "
+                     f"{_sd(row['kept_mass'], 3)} | {_sd(row['conf'], 3)} | "
+                     f"{_pm(row['diversity'], 3)} | {_pm(row['coherence'], 3)} |")
+    return lines + [""]
+
+
+def penalties_section(rows: list[dict]) -> list[str]:
+    lines = ["## Penalties with adaptive decoding", "",
+             "Each sampler bare and with a penalty, on the same test prefixes (95 % "
+             "intervals over texts; MAUVE over k-means seeds).", "",
+             "| spec | rep-2 | rep-3 | rep-4 | diversity | coherence | MAUVE |",
+             "|---|---|---|---|---|---|---|"]
+    for row in rows:
+        lines.append(f"| `{row['spec']}` | {_pm(row['rep2'])} | {_pm(row['rep3'])} | "
+                     f"{_pm(row['rep4'])} | {_pm(row['diversity'], 3)} | "
+                     f"{_pm(row['coherence'], 3)} | {_sd(row['mauve'], 3)} |")
+    return lines + [""]
+
+
+def latency_section(latency: dict) -> list[str]:
+    table = {k: v for k, v in latency.items() if k != "note"}
+    specs = list(next(iter(table.values())))
+    lines = ["## Sampler time per token (median µs, one llama_sampler_sample call, "
+             "no decode)", "", "| model | " + " | ".join(f"`{s}`" for s in specs) + " |",
+             "|---" * (len(specs) + 1) + "|"]
+    for model, row in table.items():
+        lines.append(f"| {model} | " + " | ".join(f"{row[s]:.0f}" for s in specs) + " |")
+    if "note" in latency:
+        lines.append(f"\n{latency['note']}.")
+    return lines + [""]
+
+
+def gsm8k_section(g: dict) -> list[str]:
+    lines = [f"## GSM8K ({g['n']} test problems, up to {g['max_tokens']} tokens)", "",
+             "Prompt (chat template, user turn): `" + g["prompt"].replace("\n", " ")
+             + "`. A zero-shot chain-of-thought prompt: the paper's appendix C text was "
+             "not available offline.", ""] + gsm8k_table(g) + [""]
+    if g.get("paired"):
+        lines += gsm8k_paired_section(g["paired"]) + [""]
+    return lines
 
 
 def dev_sweep_table(result: dict) -> list[str]:

@@ -479,17 +479,10 @@ def _quantifier_problem(pattern: str) -> str | None:
                 i += 1
                 continue
             if quantifier:
-                low, comma, high = quantifier.groups()
-                if not low and not high:
-                    return f"holds an empty quantifier {quantifier.group()}"
-                for count in (low, high):
-                    if count and int(count) > MAX_COUNT:
-                        return (f"repeats up to {count} times ({quantifier.group()}); at "
-                                f"most {MAX_COUNT} are allowed")
-                largest = int(high) if high else int(low) + (2 if comma else 0)
-                if comma and high and int(high) > int(low or 0):
-                    largest = max(largest, 2)  # {0,1} chooses as ? does
-                i = quantifier.end()
+                largest = _largest_count(quantifier)
+                if isinstance(largest, str):
+                    return largest
+                comma, i = quantifier.group(2), quantifier.end()
             else:
                 largest, i = 2, i + 1
             # A fixed count over an atom with no choice in it ({3} over a letter) adds none.
@@ -504,6 +497,22 @@ def _quantifier_problem(pattern: str) -> str | None:
         last = 1
         i += 1
     return None
+
+
+def _largest_count(quantifier: re.Match) -> int | str:
+    """A ``{m}``, ``{m,}`` or ``{m,n}`` quantifier's count as _quantifier_problem counts it,
+    or what is wrong with it."""
+    low, comma, high = quantifier.groups()
+    if not low and not high:
+        return f"holds an empty quantifier {quantifier.group()}"
+    for count in (low, high):
+        if count and int(count) > MAX_COUNT:
+            return (f"repeats up to {count} times ({quantifier.group()}); at most "
+                    f"{MAX_COUNT} are allowed")
+    largest = int(high) if high else int(low) + (2 if comma else 0)
+    if comma and high and int(high) > int(low or 0):
+        largest = max(largest, 2)  # {0,1} chooses as ? does
+    return largest
 
 
 def _branch_keyword(branch: str, schema: dict) -> str:

@@ -197,41 +197,12 @@ class Engine:
                  tensor_split: list[float] | None = None,
                  rpc_timeout: float = ggml_rpc.STEP_TIMEOUT_S, draft: str | None = None,
                  draft_max: int = MAX_DRAFT, reference_attention: bool | None = None):
-        check_int("n_gpu_layers", n_gpu_layers, low=-1)
-        check_int("n_ctx", n_ctx, low=0, high=MAX_CTX)
-        if 0 < n_ctx < CTX_STEP:
-            raise InvalidArgument(f"`n_ctx` has to be 0 (the model's own) or at least "
-                                  f"{CTX_STEP}, but is {n_ctx}", "n_ctx")
-        if n_threads is not None:
-            check_int("n_threads", n_threads, low=1, high=MAX_THREADS)
-        check_int("parallel", parallel, low=1)
-        if not isinstance(backend_sampling, bool):
-            raise InvalidArgument(f"`backend_sampling` has to be True or False, but is "
-                                  f"{backend_sampling!r}", "backend_sampling")
-        self.rpc = self._endpoints(rpc)
-        if not (isinstance(rpc_timeout, (int, float)) and not isinstance(rpc_timeout, bool)
-                and 0 < rpc_timeout < math.inf):
-            raise InvalidArgument(f"`rpc_timeout` has to be a number of seconds above 0, but "
-                                  f"is {rpc_timeout!r}", "rpc_timeout")
-        if tensor_split is not None:
-            tensor_split = check_shares("tensor_split", tensor_split,
-                                        llama_cpp.llama_max_devices())
-        check_int("draft_max", draft_max, low=1, high=N_BATCH - 1)
-        if draft is not None and not (isinstance(draft, (str, Path)) and str(draft)):
-            raise InvalidArgument(f"`draft` has to be \"ngram\" or a draft model, but is "
-                                  f"{draft!r}", "draft")
-        if draft is not None and backend_sampling:
-            raise InvalidArgument("speculative decoding samples at every drafted position "
-                                  "on the CPU, and backend sampling samples in the graph: "
-                                  "drop one of the two", "draft")
-        if reference_attention not in (None, True, False):
-            raise InvalidArgument(f"`reference_attention` has to be True, False or None, but "
-                                  f"is {reference_attention!r}", "reference_attention")
+        self.rpc, tensor_split = _checked_arguments(
+            n_gpu_layers=n_gpu_layers, n_ctx=n_ctx, n_threads=n_threads, parallel=parallel,
+            backend_sampling=backend_sampling, rpc=rpc, rpc_timeout=rpc_timeout,
+            tensor_split=tensor_split, draft=draft, draft_max=draft_max,
+            reference_attention=reference_attention)
         self._wants_reference = reference_attention is not False
-        if self.rpc and backend_sampling:
-            raise InvalidArgument("backend sampling runs in the graph of the device that "
-                                  "holds the output layer, which an RPC worker cannot do "
-                                  "here: drop one of the two", "backend_sampling")
         self.seed = None if seed is None else SEED.validate(seed)
         self.backend_sampling = backend_sampling
         self.path: Path = resolve_model(model)
@@ -241,30 +212,7 @@ class Engine:
         # tensor sent), the context; then each decode step (the decoder's).
         watchdog = ggml_rpc.Watchdog(self.rpc, rpc_timeout) if self.rpc else _NO_WATCHDOG
         with watchdog:
-            devices = ggml_rpc.connect(self.rpc) if self.rpc else []
-            gpus = len(ggml_rpc.local_gpus()) if self.rpc else 0
-            if self.rpc and tensor_split and len(tensor_split) > len(devices) + gpus:
-                raise InvalidArgument(
-                    f"`tensor_split` has {len(tensor_split)} shares, but there are "
-                    f"{len(devices)} worker and {gpus} local GPU devices", "tensor_split")
-            # Whether a token's logits are a function of the tokens before it alone
-            # (whatever the batch, the cache, the threads or the other sequences): on CPUs,
-            # here or in CPU workers, yes (see _new_context); with layers on a GPU, llama.cpp's
-            # kernels depend on the batch (a worker's device is not known here:
-            # docs/distributed.md).
-            self.batch_invariant = n_gpu_layers == 0 or (bool(self.rpc) and gpus == 0)
-            self.n_gpu_layers = n_gpu_layers
-            set_llama_log(verbose)
-            self._model, layers = load_model(
-                self.path, n_gpu_layers, verbose, tensor_split=tensor_split,
-                devices=ggml_rpc.model_devices(devices), progress=watchdog.progress,
-                device_label=ggml_rpc.device_label)
-            self.layers = [dict(run, device=ggml_rpc.device_label(run["device"]))
-                           for run in layer_devices(layers)]
-            self._embedder: Embedder | None = None
-            self._embedder_lock = threading.Lock()
-            self.vocab = Vocab(self._model)
-            self.n_vocab = self.vocab.n_vocab
+            self._load(n_gpu_layers, tensor_split, verbose, watchdog)
             # llama.cpp rounds each sequence's context up to a multiple of 256.
             requested = n_ctx or min(self._model.n_ctx_train(), MAX_CTX)
             self.n_ctx = -(-requested // CTX_STEP) * CTX_STEP
@@ -272,28 +220,62 @@ class Engine:
             threads = n_threads or default_threads()
             self._context = self._new_context(requested, threads, verbose)
             self.ctx = self._context.ctx  # the llama_context *, for llama.cpp calls
-        self.decoder = Decoder(self.ctx, self.vocab, parallel, self.n_ctx,
-                               min(N_BATCH, self.n_ctx * parallel),
-                               ThreadTuner(self.ctx, threads, adaptive=n_threads is None))
-        self.decoder.attention_switch = self._attention_switch
-        if self.rpc:
-            self.decoder.watchdog = watchdog
-            if self.attention == "reference":  # the workers' rule (cpu_attention)
-                self.decoder.step_rows = min(self.decoder.step_rows, CHUNK - 1)
+        self.decoder = self._decoder(threads, adaptive=n_threads is None, watchdog=watchdog)
         if backend_sampling:
             self.backend_sampling = self._graph_can_sample()
         if draft is not None:
-            self.decoder.drafter = self._drafter(draft, threads)
-            self.decoder.draft_max = draft_max
-            if self.attention != "reference":
-                log.warning("with drafts, a reply may differ from the same seed's reply "
-                            "without them where two tokens nearly tie: %s computes a row "
-                            "otherwise in a batch (docs/performance.md)",
-                            "this GPU" if n_gpu_layers else "attention without llama.cpp's "
-                            "reference kernel")
+            self._speculate(draft, draft_max, threads)
         self.metadata = self._model.metadata()
         self._specials: tuple[re.Pattern | None, dict[str, int]] | None = None
         self.chat_template = self._chat_template(chat_template)
+
+    def _load(self, n_gpu_layers: int, tensor_split: list[float] | None, verbose: bool,
+              watchdog) -> None:
+        """The model, on this machine or with layers on the workers (connected first)."""
+        devices = ggml_rpc.connect(self.rpc) if self.rpc else []
+        gpus = len(ggml_rpc.local_gpus()) if self.rpc else 0
+        if self.rpc and tensor_split and len(tensor_split) > len(devices) + gpus:
+            raise InvalidArgument(
+                f"`tensor_split` has {len(tensor_split)} shares, but there are "
+                f"{len(devices)} worker and {gpus} local GPU devices", "tensor_split")
+        # Whether a token's logits are a function of the tokens before it alone (whatever
+        # the batch, the cache, the threads or the other sequences): on CPUs, here or in
+        # CPU workers, yes (see _new_context); with layers on a GPU, llama.cpp's kernels
+        # depend on the batch (a worker's device is not known here: docs/distributed.md).
+        self.batch_invariant = n_gpu_layers == 0 or (bool(self.rpc) and gpus == 0)
+        self.n_gpu_layers = n_gpu_layers
+        set_llama_log(verbose)
+        self._model, layers = load_model(
+            self.path, n_gpu_layers, verbose, tensor_split=tensor_split,
+            devices=ggml_rpc.model_devices(devices), progress=watchdog.progress,
+            device_label=ggml_rpc.device_label)
+        self.layers = [dict(run, device=ggml_rpc.device_label(run["device"]))
+                       for run in layer_devices(layers)]
+        self._embedder: Embedder | None = None
+        self._embedder_lock = threading.Lock()
+        self.vocab = Vocab(self._model)
+        self.n_vocab = self.vocab.n_vocab
+
+    def _decoder(self, threads: int, adaptive: bool, watchdog) -> Decoder:
+        decoder = Decoder(self.ctx, self.vocab, self.parallel, self.n_ctx,
+                          min(N_BATCH, self.n_ctx * self.parallel),
+                          ThreadTuner(self.ctx, threads, adaptive=adaptive))
+        decoder.attention_switch = self._attention_switch
+        if self.rpc:
+            decoder.watchdog = watchdog
+            if self.attention == "reference":  # the workers' rule (cpu_attention)
+                decoder.step_rows = min(decoder.step_rows, CHUNK - 1)
+        return decoder
+
+    def _speculate(self, draft, draft_max: int, threads: int) -> None:
+        self.decoder.drafter = self._drafter(draft, threads)
+        self.decoder.draft_max = draft_max
+        if self.attention != "reference":
+            log.warning("with drafts, a reply may differ from the same seed's reply "
+                        "without them where two tokens nearly tie: %s computes a row "
+                        "otherwise in a batch (docs/performance.md)",
+                        "this GPU" if self.n_gpu_layers else "attention without llama.cpp's "
+                        "reference kernel")
 
     @staticmethod
     def _endpoints(value) -> list[str]:
@@ -760,3 +742,44 @@ class Engine:
         self._context.close()
         self._model.close()
 
+
+def _checked_arguments(*, n_gpu_layers, n_ctx, n_threads, parallel, backend_sampling, rpc,
+                       rpc_timeout, tensor_split, draft, draft_max, reference_attention
+                       ) -> tuple[list[str], list[float] | None]:
+    """Engine's arguments checked (InvalidArgument naming the first that is wrong): the
+    workers' endpoints and the shares, as the engine takes them."""
+    check_int("n_gpu_layers", n_gpu_layers, low=-1)
+    check_int("n_ctx", n_ctx, low=0, high=MAX_CTX)
+    if 0 < n_ctx < CTX_STEP:
+        raise InvalidArgument(f"`n_ctx` has to be 0 (the model's own) or at least "
+                              f"{CTX_STEP}, but is {n_ctx}", "n_ctx")
+    if n_threads is not None:
+        check_int("n_threads", n_threads, low=1, high=MAX_THREADS)
+    check_int("parallel", parallel, low=1)
+    if not isinstance(backend_sampling, bool):
+        raise InvalidArgument(f"`backend_sampling` has to be True or False, but is "
+                              f"{backend_sampling!r}", "backend_sampling")
+    endpoints = Engine._endpoints(rpc)
+    if not (isinstance(rpc_timeout, (int, float)) and not isinstance(rpc_timeout, bool)
+            and 0 < rpc_timeout < math.inf):
+        raise InvalidArgument(f"`rpc_timeout` has to be a number of seconds above 0, but "
+                              f"is {rpc_timeout!r}", "rpc_timeout")
+    if tensor_split is not None:
+        tensor_split = check_shares("tensor_split", tensor_split,
+                                    llama_cpp.llama_max_devices())
+    check_int("draft_max", draft_max, low=1, high=N_BATCH - 1)
+    if draft is not None and not (isinstance(draft, (str, Path)) and str(draft)):
+        raise InvalidArgument(f"`draft` has to be \"ngram\" or a draft model, but is "
+                              f"{draft!r}", "draft")
+    if draft is not None and backend_sampling:
+        raise InvalidArgument("speculative decoding samples at every drafted position "
+                              "on the CPU, and backend sampling samples in the graph: "
+                              "drop one of the two", "draft")
+    if reference_attention not in (None, True, False):
+        raise InvalidArgument(f"`reference_attention` has to be True, False or None, but "
+                              f"is {reference_attention!r}", "reference_attention")
+    if endpoints and backend_sampling:
+        raise InvalidArgument("backend sampling runs in the graph of the device that "
+                              "holds the output layer, which an RPC worker cannot do "
+                              "here: drop one of the two", "backend_sampling")
+    return endpoints, tensor_split

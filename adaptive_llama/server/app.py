@@ -63,19 +63,7 @@ def create_app(pool: ModelPool, *, api_key: str | None = None, max_body: int = M
                        allow_origin_regex=LOOPBACK_ORIGIN, allow_methods=["GET", "POST"],
                        allow_headers=["*"])
 
-    @app.exception_handler(APIError)
-    async def api_error(request: Request, exc: APIError):
-        return exc.response(request.url.path)
-
-    @app.exception_handler(ModelError)
-    async def model_error(request: Request, exc: ModelError):
-        # A served model's file that went missing or is damaged: the server keeps serving.
-        return APIError(500, str(exc), type="server_error",
-                        param="model").response(request.url.path)
-
-    @app.exception_handler(StarletteHTTPException)
-    async def http_error(request: Request, exc: StarletteHTTPException):
-        return APIError(exc.status_code, str(exc.detail)).response(request.url.path)
+    _answer_errors(app)
 
     @app.get("/health")
     async def health():
@@ -89,6 +77,23 @@ def create_app(pool: ModelPool, *, api_key: str | None = None, max_body: int = M
     app.include_router(llamacpp.router)
     app.include_router(web.router)
     return app
+
+
+def _answer_errors(app: FastAPI) -> None:
+    """Every error as the protocols' error bodies."""
+    @app.exception_handler(APIError)
+    async def api_error(request: Request, exc: APIError):
+        return exc.response(request.url.path)
+
+    @app.exception_handler(ModelError)
+    async def model_error(request: Request, exc: ModelError):
+        # A served model's file that went missing or is damaged: the server keeps serving.
+        return APIError(500, str(exc), type="server_error",
+                        param="model").response(request.url.path)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(request: Request, exc: StarletteHTTPException):
+        return APIError(exc.status_code, str(exc.detail)).response(request.url.path)
 
 
 def _health_of(model: LoadedModel) -> dict:

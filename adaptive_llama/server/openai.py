@@ -348,20 +348,52 @@ def _finish_reason(reason: str, calls: list) -> str:
 
 async def _events(job: Job, head: dict, kind: str, include_usage: bool,
                   functions: list[str], shown: _Shown):
-    obj = "chat.completion.chunk" if kind == "chat" else "text_completion"
-    completion_logprobs = _CompletionLogprobs()
-    reader = ToolCallReader(functions) if functions else None
-    calls = 0  # tool calls streamed so far
-    held = []  # log-probabilities of tokens whose text the reader holds back
+    """The stream's events (OpenAI's chunks, then ``[DONE]``) as the job makes its pieces."""
+    stream = _Chunks(head, kind, functions, shown)
+    try:
+        if kind == "chat":
+            yield _json({**head, "object": stream.obj, "choices": [{
+                "index": 0, "delta": {"role": "assistant", "content": ""},
+                "logprobs": None, "finish_reason": None}]})
+        while True:
+            what, value = await job.events.get()
+            if what == "piece":
+                for event in stream.piece(*value):
+                    yield event
+            elif what == "error":
+                yield _json({"error": {"message": f"generation failed: {value}",
+                                       "type": "server_error", "param": None,
+                                       "code": None}})
+                break
+            else:
+                for event in stream.end(value, include_usage):
+                    yield event
+                break
+        yield "[DONE]"
+    finally:
+        job.cancelled.set()  # a client that left stops the generation at the next token
 
-    def chunk(delta_text: str | None, reason: str | None = None, entries=(),
+
+class _Chunks:
+    """One stream's chunks: pieces of text (or, with ``functions``, the tool calls read out
+    of them), their log-probabilities and details, and the last chunk."""
+
+    def __init__(self, head: dict, kind: str, functions: list[str], shown: _Shown):
+        self.head, self.kind, self.shown = head, kind, shown
+        self.obj = "chat.completion.chunk" if kind == "chat" else "text_completion"
+        self.completion_logprobs = _CompletionLogprobs()
+        self.reader = ToolCallReader(functions) if functions else None
+        self.calls = 0  # tool calls streamed so far
+        self.held = []  # log-probabilities of tokens whose text the reader holds back
+
+    def chunk(self, delta_text: str | None, reason: str | None = None, entries=(),
               delta: dict | None = None, **extra) -> str:
         logprobs = None
-        if shown.top is not None and (delta_text is not None or delta):
-            entries = shown.logprobs(entries)
-            logprobs = (_chat_logprobs(entries) if kind == "chat"
-                        else completion_logprobs(entries))
-        if kind == "chat":
+        if self.shown.top is not None and (delta_text is not None or delta):
+            entries = self.shown.logprobs(entries)
+            logprobs = (_chat_logprobs(entries) if self.kind == "chat"
+                        else self.completion_logprobs(entries))
+        if self.kind == "chat":
             if delta is None:
                 delta = {} if delta_text is None else {"content": delta_text}
             choice = {"index": 0, "delta": delta, "logprobs": logprobs,
@@ -369,61 +401,48 @@ async def _events(job: Job, head: dict, kind: str, include_usage: bool,
         else:
             choice = {"index": 0, "text": delta_text or "", "logprobs": logprobs,
                       "finish_reason": reason}
-        return _json({**head, "object": obj, "choices": [choice], **extra})
+        return _json({**self.head, "object": self.obj, "choices": [choice], **extra})
 
-    def call_chunks(call: ToolCall, entries) -> list[str]:
-        """A call as OpenAI streams one: its id and name, then its arguments."""
-        nonlocal calls
-        whole = _call(call)
-        first = {"index": calls, "id": call.id, "type": "function",
-                 "function": {"name": call.name, "arguments": ""}}
-        arguments = {"index": calls, "function": {"arguments": whole["function"]["arguments"]}}
-        calls += 1
-        return [chunk(None, delta={"tool_calls": [first]}, entries=entries),
-                chunk(None, delta={"tool_calls": [arguments]})]
-
-    try:
-        if kind == "chat":
-            yield _json({**head, "object": obj, "choices": [{
-                "index": 0, "delta": {"role": "assistant", "content": ""},
-                "logprobs": None, "finish_reason": None}]})
-        while True:
-            what, value = await job.events.get()
-            if what == "piece" and reader is None:
-                text, entries, stats = value
-                yield chunk(text, entries=entries, **shown.extra(entries, stats))
-            elif what == "piece":
-                text, entries, stats = value
-                held += entries
-                details = shown.extra(entries, stats)  # with the piece's first chunk
-                for part in reader.feed(text):
-                    if isinstance(part, ToolCall):
-                        events = call_chunks(part, held)
-                    else:
-                        events, details = [chunk(part, entries=held, **details)], {}
-                    for event in events:
-                        yield event
-                    held = []
-                if details:  # the reader holds the text back: the details go now
-                    yield chunk(None, delta={}, **details)
-            elif what == "error":
-                yield _json({"error": {"message": f"generation failed: {value}",
-                                       "type": "server_error", "param": None,
-                                       "code": None}})
-                break
+    def piece(self, text: str, entries, stats) -> list[str]:
+        if self.reader is None:
+            return [self.chunk(text, entries=entries, **self.shown.extra(entries, stats))]
+        events = []
+        self.held += entries
+        details = self.shown.extra(entries, stats)  # with the piece's first chunk
+        for part in self.reader.feed(text):
+            if isinstance(part, ToolCall):
+                events += self.call_chunks(part, self.held)
             else:
-                for part in reader.finish() if reader else ():
-                    yield chunk(part, entries=held)
-                    held = []
-                yield chunk(None, _finish_reason(FINISH_REASONS[value.finish_reason], calls),
-                            sampler_stats=value.summary())
-                if include_usage:
-                    yield _json({**head, "object": obj, "choices": [],
-                                 "usage": _usage(value)})
-                break
-        yield "[DONE]"
-    finally:
-        job.cancelled.set()  # a client that left stops the generation at the next token
+                events.append(self.chunk(part, entries=self.held, **details))
+                details = {}
+            self.held = []
+        if details:  # the reader holds the text back: the details go now
+            events.append(self.chunk(None, delta={}, **details))
+        return events
+
+    def call_chunks(self, call: ToolCall, entries) -> list[str]:
+        """A call as OpenAI streams one: its id and name, then its arguments."""
+        whole = _call(call)
+        first = {"index": self.calls, "id": call.id, "type": "function",
+                 "function": {"name": call.name, "arguments": ""}}
+        arguments = {"index": self.calls,
+                     "function": {"arguments": whole["function"]["arguments"]}}
+        self.calls += 1
+        return [self.chunk(None, delta={"tool_calls": [first]}, entries=entries),
+                self.chunk(None, delta={"tool_calls": [arguments]})]
+
+    def end(self, result: GenerationResult, include_usage: bool) -> list[str]:
+        events = []
+        for part in self.reader.finish() if self.reader else ():
+            events.append(self.chunk(part, entries=self.held))
+            self.held = []
+        events.append(self.chunk(None, _finish_reason(FINISH_REASONS[result.finish_reason],
+                                                      self.calls),
+                                 sampler_stats=result.summary()))
+        if include_usage:
+            events.append(_json({**self.head, "object": self.obj, "choices": [],
+                                 "usage": _usage(result)}))
+        return events
 
 
 def _token(text: bytes, logprob: float) -> dict:
