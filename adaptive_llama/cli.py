@@ -7,6 +7,7 @@ User errors (a bad model file, a bad sampler spec, an over-long prompt) print on
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import ipaddress
 import json
@@ -181,35 +182,58 @@ def template_source(chat_template: str | None) -> str | None:
         fail(f"--chat-template {exc}")
 
 
-def load_engine(model, n_gpu_layers, n_ctx, threads, seed, verbose, backend_sampling,
-                show_progress=False, parallel=1, sampler=None, chat_template=None, rpc=None,
-                tensor_split=None, rpc_timeout=300.0, draft=None, draft_max=16):
-    """The Engine; with ``sampler``, also one that engine can run (or a one-line exit);
-    ``chat_template``: the source of one in place of the model's own; ``rpc``: workers."""
-    from .runtime.engine import Engine  # llama.cpp loads only for commands that need it
+@dataclasses.dataclass
+class EngineOptions:
+    """The engine's options as model_options declares them (and config.toml fills them):
+    every command that loads a model builds its engine here."""
 
-    if show_progress:
-        click.echo(f"loading {model or 'smollm2 (bundled)'} ...", err=True)
-    if n_gpu_layers and not rpc:
-        from .llama.rpc import local_gpus
+    n_gpu_layers: int
+    n_ctx: int
+    threads: int | None
+    backend_sampling: bool
+    chat_template: str | None
+    rpc: list[str] | None
+    tensor_split: list[float] | None
+    rpc_timeout: float
+    draft: str | None
+    draft_max: int
+    verbose: bool
 
-        if not local_gpus():
-            click.echo(f"Note: this build of llama-cpp-python runs on the CPU only, so "
-                       f"--n-gpu-layers {n_gpu_layers} changes nothing (README, 'CPU or "
-                       "CUDA', says how to build it for a GPU).", err=True)
-    engine = Engine(model, n_gpu_layers=n_gpu_layers, n_ctx=n_ctx, n_threads=threads,
-                    parallel=parallel, seed=seed, verbose=verbose,
-                    backend_sampling=backend_sampling,
-                    chat_template=chat_template, rpc=rpc, tensor_split=tensor_split,
-                    rpc_timeout=rpc_timeout, draft=draft, draft_max=draft_max)
-    if sampler is not None:
-        try:
-            engine.check_sampler(sampler)
-        except SpecError as exc:
-            engine.close()
-            # ValueError, not an exit: a server loads models while it serves.
-            raise ValueError(f"--sampler: {exc}") from None
-    return engine
+    @classmethod
+    def of(cls, options: dict) -> EngineOptions:
+        """The engine's options among a command's (the others are left out)."""
+        return cls(**{f.name: options[f.name] for f in dataclasses.fields(cls)})
+
+    def load(self, model, *, seed: int | None = None, parallel: int = 1, sampler=None,
+             show_progress: bool = False, template: str | None = None):
+        """The Engine; with ``sampler``, also one that engine can run (else ValueError, not
+        an exit: a server loads models while it serves); ``template``: the chat template's
+        source, read already (else --chat-template's, read now)."""
+        from .runtime.engine import Engine  # llama.cpp loads only for commands that need it
+
+        if show_progress:
+            click.echo(f"loading {model or 'smollm2 (bundled)'} ...", err=True)
+        if self.n_gpu_layers and not self.rpc:
+            from .llama.rpc import local_gpus
+
+            if not local_gpus():
+                click.echo(f"Note: this build of llama-cpp-python runs on the CPU only, so "
+                           f"--n-gpu-layers {self.n_gpu_layers} changes nothing (README, "
+                           "'CPU or CUDA', says how to build it for a GPU).", err=True)
+        engine = Engine(model, n_gpu_layers=self.n_gpu_layers, n_ctx=self.n_ctx,
+                        n_threads=self.threads, parallel=parallel, seed=seed,
+                        verbose=self.verbose, backend_sampling=self.backend_sampling,
+                        chat_template=template or template_source(self.chat_template),
+                        rpc=self.rpc, tensor_split=self.tensor_split,
+                        rpc_timeout=self.rpc_timeout, draft=self.draft,
+                        draft_max=self.draft_max)
+        if sampler is not None:
+            try:
+                engine.check_sampler(sampler)
+            except SpecError as exc:
+                engine.close()
+                raise ValueError(f"--sampler: {exc}") from None
+        return engine
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
@@ -287,19 +311,15 @@ def _with_temperature(sampler, temperature: float | None):
 @model_options
 @user_errors
 @configured
-def generate(model, prompt, sampler, temperature, max_tokens, chat, stop, as_json,
-             n_gpu_layers, n_ctx, threads, seed, backend_sampling, chat_template, rpc,
-             tensor_split, rpc_timeout, draft, draft_max, verbose):
+def generate(model, prompt, sampler, temperature, max_tokens, chat, stop, as_json, seed,
+             **options):
     """Generate a continuation (or, with --chat, a reply) of a prompt, with MODEL (default:
     the bundled SmolLM2-135M-Instruct)."""
     sampler = _with_temperature(sampler, temperature)
     if prompt is None:
         # Bytes that are not UTF-8 become U+FFFD rather than a codec error.
         prompt = sys.stdin.buffer.read().decode("utf-8", "replace")
-    engine = load_engine(model, n_gpu_layers, n_ctx, threads, seed, verbose, backend_sampling,
-                         sampler=sampler, chat_template=template_source(chat_template),
-                         rpc=rpc, tensor_split=tensor_split, rpc_timeout=rpc_timeout,
-                         draft=draft, draft_max=draft_max)
+    engine = EngineOptions.of(options).load(model, seed=seed, sampler=sampler)
     stream = engine.stream(engine.prompt_tokens(prompt, chat=chat), sampler=sampler,
                            max_tokens=max_tokens, stop=list(stop))
     try:
@@ -336,8 +356,7 @@ def generate(model, prompt, sampler, temperature, max_tokens, chat, stop, as_jso
 @user_errors
 @configured
 def run(model, sampler, temperature, system, max_tokens, resume, no_save, markdown, wordwrap,
-        n_gpu_layers, n_ctx, threads, seed, backend_sampling, chat_template, rpc, tensor_split,
-        rpc_timeout, draft, draft_max, verbose):
+        seed, **options):
     """Chat with MODEL (default: the bundled SmolLM2-135M-Instruct). /help inside.
 
     Each chat is saved as it goes, in $XDG_STATE_HOME/adaptive-llama/chats (a reply cut off
@@ -351,11 +370,7 @@ def run(model, sampler, temperature, system, max_tokens, resume, no_save, markdo
         source, resume, saved = _saved_chat(store, resume)
     interactive = sys.stdin.isatty() and sys.stdout.isatty()
     # The seed is the chat's (`/set seed` changes it), not the engine's.
-    engine = load_engine(model, n_gpu_layers, n_ctx, threads, None, verbose,
-                         backend_sampling, show_progress=interactive, sampler=sampler,
-                         chat_template=template_source(chat_template), rpc=rpc,
-                         tensor_split=tensor_split, rpc_timeout=rpc_timeout, draft=draft,
-                         draft_max=draft_max)
+    engine = EngineOptions.of(options).load(model, show_progress=interactive, sampler=sampler)
     if not engine.has_chat_template:
         fail(f"{engine.name} is a base model (no chat template in its GGUF), so it cannot "
              f"chat; continue text with it instead (adaptive-llama generate {model} "
@@ -615,9 +630,7 @@ def web(**options):
 
 def _serve(models, more_models, max_loaded, keep_alive, host, port, allow_remote, api_key,
            allow_origins, allow_hosts, sampler, max_queue, max_body, read_timeout, parallel,
-           embedding_model, n_gpu_layers, n_ctx, threads, seed, backend_sampling,
-           chat_template, rpc, tensor_split, rpc_timeout, draft, draft_max, verbose,
-           open_page: bool):
+           embedding_model, seed, open_page: bool, **options):
     try:
         import uvicorn
 
@@ -641,11 +654,8 @@ def _serve(models, more_models, max_loaded, keep_alive, host, port, allow_remote
         click.echo(f"Warning: serving on {host}, reachable from other machines"
                    f"{'' if api_key else ' with no --api-key'}.", err=True)
     port = _free_port(host, port)
-    options = dict(sampler=sampler, n_gpu_layers=n_gpu_layers, n_ctx=n_ctx, threads=threads,
-                   backend_sampling=backend_sampling, chat_template=chat_template, rpc=rpc,
-                   tensor_split=tensor_split, rpc_timeout=rpc_timeout, draft=draft,
-                   draft_max=draft_max)
-    served = [_served(argument, options, parallel=parallel, seed=seed, verbose=verbose)
+    options = dict(options, sampler=sampler)
+    served = [_served(argument, options, parallel=parallel, seed=seed)
               for argument in (*models, *more_models) or _configured_models()]
     _warn_misspelt_tables()
     pool = ModelPool(served, max_loaded=max_loaded, keep_alive=keep_alive,
@@ -670,7 +680,7 @@ def _serve(models, more_models, max_loaded, keep_alive, host, port, allow_remote
     if open_page:
         _open_when_listening(host, port, page)
     uvicorn.run(app, host=host, port=port, http=with_read_timeout(read_timeout),
-                log_level="info" if verbose else "warning")
+                log_level="info" if options["verbose"] else "warning")
 
 
 def _url_host(host: str) -> str:
@@ -841,8 +851,7 @@ def _configured_models() -> list[str]:
     return list(found.values()) or [None]
 
 
-def _served(argument: str | None, options: dict, *, parallel: int, seed: int | None,
-            verbose: bool):
+def _served(argument: str | None, options: dict, *, parallel: int, seed: int | None):
     """One model to serve: its name, its file, its settings (the command line's, else its
     config.toml table's), and how to load it."""
     from .server.pool import ServedModel, served_name, split_named
@@ -851,15 +860,11 @@ def _served(argument: str | None, options: dict, *, parallel: int, seed: int | N
     path = resolve_model(model)
     settings, _ = _settings(model, options)
     template = template_source(settings["chat_template"])  # read once, at the start
+    engine_options = EngineOptions.of(settings)
 
     def load():
-        return load_engine(path, settings["n_gpu_layers"], settings["n_ctx"],
-                           settings["threads"], seed, verbose, settings["backend_sampling"],
-                           parallel=parallel, sampler=settings["sampler"],
-                           chat_template=template, rpc=settings["rpc"],
-                           tensor_split=settings["tensor_split"],
-                           rpc_timeout=options["rpc_timeout"], draft=settings["draft"],
-                           draft_max=settings["draft_max"])
+        return engine_options.load(path, seed=seed, parallel=parallel,
+                                   sampler=settings["sampler"], template=template)
 
     return ServedModel(name or served_name(model or "", path), path, load, settings["sampler"],
                        template)
