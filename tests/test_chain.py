@@ -375,7 +375,7 @@ def test_interrupted_generation_leaves_the_engine_usable(engine):
 
 def without_extra_buffer_types(monkeypatch):
     """Make llama_cpp.Llama load models without repacked/AMX weights, as the Engine does:
-    llama-cpp-python 0.3.36's AMX kernel crashes on the AMX CPUs of our CI (README)."""
+    llama-cpp-python 0.3.36's AMX kernel crashes on the AMX CPUs of our CI (docs/gpu.md)."""
     default_params = llama_cpp.llama_cpp.llama_model_default_params
 
     def params():

@@ -1,5 +1,5 @@
 """Same seed, same reply, whatever the cache holds: a reply is a function of the model, the
-conversation's tokens, the sampler spec and the seed (README, "Reproducibility").
+conversation's tokens, the sampler spec and the seed (docs/performance.md, "Reproducibility").
 
 On the CPU the engine evaluates batch-invariantly (flash attention through its tiled kernel
 for whole prompt chunks and its one-row reference kernel for every other row, no repacked
