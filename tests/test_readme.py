@@ -45,3 +45,8 @@ def test_the_example_runs_as_written(page, index, code, request, monkeypatch):
 
 def test_every_page_with_python_has_its_examples_found():
     assert len([e for e in EXAMPLES if e[0].name == "README.md"]) >= 3
+
+
+def test_the_readme_stays_short():
+    """Read in five minutes: figures and details live in docs/."""
+    assert len((ROOT / "README.md").read_text().splitlines()) <= 300
