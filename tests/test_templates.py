@@ -481,3 +481,19 @@ def test_a_server_stops_a_render_when_its_client_leaves_and_serves_others_meanwh
         leaving.join()
         time.sleep(0.6)  # the client left at 0.6 s; the render's deadline is at 2 s
         assert busy and not set(busy) & set(_children(server_pid))
+
+
+def test_a_renderer_started_ahead_is_the_one_a_render_takes():
+    """Engine starts a renderer while the model loads (about 0.2 s of a command's start)."""
+    from adaptive_llama.runtime import template_process
+    pool = template_process._Pool()
+    pool.prestart()
+    pool.prestart()  # one is starting already: no second
+    ahead = pool.take()  # waits for it, then takes it
+    try:
+        assert pool._idle == [] and ahead.process.poll() is None
+        pool.give(ahead)
+        pool.prestart()  # one is idle: none more
+        assert pool._idle == [ahead] and not pool._starting.is_alive()
+    finally:
+        pool.close()

@@ -45,6 +45,7 @@ from .batching import (  # noqa: F401
     GenerationResult,
     TokenLogprob,
 )
+from . import template_process
 from .chat_template import ChatTemplate
 from .drafting import MAX_DRAFT, ModelDrafter, NgramDrafter
 from .embeddings import Embedder
@@ -206,6 +207,7 @@ class Engine:
         self.seed = None if seed is None else SEED.validate(seed)
         self.backend_sampling = backend_sampling
         self.path: Path = resolve_model(model)
+        template_process.prestart()  # its chat template's renderer starts while it loads
         if self.rpc and n_gpu_layers == 0:
             n_gpu_layers = -1  # workers given to hold nothing would be a mistake
         # Every wait on the workers is bounded: the handshake, the load (restarted by each
