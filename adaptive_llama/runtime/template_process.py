@@ -109,8 +109,12 @@ class _Renderer:
         self.process = subprocess.Popen(
             [sys.executable, "-m", __name__], stdin=subprocess.PIPE,
             stdout=subprocess.PIPE, stderr=subprocess.DEVNULL)
-        ready = self._read(1, time.monotonic() + START_S, lambda: False)
-        if ready != b"R":
+        try:
+            started = self._read(1, time.monotonic() + START_S, lambda: False) == b"R"
+        except (TemplateBudgetError, TemplateRenderError):
+            started = False
+        if not started:
+            self.stop()
             raise TemplateRenderError("the chat template's renderer did not start")
 
     def ask(self, request: bytes, deadline: float, cancelled: Callable[[], bool]) -> dict:

@@ -283,7 +283,7 @@ def _bounded_filter(f):
 
     @functools.wraps(f)
     def bounded(*args, **kwargs):
-        step(1 + sum(_size(v) for v in (*args, *kwargs.values())) // CHARS_A_STEP)
+        step(1 + _given(f, args, kwargs))
         _check_arguments(args, kwargs)
         if signature is not None:
             try:
