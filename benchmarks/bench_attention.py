@@ -36,7 +36,7 @@ from llama_cpp import _internals
 from adaptive_llama import Engine
 from adaptive_llama.eval.timing import PROMPT
 from adaptive_llama.llama import cpu_attention
-from adaptive_llama.runtime.engine import N_BATCH
+from adaptive_llama.runtime.limits import N_BATCH
 
 MODES = ("flash", "off", "reference")
 

@@ -3,23 +3,23 @@
 Three tasks: a code edit (rewrite a 60-line function with one change: the reply copies most
 of its prompt), a summary of a given text, and free chat; three samplers: greedy, adaptive
 at temperature 0.7 and at 1.0. Each is decoded without drafts ("none"), with prompt lookup
-("ngram", the length rule of adaptive_llama.runtime.drafting deciding how much to draft),
-and with prompt lookup drafting ``--draft-max`` tokens at every step whatever they cost
-("ngram-always": what speculation costs where its rule does not hold it back); with
-``--draft-model``, also with that model drafting. Rounds interleave the modes; every reply
-has the same seed in every mode.
+("ngram", the length rule of adaptive_llama.runtime.speculation deciding how much to
+draft), and with prompt lookup drafting a fixed number of tokens at every step where it
+has them ("fixed-1" to "fixed-16": what the rule is measured against); with
+``--draft-model``, also with that model drafting (its rule). Rounds interleave the modes;
+every reply has the same seed in every mode.
 
 One JSON object on stdout: per task and sampler, the median decode tokens/s of each mode,
 its ratio to "none", the share of drafted tokens kept, and whether every mode gave the same
-text as "none" in every round; and what verifying drafts costs: the median time of one
-decode of 1, 2, 4, 8 and 16 rows of one sequence after a 300-token prompt. Run it on a
-quiet machine.
+text as "none" in every round; the rule's speed against the best fixed length ("none"
+counting as length 0) and against no drafts; and what verifying drafts costs: the median
+time of one decode of 1, 2, 4, 8 and 16 rows of one sequence after a 300-token prompt. Run
+it on a quiet machine.
 """
 
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import statistics
 import sys
@@ -28,7 +28,6 @@ import time
 import llama_cpp
 
 from adaptive_llama import Engine
-from adaptive_llama.runtime.drafting import DraftLength
 
 FUNCTION = '''def summarize_orders(orders, tax_rate, discounts, currency="EUR"):
     """Totals per customer, with tax and the best discount each customer may use."""
@@ -114,20 +113,7 @@ TASKS = {
              200),
 }
 SAMPLERS = ["greedy", "adaptive:temp=0.7", "adaptive:temp=1.0"]
-
-
-@contextlib.contextmanager
-def always_draft(on: bool):
-    """Every step drafts as much as it may (``on``), the length rule set aside."""
-    if not on:
-        yield
-        return
-    rule = DraftLength.next_length
-    DraftLength.next_length = lambda self, row_cost: self.n_max
-    try:
-        yield
-    finally:
-        DraftLength.next_length = rule
+FIXED = (1, 2, 4, 8, 16)  # the fixed lengths the rule is measured against
 
 
 def row_costs(engine: Engine, rounds: int = 5) -> dict[str, float]:
@@ -159,6 +145,8 @@ def main():
     parser.add_argument("--model", default="smollm2")
     parser.add_argument("--draft-model", default=None)
     parser.add_argument("--draft-max", type=int, default=16)
+    parser.add_argument("--fixed", default=",".join(map(str, FIXED)),
+                        help="fixed draft lengths to measure the rule against")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--tasks", default=",".join(TASKS))
     parser.add_argument("--threads", type=int, default=None)
@@ -169,7 +157,10 @@ def main():
     engines = {"none": Engine(args.model, reference_attention=True, **options),
                "ngram": Engine(args.model, draft="ngram", draft_max=args.draft_max,
                                **options)}
-    engines["ngram-always"] = engines["ngram"]
+    fixed = {f"fixed-{n}": int(n) for n in args.fixed.split(",")}
+    for mode, n in fixed.items():
+        engines[mode] = Engine(args.model, draft="ngram", draft_max=max(n, 1), **options)
+        engines[mode].decoder.speculation.fixed = n
     if args.draft_model:
         engines["draft-model"] = Engine(args.model, draft=args.draft_model,
                                         draft_max=args.draft_max, **options)
@@ -182,9 +173,8 @@ def main():
             for sampler in SAMPLERS:
                 for mode, engine in engines.items():
                     engine.clear_cache()
-                    with always_draft(mode == "ngram-always"):
-                        result = engine.generate(prompt, chat=True, sampler=sampler,
-                                                 seed=args.seed + r, max_tokens=max_tokens)
+                    result = engine.generate(prompt, chat=True, sampler=sampler,
+                                             seed=args.seed + r, max_tokens=max_tokens)
                     runs[task, sampler, mode].append(result)
     table = {}
     for task in tasks:
@@ -202,12 +192,19 @@ def main():
                     if drafted else None,
                     "drafted_per_reply": round(drafted / len(results), 1),
                     "same_text": all(x.tokens == p.tokens for x, p in zip(results, plain))}
+            best = max(["none", *fixed], key=lambda m: row[m]["ratio"])
+            row["rule"] = {"best_fixed": best,
+                           "vs_best_fixed": round(row["ngram"]["ratio"] / row[best]["ratio"], 3),
+                           "vs_none": row["ngram"]["ratio"]}
             table[f"{task} {sampler}"] = row
     print(json.dumps({"benchmark": "speculative", "model": args.model,
                       "draft_model": args.draft_model, "draft_max": args.draft_max,
                       "threads": engines["none"].threads, "rounds": args.rounds,
                       "attention": engines["none"].attention,
-                      "decode_ms_by_rows": row_costs(engines["none"]), "results": table}))
+                      "decode_ms_by_rows": row_costs(engines["none"]), "results": table,
+                      "rule_worst": {
+                          "vs_best_fixed": min(r["rule"]["vs_best_fixed"] for r in table.values()),
+                          "vs_none": min(r["rule"]["vs_none"] for r in table.values())}}))
 
 
 if __name__ == "__main__":

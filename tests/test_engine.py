@@ -8,7 +8,7 @@ import pytest
 
 from adaptive_llama import Chat, ContextOverflow, Engine, ModelError
 from adaptive_llama.runtime import batching as decoder
-from adaptive_llama.runtime.drafting import shared_prefix
+from adaptive_llama.runtime.prefix import shared_prefix
 from adaptive_llama.runtime.request import InvalidArgument
 from adaptive_llama.samplers import SpecError
 

@@ -31,7 +31,7 @@ from adaptive_llama.endpoints import is_loopback, parse_endpoints
 from adaptive_llama.llama import ggml, rpc
 from adaptive_llama.runtime import config
 from adaptive_llama.runtime.batching import CHUNK
-from adaptive_llama.runtime.drafting import DraftLength, NgramDrafter
+from adaptive_llama.runtime.drafting import NgramDrafter
 from adaptive_llama.runtime.loading import layer_devices
 
 CLI = [sys.executable, "-m", "adaptive_llama.cli"]
@@ -541,10 +541,10 @@ def test_with_workers_drafts_keep_the_text_and_batches_stay_under_a_chunk(
         "The quick brown fox jumps over the lazy dog.", "One, two, three, four, five, six.",
         "Red sky at night, sailor's delight.", "All that glitters is not gold.")]
     alone = engine.generate_batch(prompts, sampler="greedy", max_tokens=40, seed=2)
-    monkeypatch.setattr(DraftLength, "next_length", lambda self, cost: self.n_max)
     drafted = Engine(smollm2_path, seed=1, n_ctx=1024, parallel=4, rpc=workers,
                      draft="ngram", draft_max=31)
-    drafted.decoder.drafter = _FullDrafts()
+    drafted.decoder.speculation.drafter = _FullDrafts()
+    drafted.decoder.speculation.fixed = 31
     rows = generating_batch_rows(monkeypatch)
     try:
         split = drafted.generate_batch(prompts, sampler="greedy", max_tokens=40, seed=2)

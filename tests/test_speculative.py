@@ -1,12 +1,13 @@
 """Speculative decoding: drafts change the speed, never the text.
 
 The decoder verifies a sequence's drafted tokens in one batch and samples the chain at each
-position in turn (adaptive_llama.runtime.drafting). On the CPU the engine computes a row the
+position in turn (adaptive_llama.runtime.speculation). On the CPU the engine computes a row the
 same way whatever the batch (reference flash attention: adaptive_llama.llama.cpu_attention),
 so a reply with speculation is the reply without it, token for token, for every sampler.
 """
 
 import logging
+from types import SimpleNamespace
 
 import llama_cpp
 import numpy as np
@@ -17,7 +18,8 @@ from adaptive_llama import Engine
 from adaptive_llama.llama import cpu_attention, ggml
 from adaptive_llama.runtime import drafting
 from adaptive_llama.runtime.batching import CHUNK
-from adaptive_llama.runtime.drafting import DraftLength, PromptLookup, RowCost
+from adaptive_llama.runtime.drafting import PromptLookup
+from adaptive_llama.runtime.speculation import DraftLength, RowCost, Speculation
 from adaptive_llama.runtime.models import ModelError
 from adaptive_llama.runtime.request import InvalidArgument
 
@@ -40,7 +42,7 @@ def always_draft(monkeypatch):
     """Every round drafts as much as it may (the length rule would often draft nothing for
     a model this small, whose rows cost almost a decode each): what is tested here is that
     whatever is drafted leaves the reply as it was."""
-    monkeypatch.setattr(DraftLength, "next_length", lambda self, cost: self.n_max)
+    monkeypatch.setattr(DraftLength, "next_length", lambda self, costs: self.n_max)
 
 
 @pytest.fixture(scope="module")
@@ -64,7 +66,8 @@ def model_engine(smollm2_path):
     """SmolLM2 drafting for itself: at greedy every draft is kept."""
     engine = Engine(smollm2_path, seed=1, n_ctx=1024, n_gpu_layers=GPU_LAYERS,
                     draft=smollm2_path, draft_max=5)
-    engine.decoder.drafter.p_min = 0.0  # draft whatever the draft model's confidence
+    # draft whatever the draft model's confidence
+    engine.decoder.speculation.drafter.p_min = 0.0
     yield engine
     engine.close()
 
@@ -393,64 +396,144 @@ def test_the_latest_occurrence_wins_and_drafts_may_run_into_the_suffix():
     assert lookup.draft(1) == [6]
 
 
+def linear(c, n_max=16):
+    """Row costs of c decodes for each drafted row."""
+    return c * np.arange(1, n_max + 1)
+
+
 @pytest.mark.parametrize("c", [0.2, 0.5, 0.8])
 def test_one_token_drafts_pay_exactly_when_acceptance_beats_the_row_cost(c):
     # one drafted token yields 1 + a tokens for 1 + c decodes: it pays when a > c
     above, below = DraftLength(n_max=1), DraftLength(n_max=1)
     above.accepted, above.drafted = c + 0.01, 1.0
     below.accepted, below.drafted = c - 0.01, 1.0
-    assert above.next_length(lambda n: c * n) == 1
-    assert below.next_length(lambda n: c * n) == 0
+    assert above.next_length(linear(c)) == 1
+    assert below.next_length(linear(c)) == 0
 
 
 def test_a_draft_that_only_breaks_even_is_not_made():
     even = DraftLength(n_max=1)
     even.accepted, even.drafted = 0.5, 1.0  # 1.5 tokens for 1.5 decodes
-    assert even.next_length(lambda n: 0.5 * n) == 0
+    assert even.next_length(linear(0.5)) == 0
 
 
 def test_probes_come_often_again_once_drafts_pay():
     length = DraftLength(n_max=4)
     length.accepted, length.drafted = 0.0, 10.0
     for _ in range(8 + 16 + 32):  # three probes: the gap has grown to 64
-        length.next_length(lambda n: 0.5 * n)
+        length.next_length(linear(0.5))
     assert length.probe_every == 64
     length.accepted = 10.0
-    assert length.next_length(lambda n: 0.5 * n) > 0  # paying again
+    assert length.next_length(linear(0.5)) > 0  # paying again
     length.accepted = 0.0
-    assert [length.next_length(lambda n: 0.5 * n) for _ in range(8)] == [0] * 7 + [1]
+    assert [length.next_length(linear(0.5)) for _ in range(8)] == [0] * 7 + [1]
+
+
+def test_a_free_drafter_never_probes():
+    length = DraftLength(n_max=4, probes=False)
+    length.accepted, length.drafted = 0.0, 10.0
+    assert not any(length.next_length(linear(0.5)) for _ in range(200))
+
+
+def test_each_positions_rate_is_its_counts_with_two_rounds_at_the_overall_rate():
+    length = DraftLength(n_max=3)
+    length.record(3, 3)
+    length.record(2, 1)
+    # counts decay by 0.9 a round: drafted 2 -> 4.8 -> 6.32, accepted 1 -> 3.9 -> 4.51
+    rate = (0.9 * (0.9 * 1 + 3) + 1) / (0.9 * (0.9 * 2 + 3) + 2)
+    assert length.rate == pytest.approx(rate)
+    reached, kept = [1.9, 1.9, 0.9], [1.9, 0.9, 0.9]
+    rates = [(k + 2 * rate) / (r + 2) for r, k in zip(reached, kept)]
+    assert length.survival() == pytest.approx(np.cumprod(rates))
+
+
+def test_drafts_kept_whole_or_not_at_all_are_judged_by_their_first_token():
+    copies = DraftLength(n_max=16)
+    for _ in range(10):  # every other draft copies 16 tokens, the others miss at once
+        copies.record(1, 0)
+        copies.record(16, 16)
+    pooled = DraftLength(n_max=16)
+    pooled.accepted, pooled.drafted = copies.accepted, copies.drafted
+    # One rate for every position (0.95) would draft 4 at 0.6 decodes a row: 1.32 tokens
+    # per cost; what these drafts yield is about 1 + 0.5 n, which no length pays for.
+    assert pooled.next_length(linear(0.6)) == 4
+    assert copies.next_length(linear(0.6)) <= 1
+    # cheaper rows: copies pay at length, longer than one rate for every position would say
+    assert copies.next_length(linear(0.3)) >= 12 > pooled.next_length(linear(0.3))
 
 
 def test_drafts_grow_with_acceptance_and_stop_when_they_do_not_pay():
     length = DraftLength(n_max=16)
     for _ in range(20):
         length.record(8, 8)
-    assert length.next_length(lambda n: 0.05 * n) == 16
+    assert length.next_length(linear(0.05)) == 16
+    length = DraftLength(n_max=16)
     length.accepted, length.drafted = 0.8, 1.0
     # tokens per cost (1 - 0.8^(n+1)) / 0.2 / (1 + 0.3 n): 1.38, 1.53, 1.55, 1.53 for n 1-4
-    assert length.next_length(lambda n: 0.3 * n) == 3
+    assert length.next_length(linear(0.3)) == 3
     # rows that cost less the more there are, as on a CPU: short drafts do not pay, 16 do
     length.accepted, length.drafted = 0.99, 1.0
-    assert length.next_length(lambda n: 0.95 * n if n < 8 else 5 + 0.2 * (n - 8)) == 16
+    cpu = np.array([0.95 * n if n < 8 else 5 + 0.2 * (n - 8) for n in range(1, 17)])
+    assert length.next_length(cpu) == 16
     for _ in range(40):
         length.record(4, 0)
-    lengths = [length.next_length(lambda n: 0.5 * n) for _ in range(200)]
+    lengths = [length.next_length(linear(0.5)) for _ in range(200)]
     probes = [i for i, n in enumerate(lengths) if n]
     assert set(lengths) == {0, 1}
     gaps = np.diff([-1] + probes)
     assert list(gaps[:4]) == [8, 16, 32, 64] and set(gaps[4:]) == {64}
 
 
+def test_a_free_drafter_counts_acceptance_in_the_shadow_of_steps_that_do_not_draft():
+    speculation = Speculation(drafting.NgramDrafter(), draft_max=4)
+    speculation.start(0, [1, 2, 3, 4, 5, 6, 7, 1, 2, 3])  # 1, 2, 3 came before 4, 5, 6, 7
+    made = []
+    generation = SimpleNamespace(slot=SimpleNamespace(index=0),
+                                 result=SimpleNamespace(tokens=made))
+    length = speculation._sequences[0].length
+
+    def step():
+        assert not speculation.plan([generation], room=8, left=[100]).drafted
+    step()  # no plain step measured yet: nothing is drafted, but 4, 5, 6, 7 in the shadow
+    made += [4, 5]  # two tokens as the shadow had them: not settled yet
+    step()
+    assert not length.reached.any()
+    made.append(9)  # the third differs: three compared, two kept
+    step()
+    assert list(length.reached) == [1, 1, 1, 0] and list(length.kept) == [1, 1, 0, 0]
+    assert length.drafted == pytest.approx(2 * 0.9 + 3)
+    made += [1, 2, 3, 4, 5]  # the shadow drafted after 4, 5, 9 had nothing to propose
+    step()
+    assert list(length.reached) == [1, 1, 1, 0]
+
+
+def test_where_rows_are_cheap_the_rule_drafts_what_the_shadow_found(
+        smollm2_path, engine, monkeypatch):
+    """Rows that cost almost nothing, as on a GPU (the CPU here is made to look like one):
+    drafts that the shadow saw kept start at once, and the reply stays the same."""
+    monkeypatch.setattr(RowCost, "observe", lambda self, seconds, rows: None)
+    drafted = Engine(smollm2_path, seed=1, n_ctx=1024, draft="ngram", draft_max=6)
+    drafted.decoder.speculation.row_cost.step_s.update({1: 0.01, 7: 0.0105})
+    try:
+        result = reply(drafted, QUOTE, "greedy", max_tokens=60)
+    finally:
+        drafted.close()
+    assert result.draft_tokens > 0 and result.draft_accepted > 0
+    assert result.tokens == reply(engine, QUOTE, "greedy", max_tokens=60).tokens
+
+
 def test_the_row_cost_is_what_drafted_rows_add_to_a_step():
     cost = RowCost(prior=0.1)
-    assert cost.extra(2, 4) == pytest.approx(0.4)  # nothing measured: the prior per row
+    # nothing measured for the plain rows: no draft pays until a plain step is measured
+    assert np.isinf(cost.extra(2, 4)).all()
     cost.observe(0.010, rows=2)  # 5 ms a sequence
-    assert cost.extra(2, 4) == pytest.approx(0.4)  # 6 rows not measured: the prior again
+    # past what was measured: the prior per row, 0.1 of a share
+    assert cost.extra(2, 4) == pytest.approx([0.1, 0.2, 0.3, 0.4])
     cost.observe(0.010 + 4 * 0.002, rows=6)
-    assert cost.extra(2, 4) == pytest.approx(1.6)  # 8 ms more, in 5 ms shares
-    assert cost.extra(2, 4, draft_s=0.001) == pytest.approx(2.4)
-    # 4 rows not measured: from the nearest below (2 rows), at the prior per row
-    assert cost.extra(2, 2) == pytest.approx(0.2)
+    # 4 drafted rows: 8 ms more, in 5 ms shares; 2 rows interpolated between 2 and 6 rows;
+    # 6 rows: 18 ms and two more at the prior, 0.5 ms each
+    assert cost.extra(2, 6) == pytest.approx([0.4, 0.8, 1.2, 1.6, 1.7, 1.8])
+    assert cost.extra(2, 4, draft_s=0.001)[3] == pytest.approx(2.4)
     cost.observe(0.020, rows=2)  # a running average: 10 ms + 0.2 * 10 ms
     assert cost.step_s[2] == pytest.approx(0.012)
 
@@ -597,7 +680,7 @@ def test_a_draft_model_stays_on_this_machine_after_another_models_workers(smollm
 
 def test_a_draft_token_outside_the_targets_vocabulary_is_not_drafted(model_engine,
                                                                       monkeypatch):
-    drafter = model_engine.decoder.drafter
+    drafter = model_engine.decoder.speculation.drafter
     state = drafter.start(0, model_engine.prompt_tokens(QUOTE, chat=True))
     assert drafter.draft([(0, state, 4)])[0]  # the same model: tokens it knows
     monkeypatch.setattr(drafter, "target_vocab", 0)  # every id past the target's
@@ -623,16 +706,6 @@ def test_vocabulary_sizes_may_differ_by_128_either_way_and_no_more(engine):
             drafting.check_vocabularies(_Sized(model, n + diff), model, "d.gguf")
 
 
-def test_a_row_count_not_measured_extrapolates_from_the_nearest_below():
-    cost = RowCost(prior=0.1)
-    cost.observe(0.010, rows=2)
-    cost.observe(0.030, rows=4)
-    cost.observe(0.080, rows=8)
-    # 6 rows: 4 rows' 30 ms and two more at the prior (0.1 of a 5 ms share each): 31 ms,
-    # 21 ms over the 2 rows' 10 ms, in 5 ms shares
-    assert cost.extra(2, 4) == pytest.approx(4.2)
-
-
 def test_acceptance_counts_only_the_drafts_the_chain_chose(engine, ngram_engine,
                                                            monkeypatch, always_draft):
     class Wrong(drafting.NgramDrafter):
@@ -641,7 +714,7 @@ def test_acceptance_counts_only_the_drafts_the_chain_chose(engine, ngram_engine,
         def draft(self, wants):
             return [[engine.n_vocab - 1] * n for _, _, n in wants]
 
-    monkeypatch.setattr(ngram_engine.decoder, "drafter", Wrong())
+    monkeypatch.setattr(ngram_engine.decoder.speculation, "drafter", Wrong())
     result = reply(ngram_engine, QUOTE, "adaptive", max_tokens=24)
     assert result.draft_tokens > 0 and result.draft_accepted == 0
     assert result.tokens == reply(engine, QUOTE, "adaptive", max_tokens=24).tokens

@@ -22,7 +22,7 @@ reply generated one at a time: the next turn evaluates them again as prompt. On 
 row that is not part of a whole chunk goes through flash attention's reference kernel
 (``attention_switch``; the engine's default), which computes it the same way in any batch, so
 that a sequence's drafted tokens are verified in one batch without changing a row
-(:mod:`adaptive_llama.runtime.drafting`); with ``reference_attention=False`` flash attention
+(:mod:`adaptive_llama.runtime.speculation`); with ``reference_attention=False`` flash attention
 is off. The generating rows of several sequences share a batch; on the CPU that changes no
 row either way (tests).
 """
@@ -44,8 +44,9 @@ import llama_cpp
 import numpy as np
 
 from ..llama.chain import SamplerChain
-from .drafting import DraftLength, RowCost, shared_prefix
+from .prefix import shared_prefix
 from .request import Request
+from .speculation import DraftRound, Speculation
 from .threads import ThreadTuner
 from .vocab import Vocab
 
@@ -167,8 +168,6 @@ class Generation:
         self.next_token: int | None = None  # sampled, to be decoded in the next step
         self._utf8 = codecs.getincrementaldecoder("utf-8")(errors="replace")
         self._held = ""                     # text that could still begin a stop string
-        self.draft_state = None             # the drafter's view of its tokens (speculation)
-        self.draft_length: DraftLength | None = None
         self._submitted = time.perf_counter()
         self._decode_start: float | None = None
 
@@ -202,10 +201,21 @@ class Decoder:
     """Runs generations in the slots of one llama.cpp context ``ctx`` (a ``llama_context
     *``; see the module docstring); ``vocab`` turns their tokens into text. Not thread-safe:
     one thread adds, steps and cancels.
+
+    ``speculation`` drafts tokens for the generating sequences (None: no drafts);
+    ``attention_switch`` is the reference flash attention of the context's CPU backends (a
+    cpu_attention.Switch; None without it): on for every row a reply's tokens depend on,
+    whose logits must be the same alone or in a batch of drafts; off for whole prompt
+    chunks, which are always evaluated alone and the same way, where the tiled kernel is
+    faster. ``watchdog`` is entered around each step (RPC workers: a Watchdog).
+    ``step_rows`` bounds a step's batch, drafts included (more sequences: several batches);
+    with RPC workers, fewer than CHUNK: a worker tells a whole prompt chunk by its rows
+    (cpu_attention.worker_attention), so no other batch may have as many.
     """
 
     def __init__(self, ctx, vocab: Vocab, n_slots: int, n_ctx_seq: int, n_batch: int,
-                 tuner: ThreadTuner):
+                 tuner: ThreadTuner, *, speculation: Speculation | None = None,
+                 attention_switch=None, watchdog=None, step_rows: int | None = None):
         self._vocab = vocab
         self._ctx = ctx
         self._memory = llama_cpp.llama_get_memory(self._ctx)
@@ -222,21 +232,12 @@ class Decoder:
         self.parallel_from_s = PARALLEL_FROM_S
         self.share_from = SHARE_FROM
         self._chain_s = 0.0  # one chain's CPU time to choose a token, at the last measure
-        self.watchdog = contextlib.nullcontext()  # around each step (RPC workers: a Watchdog)
         self._steps = 0
         self._joins = 0
-        # The reference flash attention of the context's CPU backends (a cpu_attention.Switch;
-        # None without it): on for every row a reply's tokens depend on, whose logits must be
-        # the same alone or in a batch of drafts; off for whole prompt chunks, which are
-        # always evaluated alone and the same way, where the tiled kernel is faster.
-        self.attention_switch = None
-        # Rows of a step's batch at most, drafts included (more sequences: several batches).
-        # With RPC workers, fewer than CHUNK: a worker tells a whole prompt chunk by its rows
-        # (cpu_attention.worker_attention), so no other batch may have as many.
-        self.step_rows = n_batch
-        self.drafter = None  # a drafter of adaptive_llama.runtime.drafting: speculation
-        self.draft_max = 0
-        self.row_cost = RowCost()
+        self.speculation = speculation
+        self.attention_switch = attention_switch
+        self.watchdog = watchdog or contextlib.nullcontext()
+        self.step_rows = step_rows or n_batch
 
     def close(self) -> None:
         for generation in list(self.live):
@@ -266,10 +267,9 @@ class Decoder:
             generation.chain.attach(self._ctx, slot.index)
         generation.todo = self._reuse(slot, prompt)
         generation.slot, slot.generation = slot, generation
-        if self.drafter is not None:
-            generation.draft_state = self.drafter.start(slot.index, prompt)
-            generation.result.drafter = self.drafter.name
-            generation.draft_length = DraftLength(self.draft_max)
+        if self.speculation is not None:
+            self.speculation.start(slot.index, prompt)
+            generation.result.drafter = self.speculation.name
         # live stays in slot order: step() lists the batch in this order
         bisect.insort(self.live, generation, key=lambda g: g.slot.index)
 
@@ -401,80 +401,53 @@ class Decoder:
     def _decode_tokens(self, generating: list[Generation]) -> None:
         """Decode the next token of these sequences (and their drafts) in one batch, then
         choose their next tokens."""
-        drafts = self._drafts(generating)
-        firsts, rows = [], 0
-        for generation, draft in zip(generating, drafts):
-            firsts.append(rows)
-            for j, token in enumerate([generation.next_token, *draft]):
-                self._put(rows + j, token, generation.slot, j, True)
-            rows += 1 + len(draft)
-        self._batch.n_tokens = rows
+        round_ = self._round(generating)
+        for sequence in round_.sequences:
+            generation = sequence.generation
+            for j, token in enumerate([generation.next_token, *sequence.draft]):
+                self._put(sequence.first_row + j, token, generation.slot, j, True)
+        self._batch.n_tokens = round_.rows
         self._attention_for(whole_chunk=False)
         started = time.perf_counter()
         self._decode()
-        if self.drafter is not None:
-            self.row_cost.observe(time.perf_counter() - started, rows)
+        if self.speculation is not None:
+            self.speculation.observe(time.perf_counter() - started, round_.rows)
         for generation in generating:  # the token it fed is in its cache now
             generation.slot.tokens.append(generation.next_token)
             generation.next_token = None
-        if self.drafter is None:
-            self._sample([(g, i) for i, g in enumerate(generating)])
-        else:
-            self._verify(generating, drafts, firsts)
+        self._verify(round_)
 
-    # ---- speculation (adaptive_llama.runtime.drafting) ----
+    def _round(self, generating: list[Generation]) -> DraftRound:
+        """This step's drafts (none without speculation), within the batch, the context
+        window and the tokens each request may still make."""
+        if self.speculation is None:
+            return DraftRound.of(generating, [[] for _ in generating])
+        left = [min(g.request.max_tokens - g.result.completion_tokens,
+                    self.n_ctx_seq - len(g.slot.tokens)) - 2 for g in generating]
+        return self.speculation.plan(generating, self.step_rows - len(generating), left)
 
-    def _drafts(self, generating: list[Generation]) -> list[list[int]]:
-        """Each generating sequence's draft for this step (none without a drafter), within
-        the batch, the context window and the tokens the request may still make."""
-        if self.drafter is None:
-            return [[] for _ in generating]
-        sequences, draft_s = len(generating), self.drafter.draft_s
-
-        def cost(n: int) -> float:
-            return self.row_cost.extra(sequences, n, draft_s)
-
-        room = self.step_rows - len(generating)
-        wants = []
-        for generation in generating:
-            left = min(generation.request.max_tokens - generation.result.completion_tokens,
-                       self.n_ctx_seq - len(generation.slot.tokens)) - 2
-            n = max(0, min(generation.draft_length.next_length(cost), left, room))
-            room -= n
-            wants.append((generation.slot.index, generation.draft_state, n))
-        return self.drafter.draft(wants)
-
-    def _verify(self, generating: list[Generation], drafts: list[list[int]],
-                firsts: list[int]) -> None:
+    def _verify(self, round_: DraftRound) -> None:
         """Sample each sequence's chain at its rows in turn: a drafted token is kept while it
         equals the chain's choice, and the first choice that differs ends its round (it is
         fed in the next step). The cells of the drafts not kept leave the cache."""
         self.tuner.observe()
         decoded = time.perf_counter()
-        kept = [0] * len(generating)     # drafted tokens the chain chose too
-        checked = [0] * len(generating)  # drafted tokens compared (not those after the end)
-        pending = list(range(len(generating)))
+        pending = round_.sequences
         while pending:
-            wants = [(generating[i], firsts[i] + kept[i]) for i in pending]
+            wants = [(s.generation, s.next_row) for s in pending]
             still = []
-            for i, (generation, index), token in zip(pending, wants, self._choose(wants)):
-                self._take(generation, index, token, decoded)
-                if kept[i] == len(drafts[i]):
-                    continue
-                checked[i] += 1
-                if token == drafts[i][kept[i]]:
-                    kept[i] += 1
-                    if not generation.done:
-                        generation.slot.tokens.append(token)  # its cells hold it already
-                        generation.next_token = None
-                        still.append(i)
+            for sequence, (generation, row), token in zip(pending, wants, self._choose(wants)):
+                self._take(generation, row, token, decoded)
+                if sequence.accepts(token) and not generation.done:
+                    generation.slot.tokens.append(token)  # its cells hold it already
+                    generation.next_token = None
+                    still.append(sequence)
             pending = still
-        for generation, n_checked, n_kept in zip(generating, checked, kept):
-            generation.draft_length.record(n_checked, n_kept)
-            generation.result.draft_tokens += n_checked
-            generation.result.draft_accepted += n_kept
-            llama_cpp.llama_memory_seq_rm(self._memory, generation.slot.index,
-                                          len(generation.slot.tokens), -1)
+        if round_.drafted:
+            self.speculation.finish(round_)
+            for sequence in round_.sequences:
+                slot = sequence.generation.slot
+                llama_cpp.llama_memory_seq_rm(self._memory, slot.index, len(slot.tokens), -1)
 
     def _evaluate_prompts(self, room: int) -> None:
         """Evaluate whole chunks of the prompts still to evaluate, lower slots first, up to
@@ -586,8 +559,6 @@ class Decoder:
         stats = generation.chain.last_stats()
         if stats is not None:
             result.token_stats.append(stats)
-        if generation.draft_state is not None:
-            generation.draft_state.extend((token,))
         generation._held += generation._utf8.decode(vocab.piece(token))
         emit, generation._held, hit = split_stop(generation._held, request.stop)
         if emit:
@@ -628,6 +599,8 @@ class Decoder:
         generation.todo = []
         if generation.slot is not None:
             generation.slot.generation = None
+            if self.speculation is not None:
+                self.speculation.end(generation.slot.index)
             if generation.chain.in_graph:  # before the chain is freed
                 generation.chain.detach(self._ctx, generation.slot.index)
         if generation in self.live:

@@ -1,49 +1,30 @@
-"""Drafts for speculative decoding, and how many tokens to draft.
+"""The drafters of speculative decoding (:mod:`adaptive_llama.runtime.speculation`).
 
-The decoder (:mod:`adaptive_llama.runtime.batching`) puts a sequence's drafted tokens in the
-batch after the token it feeds, and samples the target's own chain at each position in turn:
-a draft is kept while it equals the token the chain chose, and the first difference ends the
-round with the chain's token (llama.cpp's rule, common/sampling.cpp). Every token of a reply
-is therefore a sample of the target's chain, drawn with the same random numbers as without
-speculation; where the model computes a row the same way in any batch (the CPU:
-:mod:`adaptive_llama.llama.cpu_attention`), the reply is the same text.
-
-Two drafters propose tokens:
-
-- :class:`PromptLookup` ("ngram"): the tokens that followed the last earlier occurrence of the
-  sequence's last 4, 3 or 2 tokens (the longest found), anywhere in its prompt or reply. No
-  second model: it pays where a reply copies its context (code edits, quotes, summaries,
-  JSON).
+- :class:`NgramDrafter` ("ngram", :class:`PromptLookup`): the tokens that followed the last
+  earlier occurrence of the sequence's last 4, 3 or 2 tokens (the longest found), anywhere
+  in its prompt or reply. No second model: it pays where a reply copies its context (code
+  edits, quotes, summaries, JSON).
 - :class:`ModelDrafter`: a smaller model with the same vocabulary drafts greedily, one
   sequence of its own per slot, and stops where its likeliest token falls below ``p_min``.
-
-:class:`DraftLength` picks each round's length: with ``a`` the sequence's acceptance rate
-(each drafted token kept given the ones before it were) a draft of n tokens yields
-``(1 - a^(n+1)) / (1 - a)`` tokens on average, at a cost of ``1 + c(n)`` single-token
-decodes, ``c(n)`` being what n more rows (and drafting them) add to a step, as measured
-(:class:`RowCost`). It drafts the n that yields most per cost, and none where no draft
-pays; then it still tries a one-token draft after ``PROBE_EVERY`` rounds (then twice as
-many, up to 64), so that it notices when drafts start to pay again.
 """
 
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
 
 import llama_cpp
 import numpy as np
 from llama_cpp import _internals
 
 from ..llama import rpc as ggml_rpc
+from .limits import N_BATCH
 from .loading import load_model
 from .models import ModelError, resolve_model
+from .prefix import shared_prefix
+from .speculation import average
 
 NGRAM_SIZES = (4, 3, 2)  # longest first: a longer match predicts better
-MAX_DRAFT = 16           # tokens per round at most (llama.cpp's --draft-max default)
 P_MIN = 0.75             # a draft model stops below this probability (llama.cpp's default)
-PROBE_EVERY = 8          # rounds between one-token drafts while drafting does not pay,
-MAX_PROBE_EVERY = 64     # doubling after each probe up to this
 # llama.cpp's compatibility rule for a draft model (common/speculative.cpp): vocabularies of
 # the same type and special tokens, sizes at most this far apart, the same text for every
 # token from id 5 on.
@@ -78,87 +59,12 @@ class PromptLookup:
         return []
 
 
-@dataclass
-class DraftLength:
-    """How many tokens one sequence drafts next (see the module docstring)."""
-
-    n_max: int = MAX_DRAFT
-    drafted: float = 2.0    # decaying counts: a prior of one kept in two
-    accepted: float = 1.0
-    idle_rounds: int = 0    # rounds without a draft since the last one
-    probe_every: int = PROBE_EVERY
-
-    DECAY = 0.9  # each round's counts weigh this much less in the next
-
-    @property
-    def rate(self) -> float:
-        return self.accepted / self.drafted
-
-    def next_length(self, cost) -> int:
-        """The draft length that yields most tokens per cost, ``cost(n)`` being what n drafted
-        rows add to a step, relative to decoding one token. Where none pays, a one-token
-        probe now and then, less often while probes keep failing."""
-        a = min(self.rate, 0.999)
-        best, best_yield = 0, 1.0
-        for n in range(1, self.n_max + 1):
-            per_cost = (1 - a ** (n + 1)) / (1 - a) / (1 + cost(n))
-            if per_cost > best_yield:
-                best, best_yield = n, per_cost
-        if best:
-            self.probe_every = PROBE_EVERY
-            return best
-        self.idle_rounds += 1
-        if self.idle_rounds < self.probe_every:
-            return 0
-        self.idle_rounds = 0
-        self.probe_every = min(self.probe_every * 2, MAX_PROBE_EVERY)
-        return 1
-
-    def record(self, drafted: int, accepted: int) -> None:
-        if drafted:
-            self.drafted = self.drafted * self.DECAY + drafted
-            self.accepted = self.accepted * self.DECAY + accepted
-
-
-class RowCost:
-    """What drafted rows add to a decode step, from running averages of the step's time by
-    its number of rows. A row count not measured yet is guessed optimistically (each row
-    more at ``prior`` of a sequence's share of the nearest measured step), so that a length
-    that could pay gets tried once and measured: on a CPU bound by arithmetic 16 rows cost
-    about 10 single-row decodes, on a GPU not much more than one."""
-
-    def __init__(self, prior: float = 0.1):
-        self.step_s: dict[int, float] = {}  # rows in the step -> seconds, running average
-        self.prior = prior
-
-    def observe(self, seconds: float, rows: int) -> None:
-        self.step_s[rows] = _average(self.step_s.get(rows), seconds)
-
-    def extra(self, sequences: int, drafted: int, draft_s: float = 0.0) -> float:
-        """What ``drafted`` more rows (and drafting them, ``draft_s`` seconds each) add to a
-        step of ``sequences`` single rows, in units of one sequence's share of that step."""
-        plain = self.step_s.get(sequences)
-        if plain is None:
-            return self.prior * drafted
-        share = plain / sequences
-        return (self._time(sequences + drafted, share) - plain + drafted * draft_s) / share
-
-    def _time(self, rows: int, share: float) -> float:
-        if rows in self.step_s:
-            return self.step_s[rows]
-        below = max(r for r in self.step_s if r < rows)
-        return self.step_s[below] + self.prior * share * (rows - below)
-
-
-def _average(old: float | None, new: float, weight: float = 0.2) -> float:
-    return new if old is None else old + weight * (new - old)
-
-
 class NgramDrafter:
     """Prompt lookup for every sequence (nothing to load)."""
 
     name = "ngram"
     draft_s = 0.0  # seconds per drafted token: a dictionary lookup
+    free = True    # so it drafts in the shadow of steps that do not draft too
 
     def start(self, slot: int, tokens: list[int]) -> PromptLookup:
         return PromptLookup(tokens)
@@ -174,6 +80,8 @@ class NgramDrafter:
 class ModelDrafter:
     """A smaller model drafts greedily, a sequence of its own context per slot."""
 
+    free = False  # each drafted token is a decode of the draft model
+
     def __init__(self, model, target, *, n_slots: int, n_ctx_seq: int, threads: int,
                  p_min: float = P_MIN):
         self.path = resolve_model(model)
@@ -187,7 +95,7 @@ class ModelDrafter:
             params.n_ctx = n_ctx_seq * n_slots
             params.n_seq_max = n_slots
             params.kv_unified = False
-            params.n_batch = params.n_ubatch = min(512, params.n_ctx)
+            params.n_batch = params.n_ubatch = min(N_BATCH, params.n_ctx)
             params.n_threads = params.n_threads_batch = threads
             params.no_perf = True
             try:
@@ -246,7 +154,7 @@ class ModelDrafter:
             live = picked
         made = sum(map(len, drafts))
         if made:
-            self.draft_s = _average(self.draft_s or None, (time.perf_counter() - started) / made)
+            self.draft_s = average(self.draft_s or None, (time.perf_counter() - started) / made)
         return drafts
 
     def _catch_up(self, slot: int, tokens: list[int]) -> None:
@@ -319,18 +227,3 @@ def check_vocabularies(draft, target, name: str) -> None:
     if problem:
         raise ModelError(f"the draft model {name} cannot draft for this model: {problem}; "
                          "use a smaller model of the same family (the same tokenizer)")
-
-
-def shared_prefix(a: list[int], b: list[int]) -> int:
-    """How many tokens ``a`` and ``b`` share at the start. A binary search over slice
-    comparisons (run in C): prompts run to thousands of tokens, and each step compares them."""
-    low, high = 0, min(len(a), len(b))  # a[:low] == b[:low]; the answer is at most high
-    if a[:high] == b[:high]:
-        return high
-    while high - low > 1:
-        middle = (low + high) // 2
-        if a[:middle] == b[:middle]:
-            low = middle
-        else:
-            high = middle
-    return low

@@ -47,13 +47,14 @@ from .batching import (  # noqa: F401
 )
 from . import template_process
 from .chat_template import ChatTemplate
-from .drafting import MAX_DRAFT, ModelDrafter, NgramDrafter
+from .drafting import ModelDrafter, NgramDrafter
 from .embeddings import Embedder
 from .gguf_header import quantization_name
-from .limits import MAX_CTX, MAX_THREADS
+from .limits import MAX_CTX, MAX_THREADS, N_BATCH
 from .loading import layer_devices, load_model, set_llama_log
 from .models import ModelError, resolve_model
 from .request import ContextOverflow, InvalidArgument, Request, check_int, check_shares
+from .speculation import MAX_DRAFT, Speculation
 from .threads import ThreadTuner, default_threads
 from .vocab import Vocab
 
@@ -68,7 +69,6 @@ class _NoWatchdog(contextlib.nullcontext):
 
 
 _NO_WATCHDOG = _NoWatchdog()
-N_BATCH = 512   # tokens per llama_decode call at most (prompt chunks and generating rows)
 
 __all__ = ["ContextOverflow", "Engine", "GenerationResult", "InvalidArgument", "Request",
            "Stream", "set_llama_log"]
@@ -222,11 +222,12 @@ class Engine:
             threads = n_threads or default_threads()
             self._context = self._new_context(requested, threads, verbose)
             self.ctx = self._context.ctx  # the llama_context *, for llama.cpp calls
-        self.decoder = self._decoder(threads, adaptive=n_threads is None, watchdog=watchdog)
+        speculation = (self._speculation(draft, draft_max, threads, watchdog)
+                       if draft is not None else None)
+        self.decoder = self._decoder(threads, adaptive=n_threads is None, watchdog=watchdog,
+                                     speculation=speculation)
         if backend_sampling:
             self.backend_sampling = self._graph_can_sample()
-        if draft is not None:
-            self._speculate(draft, draft_max, threads)
         self.metadata = self._model.metadata()
         self._specials: tuple[re.Pattern | None, dict[str, int]] | None = None
         self.chat_template = self._chat_template(chat_template)
@@ -258,26 +259,34 @@ class Engine:
         self.vocab = Vocab(self._model)
         self.n_vocab = self.vocab.n_vocab
 
-    def _decoder(self, threads: int, adaptive: bool, watchdog) -> Decoder:
-        decoder = Decoder(self.ctx, self.vocab, self.parallel, self.n_ctx,
-                          min(N_BATCH, self.n_ctx * self.parallel),
-                          ThreadTuner(self.ctx, threads, adaptive=adaptive))
-        decoder.attention_switch = self._attention_switch
-        if self.rpc:
-            decoder.watchdog = watchdog
-            if self.attention == "reference":  # the workers' rule (cpu_attention)
-                decoder.step_rows = min(decoder.step_rows, CHUNK - 1)
-        return decoder
+    def _decoder(self, threads: int, adaptive: bool, watchdog,
+                 speculation: Speculation | None) -> Decoder:
+        n_batch = min(N_BATCH, self.n_ctx * self.parallel)
+        # the workers' rule (cpu_attention): no batch but a whole prompt chunk has CHUNK rows
+        workers_rule = self.rpc and self.attention == "reference"
+        return Decoder(self.ctx, self.vocab, self.parallel, self.n_ctx, n_batch,
+                       ThreadTuner(self.ctx, threads, adaptive=adaptive),
+                       speculation=speculation, attention_switch=self._attention_switch,
+                       watchdog=watchdog if self.rpc else None,
+                       step_rows=min(n_batch, CHUNK - 1) if workers_rule else None)
 
-    def _speculate(self, draft, draft_max: int, threads: int) -> None:
-        self.decoder.drafter = self._drafter(draft, threads)
-        self.decoder.draft_max = draft_max
+    def _speculation(self, draft, draft_max: int, threads: int, watchdog) -> Speculation:
+        try:
+            drafter = NgramDrafter() if str(draft) == "ngram" else ModelDrafter(
+                draft, self._model, n_slots=self.parallel, n_ctx_seq=self.n_ctx,
+                threads=threads)
+        except BaseException as exc:
+            self._close_context(watchdog)  # the engine so far: no decoder yet
+            if isinstance(exc, ModelError) and not str(exc).startswith("the draft model"):
+                raise ModelError(f"the draft model: {exc}") from None
+            raise
         if self.attention != "reference":
             log.warning("with drafts, a reply may differ from the same seed's reply "
                         "without them where two tokens nearly tie: %s computes a row "
                         "otherwise in a batch (docs/performance.md)",
                         "this GPU" if self.n_gpu_layers else "attention without llama.cpp's "
                         "reference kernel")
+        return Speculation(drafter, draft_max)
 
     @staticmethod
     def _endpoints(value) -> list[str]:
@@ -352,23 +361,11 @@ class Engine:
                 "memory for its cache?): use a smaller n_ctx (--ctx), or 0 for the model's "
                 f"own ({exc})") from None
 
-    def _drafter(self, draft, threads: int):
-        if str(draft) == "ngram":
-            return NgramDrafter()
-        try:
-            return ModelDrafter(draft, self._model, n_slots=self.parallel,
-                                n_ctx_seq=self.n_ctx, threads=threads)
-        except BaseException as exc:
-            self.close()  # the engine so far: no drafter yet
-            if isinstance(exc, ModelError) and not str(exc).startswith("the draft model"):
-                raise ModelError(f"the draft model: {exc}") from None
-            raise
-
     @property
     def draft(self) -> str | None:
         """What drafts for speculative decoding: "ngram", the draft model's file, or None."""
-        drafter = self.decoder.drafter
-        return drafter.name if drafter is not None else None
+        speculation = self.decoder.speculation
+        return speculation.name if speculation is not None else None
 
     def _graph_can_sample(self) -> bool:
         """Whether the output device runs the adaptive chain in the graph (a trial attach)."""
@@ -736,11 +733,14 @@ class Engine:
     def close(self) -> None:
         if self._embedder is not None:
             self._embedder.close()
-        if self.decoder.drafter is not None:
-            self.decoder.drafter.close()
+        if self.decoder.speculation is not None:
+            self.decoder.speculation.close()
         self.decoder.close()
+        self._close_context(self.decoder.watchdog)
+
+    def _close_context(self, watchdog) -> None:
         if self.rpc:
-            self.decoder.watchdog.stop()
+            watchdog.stop()
         self._context.close()
         self._model.close()
 

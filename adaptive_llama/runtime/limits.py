@@ -11,3 +11,4 @@ MAX_THREADS = 512
 MAX_CTX = 2**24
 MAX_DEVICES = 16  # llama.cpp's LLAMA_MAX_DEVICES: settings are checked against it without
 # loading llama.cpp; the engine checks the loaded build's own (llama_max_devices)
+N_BATCH = 512  # tokens per llama_decode call at most (prompt chunks and generating rows)

@@ -1,0 +1,322 @@
+"""Speculative decoding's state: the drafter, what rows cost, each sequence's drafts and how
+long they are, and each step's round of drafts.
+
+The decoder (:mod:`adaptive_llama.runtime.batching`) puts a sequence's drafted tokens in the
+batch after the token it feeds, and samples the target's own chain at each position in turn:
+a draft is kept while it equals the token the chain chose, and the first difference ends the
+round with the chain's token (llama.cpp's rule, common/sampling.cpp). Every token of a reply
+is therefore a sample of the target's chain, drawn with the same random numbers as without
+speculation; where the model computes a row the same way in any batch (the CPU:
+:mod:`adaptive_llama.llama.cpu_attention`), the reply is the same text. The drafters are in
+:mod:`adaptive_llama.runtime.drafting`.
+
+**How long a draft is** (:class:`DraftLength`). A draft of n tokens yields ``1 + S(1) + ... +
+S(n)`` tokens on average, ``S(j)`` being the chance that its first j tokens are all kept;
+it costs ``1 + c(n)`` single-token decodes, ``c(n)`` being what n more rows (and drafting
+them) add to a step, as measured (:class:`RowCost`). Each sequence drafts the n that yields
+most per cost, and none where no draft pays. ``S(j)`` is the product of the rates ``h(i)``
+at which the i-th drafted token was kept given the ones before it were, counted per
+position with recent rounds weighing more: drafts that copy a passage tend to be kept
+whole once their first tokens are, which one rate for every position would miss.
+
+**Acceptance without paying for it.** A drafter whose drafts cost nothing worth counting
+(prompt lookup) also drafts in the shadow of steps that do not draft: the draft is compared
+with the tokens the sequence then makes, which are the tokens verification would have
+chosen, so the rates stay current while nothing is drafted. A drafter that costs (a draft
+model) instead drafts one token after ``PROBE_EVERY`` idle rounds (then twice as many, up
+to 64), so that it notices when drafts start to pay again.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Protocol
+
+import numpy as np
+
+from .prefix import shared_prefix
+
+MAX_DRAFT = 16           # tokens per round at most (llama.cpp's --draft-max default)
+PROBE_EVERY = 8          # rounds between one-token drafts while drafting does not pay,
+MAX_PROBE_EVERY = 64     # doubling after each probe up to this
+POSITION_WEIGHT = 2.0    # a position's own rate weighs in after this many rounds reached it
+
+
+class DraftState(Protocol):
+    """A drafter's view of one sequence: its tokens so far."""
+
+    tokens: list[int]
+
+    def extend(self, tokens: list[int]) -> None: ...
+
+
+class Drafter(Protocol):
+    """What proposes tokens for speculation (:mod:`adaptive_llama.runtime.drafting`)."""
+
+    name: str      # "ngram" or the draft model's file
+    draft_s: float  # seconds per drafted token, as measured (0 for a lookup)
+    free: bool     # whether drafting costs nothing worth counting (shadow drafts)
+
+    def start(self, slot: int, tokens: list[int]) -> DraftState:
+        """The state of a sequence that starts in ``slot`` with ``tokens``."""
+
+    def draft(self, wants: list[tuple[int, DraftState, int]]) -> list[list[int]]:
+        """Drafts for (slot, state, tokens wanted) of several sequences."""
+
+    def close(self) -> None: ...
+
+
+@dataclass
+class SequenceDraft:
+    """One sequence's part of a round: the token it feeds at batch row ``first_row``, its
+    drafted tokens in the rows after it, and how verification went."""
+
+    generation: object     # a batching.Generation
+    draft: list[int]
+    first_row: int
+    kept: int = 0          # drafted tokens the chain chose too
+    checked: int = 0       # drafted tokens compared (not those after the first difference)
+
+    @property
+    def rows(self) -> int:
+        return 1 + len(self.draft)
+
+    @property
+    def next_row(self) -> int:
+        """The batch row whose logits choose the sequence's next token."""
+        return self.first_row + self.kept
+
+    def accepts(self, token: int) -> bool:
+        """Compare the chain's choice with the next drafted token: whether it was kept (the
+        sequence's next token then comes from the next row)."""
+        if self.kept == len(self.draft):
+            return False
+        self.checked += 1
+        if token != self.draft[self.kept]:
+            return False
+        self.kept += 1
+        return True
+
+
+@dataclass
+class DraftRound:
+    """One step's batch of sequences and their drafts (as vLLM's SpecDecodeMetadata)."""
+
+    sequences: list[SequenceDraft]
+
+    @classmethod
+    def of(cls, generating: list, drafts: list[list[int]]) -> "DraftRound":
+        sequences, row = [], 0
+        for generation, draft in zip(generating, drafts):
+            sequences.append(SequenceDraft(generation, draft, row))
+            row += 1 + len(draft)
+        return cls(sequences)
+
+    @property
+    def rows(self) -> int:
+        return sum(s.rows for s in self.sequences)
+
+    @property
+    def drafted(self) -> bool:
+        return any(s.draft for s in self.sequences)
+
+
+@dataclass
+class DraftLength:
+    """How many tokens one sequence drafts next (see the module docstring)."""
+
+    n_max: int = MAX_DRAFT
+    probes: bool = True     # one-token probes while drafts do not pay (drafters that cost)
+    # decaying counts over every position: a prior of one kept in two
+    drafted: float = 2.0
+    accepted: float = 1.0
+    reached: np.ndarray = field(default=None)  # per position j: rounds that checked it
+    kept: np.ndarray = field(default=None)     # of them, those that kept it
+    idle_rounds: int = 0    # rounds without a draft since the last one
+    probe_every: int = PROBE_EVERY
+
+    DECAY = 0.9  # each round's counts weigh this much less in the next
+
+    def __post_init__(self):
+        self.reached = np.zeros(self.n_max)
+        self.kept = np.zeros(self.n_max)
+
+    @property
+    def rate(self) -> float:
+        """The share of drafted tokens kept, over every position."""
+        return self.accepted / self.drafted
+
+    def survival(self) -> np.ndarray:
+        """S(j) for j = 1..n_max: the chance that a draft's first j tokens are all kept. Each
+        position's rate is its own counts with POSITION_WEIGHT rounds at the overall rate."""
+        rates = (self.kept + POSITION_WEIGHT * self.rate) / (self.reached + POSITION_WEIGHT)
+        return np.cumprod(np.minimum(rates, 1.0))
+
+    def next_length(self, costs: np.ndarray) -> int:
+        """The draft length that yields most tokens per cost, ``costs[n - 1]`` being what n
+        drafted rows add to a step, relative to decoding one token (at least ``n_max``
+        entries). Where none pays: nothing, or for a drafter that costs, a one-token probe
+        now and then, less often while probes keep failing."""
+        expected = 1.0 + np.cumsum(self.survival())
+        per_cost = expected / (1.0 + costs[:self.n_max])
+        best = int(per_cost.argmax())
+        if per_cost[best] > 1.0:
+            self.probe_every = PROBE_EVERY
+            return best + 1
+        if not self.probes:
+            return 0
+        self.idle_rounds += 1
+        if self.idle_rounds < self.probe_every:
+            return 0
+        self.idle_rounds = 0
+        self.probe_every = min(self.probe_every * 2, MAX_PROBE_EVERY)
+        return 1
+
+    def record(self, checked: int, kept: int) -> None:
+        """A round that compared ``checked`` drafted tokens and kept the first ``kept``."""
+        if not checked:
+            return
+        self.drafted = self.drafted * self.DECAY + checked
+        self.accepted = self.accepted * self.DECAY + kept
+        self.reached *= self.DECAY
+        self.kept *= self.DECAY
+        self.reached[:checked] += 1
+        self.kept[:kept] += 1
+
+
+class RowCost:
+    """What drafted rows add to a decode step, from running averages of the step's time by
+    its number of rows. A row count not measured is interpolated between the nearest
+    measured ones; past the largest, guessed optimistically (each row more at ``prior`` of
+    a sequence's share of that step), so that a length that could pay gets tried once and
+    measured: on a CPU bound by arithmetic 16 rows cost about 10 single-row decodes, on a
+    GPU not much more than one. Until a step of the plain rows was measured, drafts are
+    taken to cost without bound: that step comes first."""
+
+    def __init__(self, prior: float = 0.1):
+        self.step_s: dict[int, float] = {}  # rows in the step -> seconds, running average
+        self.prior = prior
+
+    def observe(self, seconds: float, rows: int) -> None:
+        self.step_s[rows] = average(self.step_s.get(rows), seconds)
+
+    def extra(self, sequences: int, n_max: int, draft_s: float = 0.0) -> np.ndarray:
+        """What 1, 2, ..., ``n_max`` more rows (and drafting them, ``draft_s`` seconds each)
+        add to a step of ``sequences`` single rows, in units of one sequence's share of that
+        step."""
+        drafted = np.arange(1, n_max + 1)
+        plain = self.step_s.get(sequences)
+        if plain is None:
+            return np.full(n_max, np.inf)
+        share = plain / sequences
+        return (self._time(sequences + drafted, share) - plain + drafted * draft_s) / share
+
+    def _time(self, rows: np.ndarray, share: float) -> np.ndarray:
+        measured = sorted(self.step_s)
+        seconds = [self.step_s[r] for r in measured]
+        beyond = np.maximum(rows - measured[-1], 0)
+        return np.interp(rows, measured, seconds) + self.prior * share * beyond
+
+
+def average(old: float | None, new: float, weight: float = 0.2) -> float:
+    return new if old is None else old + weight * (new - old)
+
+
+@dataclass
+class _Sequence:
+    """Speculation's record of one generating sequence."""
+
+    state: DraftState
+    length: DraftLength
+    made: int = 0                 # of the generation's tokens, those the state holds
+    shadow: list[int] = field(default_factory=list)  # a draft not made, to compare
+    shadow_from: int = 0          # the generation's token count when it was drafted
+
+
+class Speculation:
+    """Drafting for a decoder: the drafter, the cost of rows, and each sequence's draft
+    state and length rule (see the module docstring). ``fixed`` (benchmarks) sets aside the
+    length rule: every round then drafts that many tokens where the drafter has them."""
+
+    def __init__(self, drafter: Drafter, draft_max: int = MAX_DRAFT):
+        self.drafter = drafter
+        self.draft_max = draft_max
+        self.row_cost = RowCost()
+        self.fixed: int | None = None
+        self._sequences: dict[int, _Sequence] = {}  # by the generation's slot
+
+    @property
+    def name(self) -> str:
+        return self.drafter.name
+
+    def start(self, slot: int, prompt: list[int]) -> None:
+        """A sequence starts in ``slot`` with ``prompt``."""
+        self._sequences[slot] = _Sequence(self.drafter.start(slot, prompt),
+                                          DraftLength(self.draft_max,
+                                                      probes=not self.drafter.free))
+
+    def end(self, slot: int) -> None:
+        self._sequences.pop(slot, None)
+
+    def observe(self, seconds: float, rows: int) -> None:
+        """A decode step of ``rows`` rows took ``seconds``."""
+        self.row_cost.observe(seconds, rows)
+
+    def plan(self, generating: list, room: int, left: list[int]) -> DraftRound:
+        """This step's round: a draft for each generating sequence, at most ``room`` drafted
+        tokens in all and ``left[i]`` for the i-th sequence."""
+        costs = self.row_cost.extra(len(generating), self.draft_max, self.drafter.draft_s)
+        wants = []
+        for generation, limit in zip(generating, left):
+            record = self._caught_up(generation)
+            n = self.fixed if self.fixed is not None else record.length.next_length(costs)
+            n = max(0, min(n, limit, room))
+            room -= n
+            wants.append((generation.slot.index, record.state, n))
+        drafts = self.drafter.draft(wants)
+        if self.drafter.free:
+            self._shadow(generating, drafts)
+        return DraftRound.of(generating, drafts)
+
+    def _caught_up(self, generation) -> _Sequence:
+        """The sequence's record, its state given the tokens made since the last round."""
+        record = self._sequences[generation.slot.index]
+        made = generation.result.tokens
+        if record.made < len(made):
+            record.state.extend(made[record.made:])
+            record.made = len(made)
+        return record
+
+    def _shadow(self, generating: list, drafts: list[list[int]]) -> None:
+        """For each sequence that drafts nothing this round: settle its shadow draft against
+        the tokens made since, and once settled, draft the next one unseen."""
+        for generation, draft in zip(generating, drafts):
+            record = self._sequences[generation.slot.index]
+            if draft:
+                record.shadow = []
+                continue
+            if record.shadow:
+                made = generation.result.tokens[record.shadow_from:]
+                kept = shared_prefix(record.shadow, made)
+                if kept == len(made) and kept < len(record.shadow):
+                    continue  # every token so far agrees: not settled yet
+                record.length.record(min(kept + 1, len(record.shadow)), kept)
+            (record.shadow,) = self.drafter.draft(
+                [(generation.slot.index, record.state, record.length.n_max)])
+            record.shadow_from = len(generation.result.tokens)
+
+    def finish(self, round_: DraftRound) -> None:
+        """After verification: each sequence's counts."""
+        for sequence in round_.sequences:
+            if not sequence.draft:
+                continue
+            generation = sequence.generation
+            record = self._sequences.get(generation.slot.index)
+            if record is not None:
+                record.length.record(sequence.checked, sequence.kept)
+            generation.result.draft_tokens += sequence.checked
+            generation.result.draft_accepted += sequence.kept
+
+    def close(self) -> None:
+        self.drafter.close()
+
