@@ -36,6 +36,15 @@ def engine(smollm2_path):
     eng.close()
 
 
+@pytest.fixture(scope="session")
+def reasoning_model(tmp_path_factory):
+    """A tiny model with DeepSeek-R1-Distill-Qwen's tokenizer and template that answers any
+    chat "<think>\nLet me think</think>\n\nHello!" (tests/reasoning_model.py)."""
+    import reasoning_model
+
+    return reasoning_model.write(tmp_path_factory.mktemp("models") / "tiny-r1.gguf")
+
+
 def generating_batch_rows(monkeypatch) -> list[int]:
     """The rows of every batch the decoders decode for generating sequences (a token each,
     and their drafts), prompt chunks left out: appended to the list returned, as they run."""

@@ -45,6 +45,7 @@ import numpy as np
 
 from ..llama.chain import SamplerChain
 from .prefix import shared_prefix
+from .reasoning import THINKING, ThinkingSplitter, Thought
 from .request import Request
 from .speculation import DraftRound, Speculation
 from .threads import ThreadTuner
@@ -98,6 +99,9 @@ class GenerationResult:
     prompt_eval_s: float = 0.0
     time_to_first_token_s: float = 0.0
     decode_s: float = 0.0
+    thinks: bool = False          # a reasoning model's reply, its thinking split off:
+    reasoning: str = ""           # the thinking, apart from ``text``
+    reasoning_tokens: int = 0     # the tokens of the thinking (its tags included)
     drafter: str = ""             # speculation: "ngram" or the draft model's file, else ""
     draft_tokens: int = 0         # drafted tokens the sampler checked (not those after the end)
     draft_accepted: int = 0       # of them, those it chose too
@@ -143,15 +147,19 @@ class GenerationResult:
         return out
 
     def as_dict(self) -> dict:
-        return {"text": self.text, "prompt_tokens": self.prompt_tokens,
+        thinking = ({"reasoning": self.reasoning, "reasoning_tokens": self.reasoning_tokens}
+                    if self.thinks else {})
+        return {"text": self.text, **thinking, "prompt_tokens": self.prompt_tokens,
                 "prompt_eval_s": round(self.prompt_eval_s, 4), **self.summary()}
 
 
 class Generation:
     """One sequence being generated: its request, its chain, and the result it fills.
 
-    Text appears in ``pieces`` as it is made (take it with :meth:`take`); ``done`` once it
-    has finished, whatever the reason. The generation owns its chain and closes it.
+    Text appears in ``pieces`` as it is made (take it with :meth:`take`), a reasoning model's
+    thinking as :class:`~.reasoning.Thought` pieces when the request splits it off;
+    ``done`` once it has finished, whatever the reason. The generation owns its chain and
+    closes it.
     """
 
     def __init__(self, request: Request, chain: SamplerChain):
@@ -168,6 +176,8 @@ class Generation:
         self.next_token: int | None = None  # sampled, to be decoded in the next step
         self._utf8 = codecs.getincrementaldecoder("utf-8")(errors="replace")
         self._held = ""                     # text that could still begin a stop string
+        self.splitter = ThinkingSplitter(request.thinking) if request.thinking else None
+        self.result.thinks = self.splitter is not None
         self._submitted = time.perf_counter()
         self._decode_start: float | None = None
 
@@ -559,7 +569,10 @@ class Decoder:
         stats = generation.chain.last_stats()
         if stats is not None:
             result.token_stats.append(stats)
-        generation._held += generation._utf8.decode(vocab.piece(token))
+        text = generation._utf8.decode(vocab.piece(token))
+        if generation.splitter is not None:
+            text = self._split_thinking(generation, text, counts=True)
+        generation._held += text
         emit, generation._held, hit = split_stop(generation._held, request.stop)
         if emit:
             result.text += emit
@@ -570,6 +583,26 @@ class Decoder:
                 or len(generation.slot.tokens) + 1 >= self.n_ctx_seq):
             return self._finish(generation, "length")
         generation.next_token = token
+
+    @staticmethod
+    def _split_thinking(generation: Generation, text: str, counts: bool = False,
+                        final: bool = False) -> str:
+        """The answer's part of the text of a token (``counts``: a reasoning token when it
+        was or opened the thinking) or, ``final``, of what the reply held back at its end;
+        the thinking's part goes to the result and the pieces."""
+        splitter, result = generation.splitter, generation.result
+        was_thinking = splitter.thinking
+        parts = splitter.feed(text) + (splitter.finish() if final else [])
+        if counts and (was_thinking or splitter.thinking):
+            result.reasoning_tokens += 1
+        answer = []
+        for phase, part in parts:
+            if phase == THINKING:
+                result.reasoning += part
+                generation.pieces.append(Thought(part))
+            else:
+                answer.append(part)
+        return "".join(answer)
 
     def _logprob(self, index: int, token: int, n_top: int) -> TokenLogprob:
         """From the logits the model gave at batch ``index`` (the chain works on a copy)."""
@@ -588,7 +621,10 @@ class Decoder:
         result = generation.result
         result.finish_reason = reason
         if reason != "interrupted":
-            tail = generation._held + generation._utf8.decode(b"", final=True)
+            tail = generation._utf8.decode(b"", final=True)
+            if generation.splitter is not None:
+                tail = self._split_thinking(generation, tail, final=True)
+            tail = generation._held + tail
             if reason != "stop_string" and tail:
                 result.text += tail
                 generation.pieces.append(tail)

@@ -21,6 +21,7 @@ generates for many prompts at once.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import math
 import re
@@ -51,6 +52,7 @@ from .drafting import ModelDrafter, NgramDrafter
 from .embeddings import Embedder
 from .gguf_header import quantization_name
 from .limits import MAX_CTX, MAX_THREADS, N_BATCH
+from .reasoning import ThinkingFormat
 from .loading import layer_devices, load_model, set_llama_log
 from .models import ModelError, resolve_model
 from .request import ContextOverflow, InvalidArgument, Request, check_int, check_shares
@@ -231,6 +233,7 @@ class Engine:
         self.metadata = self._model.metadata()
         self._specials: tuple[re.Pattern | None, dict[str, int]] | None = None
         self.chat_template = self._chat_template(chat_template)
+        self.thinking = self._thinking_format()
 
     def _load(self, n_gpu_layers: int, tensor_split: list[float] | None, verbose: bool,
               watchdog) -> None:
@@ -435,6 +438,31 @@ class Engine:
             bos=self.piece(self._model.token_bos(), special=True).decode("utf-8", "replace"),
             specials=lambda: self._special_tokens()[0], origin=origin)
 
+    def _thinking_format(self) -> ThinkingFormat | None:
+        """How the model marks its thinking, if it is a reasoning model: its tags are tokens
+        of the vocabulary, and its chat template writes or reads them (or takes
+        ``enable_thinking``); None otherwise (:mod:`adaptive_llama.runtime.reasoning`)."""
+        form = ThinkingFormat()
+        template = self.chat_template.source if self.chat_template else ""
+        if not any(mark in template for mark in (form.open, form.close, "enable_thinking")):
+            return None
+        if not all(self._is_one_token(tag) for tag in (form.open, form.close)):
+            return None
+        return form
+
+    def _is_one_token(self, text: str) -> bool:
+        tokens = self.tokenize(text, add_bos=False, special=True)
+        return len(tokens) == 1 and self.piece(tokens[0], special=True) == text.encode()
+
+    def _thinking_of(self, prompt_tokens: list[int]) -> ThinkingFormat | None:
+        """The thinking format of a reply to this prompt: opened by the prompt when it ends
+        with the opening tag (a template that starts the thinking itself)."""
+        if self.thinking is None:
+            return None
+        tail = b"".join(self.piece(t, special=True) for t in prompt_tokens[-8:])
+        opened = tail.decode("utf-8", "replace").rstrip().endswith(self.thinking.open)
+        return dataclasses.replace(self.thinking, opened_by_prompt=opened)
+
     def piece(self, token: int, special: bool = False) -> bytes:
         """The bytes a token stands for (a control token's text only with ``special``)."""
         return self.vocab.piece(token, special)
@@ -536,7 +564,7 @@ class Engine:
     def request(self, prompt_tokens: list[int], *, sampler: SamplerSpec | str = "adaptive",
                 max_tokens: int | None = 256, seed: int | None = None,
                 stop: list[str] | tuple = (), grammar=None, record_stats: bool = True,
-                logprobs: int | None = None) -> Request:
+                logprobs: int | None = None, thinking: bool = True) -> Request:
         """The request, checked once (:mod:`adaptive_llama.runtime.request`); arguments as
         :meth:`stream`. ``max_tokens`` None, or beyond the room the prompt leaves in the
         context window: that room. Seed None: the engine's seed, else a fresh random one.
@@ -568,7 +596,8 @@ class Engine:
                        max_tokens=min(max_tokens or room, room),
                        seed=seed_or_fresh(self.seed if seed is None else seed),
                        stop=tuple(s for s in stop if s), logprobs=logprobs, grammar=grammar,
-                       record_stats=record_stats)
+                       record_stats=record_stats,
+                       thinking=self._thinking_of(prompt_tokens) if thinking else None)
 
     def check_sampler(self, sampler: SamplerSpec | str, grammar=None) -> SamplerSpec:
         """The parsed spec, or the SpecError a request with it would get here: under backend
@@ -620,12 +649,17 @@ class Engine:
     def stream(self, prompt_tokens: list[int], *, sampler: SamplerSpec | str = "adaptive",
                max_tokens: int | None = 256, seed: int | None = None,
                stop: list[str] | tuple = (), grammar=None, record_stats: bool = True,
-               logprobs: int | None = None) -> Stream:
+               logprobs: int | None = None, thinking: bool = True) -> Stream:
         """Generate after ``prompt_tokens``; iterate the returned :class:`Stream` for text.
 
         ``logprobs``: None, or record each token's log-probability in the model's own
         distribution (before temperature and truncation) with that many of the most likely
         alternatives (0 to 20) in ``result.logprobs``.
+
+        ``thinking``: a reasoning model's thinking comes apart from its answer
+        (:mod:`adaptive_llama.runtime.reasoning`): as :class:`~.reasoning.Thought` pieces
+        and in ``result.reasoning``, while ``result.text`` is the answer; False keeps the
+        reply as one text, tags and all.
 
         Raises at once what :meth:`request` raises; generation itself stops at the window
         with finish_reason "length". Other streams of this engine advance while this one is
@@ -633,7 +667,8 @@ class Engine:
         """
         return self.run(self.request(prompt_tokens, sampler=sampler, max_tokens=max_tokens,
                                      seed=seed, stop=stop, grammar=grammar,
-                                     record_stats=record_stats, logprobs=logprobs))
+                                     record_stats=record_stats, logprobs=logprobs,
+                                     thinking=thinking))
 
     def run(self, request: Request) -> Stream:
         """:meth:`stream` of a request built with :meth:`request`: it takes a slot when

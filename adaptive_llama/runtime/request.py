@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..samplers import SamplerSpec
+from .reasoning import ThinkingFormat
 
 
 class InvalidArgument(ValueError):
@@ -38,7 +39,9 @@ class Request:
 
     ``max_tokens`` is at most the room the prompt leaves; ``seed`` is the one the reply uses;
     ``stop`` holds no empty string; ``logprobs``: None, or how many alternatives to record
-    with each token's log-probability; ``grammar``: a ``llama_cpp.LlamaGrammar`` or None.
+    with each token's log-probability; ``grammar``: a ``llama_cpp.LlamaGrammar`` or None;
+    ``thinking``: how a reasoning model's thinking is told apart from its answer
+    (:mod:`adaptive_llama.runtime.reasoning`), None to keep the reply as one text.
     """
 
     prompt_tokens: tuple[int, ...]
@@ -49,6 +52,7 @@ class Request:
     logprobs: int | None = None
     grammar: Any = None
     record_stats: bool = True
+    thinking: ThinkingFormat | None = None
 
 
 def check_shares(name: str, value, most: int) -> list[float]:

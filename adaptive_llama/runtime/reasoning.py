@@ -1,0 +1,130 @@
+"""A reasoning model's thinking, apart from its answer.
+
+Reasoning models (DeepSeek-R1 and its distills, Qwen3, QwQ) write their thinking between
+``<think>`` and ``</think>`` before the answer. Some write the opening tag themselves; some
+chat templates open it at the end of the generation prompt (DeepSeek-R1's newer templates),
+so that the reply starts inside the thinking. :class:`ThinkingSplitter` follows a reply as
+it streams, piece by piece, and says which text is thinking and which is answer: a tag split
+over several pieces is held back until it is known, whitespace around the thinking and
+before the answer is dropped, and a reply cut inside the thinking (at the length limit) is
+all thinking.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+OPEN, CLOSE = "<think>", "</think>"
+THINKING, ANSWER = "thinking", "answer"
+_START = "start"  # nothing but whitespace yet: the reply may still open the thinking
+
+
+@dataclass(frozen=True)
+class ThinkingFormat:
+    """How a model marks its thinking: the tags, and whether the generation prompt already
+    opened it (the reply then starts inside the thinking)."""
+
+    open: str = OPEN
+    close: str = CLOSE
+    opened_by_prompt: bool = False
+
+
+class ThinkingSplitter:
+    """Splits a streamed reply into thinking and answer (see the module docstring).
+
+    :meth:`feed` takes the next piece of text and returns (phase, text) pairs, in order,
+    for the text now known; :meth:`finish` returns what was held back at the end.
+    """
+
+    def __init__(self, form: ThinkingFormat = ThinkingFormat()):
+        self.form = form
+        self.phase = THINKING if form.opened_by_prompt else _START
+        self._held = ""          # text that may still be the start of a tag, or spaces
+        self._fresh = True       # nothing given out in this phase yet: drop its first spaces
+
+    def feed(self, text: str) -> list[tuple[str, str]]:
+        out: list[tuple[str, str]] = []
+        self._held += text
+        while self._held:
+            if self.phase == _START:
+                if not self._start():
+                    break
+            elif self.phase == THINKING:
+                if not self._thinking(out):
+                    break
+            else:
+                self._answer(out)
+        return out
+
+    def finish(self) -> list[tuple[str, str]]:
+        """What was held back, in the phase it was in (a reply that ends before its first
+        text is an empty answer)."""
+        held, self._held = self._held, ""
+        if not held or self.phase == _START and not held.strip():
+            return []
+        if self.phase == THINKING:
+            held = held.lstrip() if self._fresh else held
+            return [(THINKING, held.rstrip())] if held.strip() else []
+        return [(ANSWER, held)]
+
+    @property
+    def thinking(self) -> bool:
+        """Whether the reply is inside its thinking now."""
+        return self.phase == THINKING
+
+    def _start(self) -> bool:
+        """Before any text: the opening tag after optional whitespace starts the thinking,
+        anything else the answer. False while it cannot be told yet."""
+        stripped = self._held.lstrip()
+        if stripped.startswith(self.form.open):
+            self._held = stripped[len(self.form.open):]
+            self.phase = THINKING
+            return True
+        if self.form.open.startswith(stripped):
+            return False  # empty, or a part of the tag
+        self.phase, self._fresh = ANSWER, False  # the answer as written
+        return True
+
+    def _thinking(self, out: list[tuple[str, str]]) -> bool:
+        """Thinking up to the closing tag; False while the end of the text may be a part
+        of it."""
+        close = self.form.close
+        if self._fresh:
+            self._held = self._held.lstrip()
+        at = self._held.find(close)
+        if at >= 0:
+            if self._held[:at].strip():
+                out.append((THINKING, self._held[:at].rstrip()))
+            self._held = self._held[at + len(close):]
+            self.phase, self._fresh = ANSWER, True
+            return True
+        keep = _partial_suffix(self._held, close)
+        body = self._held[:len(self._held) - keep]
+        text = body.rstrip()  # spaces wait: they may be the last before the tag
+        if text:
+            out.append((THINKING, text))
+            self._held = self._held[len(text):]
+            self._fresh = False
+        return False
+
+    def _answer(self, out: list[tuple[str, str]]) -> None:
+        text, self._held = self._held, ""
+        if self._fresh:
+            text = text.lstrip()
+            if not text:
+                return
+            self._fresh = False
+        out.append((ANSWER, text))
+
+
+def _partial_suffix(text: str, tag: str) -> int:
+    """The length of the longest end of ``text`` that is a proper start of ``tag``."""
+    for n in range(min(len(tag) - 1, len(text)), 0, -1):
+        if text.endswith(tag[:n]):
+            return n
+    return 0
+
+
+class Thought(str):
+    """A piece of a reasoning model's thinking, as a stream gives it out; a ``str``, so that
+    a consumer that does not tell the phases apart still has all the text."""

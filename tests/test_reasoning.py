@@ -1,0 +1,165 @@
+"""A reasoning model's thinking apart from its answer (adaptive_llama.runtime.reasoning)."""
+
+import itertools
+import random
+
+import pytest
+import reasoning_model as reasoning_model_file
+from reasoning_model import ANSWER_TEXT, CHAIN, THINKING_TEXT
+
+from adaptive_llama import Engine
+from adaptive_llama.runtime.reasoning import (ANSWER, THINKING, ThinkingFormat,
+                                              ThinkingSplitter, Thought)
+
+OPENED = ThinkingFormat(opened_by_prompt=True)
+
+
+def split(pieces, form=ThinkingFormat()):
+    """(thinking, answer) of a reply streamed in ``pieces``; each phase's parts in order."""
+    splitter = ThinkingSplitter(form)
+    parts = [part for piece in pieces for part in splitter.feed(piece)] + splitter.finish()
+    phases = [phase for phase, _ in parts]
+    assert phases == sorted(phases, key=[THINKING, ANSWER].index)  # thinking comes first
+    assert all(text for _, text in parts)
+    return ("".join(t for p, t in parts if p == THINKING),
+            "".join(t for p, t in parts if p == ANSWER))
+
+
+@pytest.mark.parametrize("reply, form, expected", [
+    ("<think>Let me think</think>391", ThinkingFormat(), ("Let me think", "391")),
+    ("\n<think>\nadd\n</think>\n\n391 is it.", ThinkingFormat(), ("add", "391 is it.")),
+    ("391", ThinkingFormat(), ("", "391")),
+    ("  391", ThinkingFormat(), ("", "  391")),  # no thinking: the answer as written
+    ("<thin", ThinkingFormat(), ("", "<thin")),  # a part of the tag, then the end
+    ("<thinking about it", ThinkingFormat(), ("", "<thinking about it")),
+    ("add</think>391", OPENED, ("add", "391")),  # the template opened it
+    ("add 3 and 4, then ", OPENED, ("add 3 and 4, then", "")),  # cut inside the thinking
+    ("\n add  \n 3 </think>", OPENED, ("add  \n 3", "")),  # spaces inside stay
+    ("<think>add, then</thi", ThinkingFormat(), ("add, then</thi", "")),
+    ("<think></think>\n\n391", ThinkingFormat(), ("", "391")),  # thinking off: empty
+    ("</think>391 </think>", OPENED, ("", "391 </think>")),  # a second tag is answer text
+    ("<think>a <think> b</think>c", ThinkingFormat(), ("a <think> b", "c")),
+    ("", ThinkingFormat(), ("", "")),
+    ("   ", ThinkingFormat(), ("", "")),
+])
+def test_a_reply_splits_into_its_thinking_and_its_answer(reply, form, expected):
+    assert split([reply], form) == expected
+
+
+@pytest.mark.parametrize("reply, form", [
+    ("\n<think>\nadd 3 and 4</think>\n\n7 <b>is</b> it.", ThinkingFormat()),
+    ("add 3 and 4 < 8</think>\n\n7", OPENED),
+    ("<think>cut in the mid", ThinkingFormat()),
+])
+def test_every_way_to_cut_the_stream_gives_the_same_split(reply, form):
+    whole = split([reply], form)
+    for a, b in itertools.combinations(range(len(reply) + 1), 2):
+        assert split([reply[:a], reply[a:b], reply[b:]], form) == whole, (a, b)
+    rng = random.Random(7)
+    pieces = []  # one character at a time, with empty pieces between
+    for ch in reply:
+        pieces += [ch, ""] if rng.random() < 0.3 else [ch]
+    assert split(pieces, form) == whole
+
+
+def test_text_is_given_out_as_soon_as_it_cannot_be_a_tag():
+    splitter = ThinkingSplitter()
+    assert splitter.feed(" <th") == []  # may still open the thinking
+    assert splitter.feed("ink>\nstep one <") == [(THINKING, "step one")]
+    assert splitter.feed("b") == [(THINKING, " <b")]
+    assert splitter.thinking
+    assert splitter.feed(" </thin") == []
+    assert splitter.feed("k>\n") == []  # the answer's first spaces are dropped
+    assert not splitter.thinking
+    assert splitter.feed("\n7") == [(ANSWER, "7")]
+    assert splitter.feed(" <think>") == [(ANSWER, " <think>")]
+    assert splitter.finish() == []
+
+
+# ---- a reasoning model (tests/reasoning_model.py: DeepSeek-R1-Distill's tokenizer) ----
+
+@pytest.fixture(scope="module")
+def r1(reasoning_model):
+    engine = Engine(reasoning_model, n_ctx=512, seed=3)
+    yield engine
+    engine.close()
+
+
+def chain_tokens(first: str, last: str) -> int:
+    """How many tokens of the fixture's reply run from ``first`` to ``last``, both in."""
+    return CHAIN.index(last) - CHAIN.index(first) + 1
+
+
+def test_a_model_with_think_tokens_and_a_template_that_uses_them_is_a_reasoning_model(
+        r1, engine):
+    assert r1.thinking == ThinkingFormat()
+    assert engine.thinking is None  # SmolLM2: no such tokens
+
+
+@pytest.mark.parametrize("sampler", ["greedy", "adaptive", "min-p:p=0.1"])
+def test_the_reply_of_a_reasoning_model_comes_apart_from_its_thinking(r1, sampler):
+    result = r1.generate("What is 17 times 23?", chat=True, sampler=sampler, max_tokens=30)
+    assert (result.reasoning, result.text) == (THINKING_TEXT.strip(), ANSWER_TEXT)
+    assert result.thinks and result.finish_reason == "stop"
+    assert result.reasoning_tokens == chain_tokens("<think>", "</think>")
+    assert result.completion_tokens == chain_tokens("<think>", "!")
+    figures = result.as_dict()
+    assert (figures["reasoning"], figures["reasoning_tokens"]) == (result.reasoning,
+                                                                  result.reasoning_tokens)
+
+
+def test_thinking_false_keeps_the_reply_as_one_text(r1):
+    result = r1.generate("Hi", chat=True, sampler="greedy", max_tokens=30, thinking=False)
+    assert result.text == f"<think>{THINKING_TEXT}</think>\n\n{ANSWER_TEXT}"
+    assert not result.thinks and result.reasoning == "" and "reasoning" not in result.as_dict()
+
+
+def test_a_stream_gives_the_thinking_as_thoughts_then_the_answer(r1):
+    pieces = list(r1.stream(r1.prompt_tokens("Hi", chat=True), sampler="greedy"))
+    kinds = [isinstance(piece, Thought) for piece in pieces]
+    assert kinds == sorted(kinds, reverse=True) and any(kinds) and not all(kinds)
+    assert "".join(p for p in pieces if isinstance(p, Thought)) == THINKING_TEXT.strip()
+    assert "".join(p for p in pieces if not isinstance(p, Thought)) == ANSWER_TEXT
+
+
+def test_a_reply_cut_inside_its_thinking_is_all_thinking(r1):
+    result = r1.generate("Hi", chat=True, sampler="greedy", max_tokens=4)  # <think>\nLet me
+    assert (result.reasoning, result.text, result.finish_reason) == ("Let me", "", "length")
+    assert result.reasoning_tokens == 4
+
+
+def test_stop_strings_end_the_answer_not_the_thinking(r1):
+    result = r1.generate("Hi", chat=True, sampler="greedy", max_tokens=30, stop=["think", "!"])
+    assert (result.reasoning, result.text) == (THINKING_TEXT.strip(), "Hello")
+    assert result.finish_reason == "stop_string"
+
+
+def test_a_template_that_opens_the_thinking_gives_the_same_split(tmp_path):
+    opened = reasoning_model_file.deepseek_template().replace(
+        "{{'<｜Assistant｜>'}}{% endif %}", "{{'<｜Assistant｜><think>\\n'}}{% endif %}")
+    assert opened != reasoning_model_file.deepseek_template()
+    engine = Engine(reasoning_model_file.write(tmp_path / "opened.gguf", opened), n_ctx=512)
+    try:
+        prompt = engine.prompt_tokens("Hi", chat=True)
+        assert engine.request(prompt, sampler="greedy").thinking.opened_by_prompt
+        result = engine.generate("Hi", chat=True, sampler="greedy", max_tokens=30)
+    finally:
+        engine.close()
+    assert (result.reasoning, result.text) == (THINKING_TEXT.strip(), ANSWER_TEXT)
+    assert result.reasoning_tokens == chain_tokens("Let", "</think>")
+
+
+def test_drafts_leave_a_reasoning_models_reply_as_it_was(r1, reasoning_model):
+    drafted = Engine(reasoning_model, n_ctx=512, seed=3, draft="ngram")
+    drafted.decoder.speculation.fixed = 4
+    drafts = 0
+    try:
+        for prompt in ("Hi", "<think>\nLet me think</think>\n\nHello!"):
+            ours = drafted.generate(prompt, chat=True, sampler="adaptive", max_tokens=30)
+            theirs = r1.generate(prompt, chat=True, sampler="adaptive", max_tokens=30)
+            assert (ours.tokens, ours.reasoning, ours.text) == (
+                theirs.tokens, theirs.reasoning, theirs.text)
+            drafts += ours.draft_accepted
+    finally:
+        drafted.close()
+    assert drafts > 0  # the second prompt holds the reply: its drafts are kept
