@@ -23,6 +23,7 @@ from click.core import ParameterSource
 from .runtime import config
 from .runtime.limits import MAX_CTX, MAX_THREADS
 from .runtime.models import ModelError, describe_models, resolve_model
+from .runtime.reasoning import Thought
 from .samplers import SEED, SpecError, parse_spec, spec_from_options, table, valid_specs
 
 USER_ERRORS = (ModelError, SpecError, ValueError)
@@ -323,9 +324,9 @@ def generate(model, prompt, sampler, temperature, max_tokens, chat, stop, as_jso
     stream = engine.stream(engine.prompt_tokens(prompt, chat=chat), sampler=sampler,
                            max_tokens=max_tokens, stop=list(stop))
     try:
-        for piece in stream:
+        for piece in stream:  # a reasoning model's thinking on stderr, the answer on stdout
             if not as_json:
-                click.echo(piece, nl=False)
+                click.echo(piece, nl=False, err=isinstance(piece, Thought))
     except KeyboardInterrupt:
         pass
     if as_json:

@@ -22,6 +22,7 @@ import llm
 from pydantic import Field, field_validator
 
 from .runtime.models import BUNDLED, ModelError, check_gguf
+from .runtime.reasoning import Thought
 from .samplers import EPSILON, SEED, TEMP, SpecError, parse_spec, spec_from_options
 
 DEFAULT_SPEC = parse_spec("adaptive")  # what -m adaptive-... runs without -o sampler
@@ -199,7 +200,7 @@ class AdaptiveModel(llm.Model):
                 reply = engine.stream(engine.tokenize(text), **settings)
         except (InvalidArgument, SpecError) as exc:  # the prompt too long, among others
             raise llm.ModelError(str(exc)) from None
-        yield from reply
+        yield from (piece for piece in reply if not isinstance(piece, Thought))  # the answer
         result = reply.result
         response.response_json = {"prompt_tokens": result.prompt_tokens, **result.summary()}
         response.set_usage(input=result.prompt_tokens, output=result.completion_tokens)

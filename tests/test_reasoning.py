@@ -1,11 +1,17 @@
 """A reasoning model's thinking apart from its answer (adaptive_llama.runtime.reasoning)."""
 
 import itertools
+import json
 import random
+import subprocess
+import sys
 
+import ollama
+import openai
 import pytest
 import reasoning_model as reasoning_model_file
 from reasoning_model import ANSWER_TEXT, CHAIN, THINKING_TEXT
+from test_server import API_KEY, serving
 
 from adaptive_llama import Engine
 from adaptive_llama.runtime.reasoning import (ANSWER, THINKING, ThinkingFormat,
@@ -163,3 +169,131 @@ def test_drafts_leave_a_reasoning_models_reply_as_it_was(r1, reasoning_model):
     finally:
         drafted.close()
     assert drafts > 0  # the second prompt holds the reply: its drafts are kept
+
+
+# ---- every surface: the server's routes (real clients), the CLI ----
+
+@pytest.fixture(scope="module")
+def qwen3_style(tmp_path_factory):
+    """The tiny model with a Qwen3-style template, whose thinking enable_thinking turns off."""
+    return reasoning_model_file.write(tmp_path_factory.mktemp("models") / "tiny-q3.gguf",
+                                      reasoning_model_file.QWEN3_STYLE)
+
+
+@pytest.fixture(scope="module")
+def reasoning_server(reasoning_model, qwen3_style, smollm2_path, tmp_path_factory):
+    log = tmp_path_factory.mktemp("reasoning") / "server.log"
+    yield from serving(reasoning_model, log, "-m", f"q3={qwen3_style}", "-m",
+                       f"smollm2={smollm2_path}", "--sampler", "greedy")
+
+
+@pytest.fixture
+def openai_client(reasoning_server):
+    return openai.OpenAI(base_url=f"http://127.0.0.1:{reasoning_server}/v1", api_key=API_KEY,
+                         max_retries=0, timeout=120)
+
+
+@pytest.fixture
+def ollama_client(reasoning_server):
+    return ollama.Client(host=f"http://127.0.0.1:{reasoning_server}",
+                         headers={"Authorization": f"Bearer {API_KEY}"}, timeout=120)
+
+
+HI = [{"role": "user", "content": "What is 17 times 23?"}]
+R1 = "tiny-r1"  # the served file's stem names it
+
+
+def test_openai_gives_the_thinking_as_reasoning_content(openai_client):
+    reply = openai_client.chat.completions.create(model=R1, messages=HI)
+    message = reply.choices[0].message
+    assert message.content == ANSWER_TEXT
+    assert message.model_extra["reasoning_content"] == THINKING_TEXT.strip()
+    details = reply.usage.completion_tokens_details
+    assert details.reasoning_tokens == chain_tokens("<think>", "</think>")
+
+
+def test_openai_streams_the_thinking_as_reasoning_content_deltas(openai_client):
+    thinking, answer, order = [], [], []
+    for chunk in openai_client.chat.completions.create(model=R1, messages=HI, stream=True):
+        delta = chunk.choices[0].delta if chunk.choices else None
+        if delta is None:
+            continue
+        if (delta.model_extra or {}).get("reasoning_content"):
+            thinking.append(delta.model_extra["reasoning_content"])
+            order.append("thinking")
+        if delta.content:
+            answer.append(delta.content)
+            order.append("answer")
+    assert ("".join(thinking), "".join(answer)) == (THINKING_TEXT.strip(), ANSWER_TEXT)
+    assert order == sorted(order, reverse=True)  # all the thinking first
+
+
+def test_reasoning_format_none_keeps_the_reply_as_one_text(openai_client):
+    reply = openai_client.chat.completions.create(
+        model=R1, messages=HI, extra_body={"reasoning_format": "none"})
+    message = reply.choices[0].message
+    assert message.content == f"<think>{THINKING_TEXT}</think>\n\n{ANSWER_TEXT}"
+    assert "reasoning_content" not in (message.model_extra or {})
+
+
+def test_thinking_sent_back_in_earlier_turns_is_not_shown_to_the_model(openai_client):
+    def prompt_tokens(answer: dict) -> int:
+        history = [*HI, {"role": "assistant", **answer}, {"role": "user", "content": "And?"}]
+        reply = openai_client.chat.completions.create(model=R1, messages=history)
+        return reply.usage.prompt_tokens
+
+    plain = prompt_tokens({"content": ANSWER_TEXT})
+    assert prompt_tokens({"content": ANSWER_TEXT, "reasoning_content": "x " * 50}) == plain
+    tagged = f"<think>{'a long thought ' * 20}</think>\n\n{ANSWER_TEXT}"
+    assert prompt_tokens({"content": tagged}) == plain
+
+
+def test_ollama_gives_the_thinking_in_message_thinking(ollama_client):
+    reply = ollama_client.chat(model=R1, messages=HI, think=True)
+    assert (reply.message.thinking, reply.message.content) == (THINKING_TEXT.strip(),
+                                                               ANSWER_TEXT)
+    parts = list(ollama_client.chat(model=R1, messages=HI, think=True, stream=True))
+    assert "".join(p.message.thinking or "" for p in parts) == THINKING_TEXT.strip()
+    assert "".join(p.message.content or "" for p in parts) == ANSWER_TEXT
+    generated = ollama_client.generate(model=R1, prompt="What is 17 times 23?", think=True)
+    assert (generated.thinking, generated.response) == (THINKING_TEXT.strip(), ANSWER_TEXT)
+
+
+def test_think_false_turns_thinking_off_where_the_template_can(ollama_client):
+    reply = ollama_client.chat(model="q3", messages=HI, think=False)
+    assert (reply.message.thinking, reply.message.content) == (None, ANSWER_TEXT)
+    assert ollama_client.chat(model="q3", messages=HI).message.thinking == (
+        THINKING_TEXT.strip())
+    with pytest.raises(ollama.ResponseError) as refused:
+        ollama_client.chat(model=R1, messages=HI, think=False)
+    assert refused.value.status_code == 400 and "cannot turn its thinking off" in str(
+        refused.value) and R1 in str(refused.value)
+
+
+@pytest.mark.parametrize("model, think, says", [
+    ("smollm2", True, "is not a reasoning model"),
+    (R1, "high", "thinking budget"),
+])
+def test_think_that_cannot_be_done_is_a_400(ollama_client, model, think, says):
+    with pytest.raises(ollama.ResponseError) as refused:
+        ollama_client.chat(model=model, messages=HI, think=think)
+    assert refused.value.status_code == 400 and says in str(refused.value)
+
+
+def test_show_says_which_models_think(ollama_client):
+    assert "thinking" in ollama_client.show(R1).capabilities
+    assert "thinking" not in ollama_client.show("smollm2").capabilities
+
+
+def test_generate_prints_the_answer_and_json_gives_the_thinking_beside_it(reasoning_model):
+    def generate(*options):
+        return subprocess.run([sys.executable, "-m", "adaptive_llama.cli", "generate",
+                               str(reasoning_model), "Hi", "--chat", "--ctx", "512",
+                               "--sampler", "greedy", *options],
+                              capture_output=True, text=True, timeout=120, check=True)
+
+    plain = generate()
+    assert plain.stdout.strip() == ANSWER_TEXT and THINKING_TEXT.strip() in plain.stderr
+    figures = json.loads(generate("--json").stdout.splitlines()[-1])
+    assert (figures["text"], figures["reasoning"]) == (ANSWER_TEXT, THINKING_TEXT.strip())
+    assert figures["reasoning_tokens"] == chain_tokens("<think>", "</think>")

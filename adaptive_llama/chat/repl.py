@@ -19,6 +19,7 @@ from pathlib import Path
 
 from .. import kernel
 from ..runtime.engine import ContextOverflow, Engine, GenerationResult
+from ..runtime.reasoning import Thought
 from ..samplers import (
     INT32_MAX,
     SAMPLERS,
@@ -249,14 +250,22 @@ class Repl:
         self.warned_dropped = self.chat.dropped
 
     def show_stream(self, stream, keep=None) -> GenerationResult:
-        """Print the reply as it comes (``keep`` gets each piece just before it shows):
-        rendered and wrapped as /set markdown and wordwrap say, or each token marked with
-        its k under /trace."""
+        """Print the reply as it comes (``keep`` gets each piece of the answer just before it
+        shows): rendered and wrapped as /set markdown and wordwrap say, or each token marked
+        with its k under /trace; a reasoning model's thinking dim before it."""
         render = self._renderer()
+        thought = False
         try:
             if self.interrupt_pending:  # it came with the Enter: stop before the first token
                 raise KeyboardInterrupt
             for piece in stream:
+                if isinstance(piece, Thought):
+                    self.say(f"\033[2m{piece}{RESET}" if self.interactive else piece, end="")
+                    thought = True
+                    continue
+                if thought:  # the answer on a line of its own after the thinking
+                    self.say("\n")
+                    thought = False
                 if keep is not None:  # kept before it shows: nothing shown can be lost
                     keep(piece)
                 if self.trace != "off":
@@ -428,7 +437,8 @@ class Repl:
                  f"context     {chat.context_used()} of {self.engine.n_ctx} tokens "
                  f"({len(chat.messages)} messages{outside})\n"
                  f"layers      {self.engine.placement()}\n"
-                 f"drafts      {self.engine.draft or 'none'}")
+                 f"drafts      {self.engine.draft or 'none'}\n"
+                 f"thinking    {_thinking_text(self.engine)}")
         if self.sources:
             self.say("from        " + "; ".join(f"{key}: {source}"
                                                   for key, source in self.sources.items()))
@@ -603,6 +613,14 @@ class Repl:
 
 
 TRACE_ALTERNATIVES = 3  # tokens /trace top shows beside each one
+
+
+def _thinking_text(engine: Engine) -> str:
+    """/show's line on a reasoning model's thinking."""
+    if engine.thinking is None:
+        return "none (not a reasoning model)"
+    return (f"{engine.thinking.open}...{engine.thinking.close}, shown dim before the answer"
+            f"{'; its template can turn it off' if engine.can_turn_thinking_off() else ''}")
 TRACE_LEGEND = ((1, "blue: k=1, sure"), (5, "green: 2-5"), (20, "yellow: 6-20"),
                 (21, "red: more than 20, hesitant"))
 

@@ -142,11 +142,12 @@ class ChatTemplate:
             pass
 
     def render(self, messages: list[dict], tools: list[dict] | None = None,
-               cancelled: threading.Event | None = None
+               cancelled: threading.Event | None = None, thinking: bool | None = None
                ) -> tuple[list[tuple[str, bool]], bool]:
         """The conversation as (markup, False) and (client text, True) parts, and whether
         the template wrote the BOS itself (always: templates write ``bos_token``). A
-        message's ``content`` is text, a tool call's ``arguments`` an object.
+        message's ``content`` is text, a tool call's ``arguments`` an object. ``thinking``
+        (not None) is the template's ``enable_thinking`` (Qwen3's switch).
 
         Raises what :func:`.template_process.render` raises: TemplateBudgetError past the
         bounds, TemplateCancelled once ``cancelled`` is set (the renderer is stopped)."""
@@ -155,19 +156,32 @@ class ChatTemplate:
         marker = _Marker(nonce, texts)
         marked = [marker.message(m) for m in messages]
         offered = [marker.tool(t) for t in tools] if tools else None
-        rendered = self._render(marked, offered, texts, cancelled)
+        rendered = self._render(marked, offered, texts, cancelled, thinking)
         return list(_split_marks(rendered, texts, nonce)), True
 
     def _render(self, messages: list[dict], tools: list[dict] | None,
-                texts: list[str] | None = None, cancelled: threading.Event | None = None
-                ) -> str:
+                texts: list[str] | None = None, cancelled: threading.Event | None = None,
+                thinking: bool | None = None) -> str:
         pattern = self._specials() if "tojson" in self.source else None
+        switch = {} if thinking is None else {"enable_thinking": thinking}
         return render(self.source, texts=texts, cancelled=cancelled,
                       specials=pattern.pattern if pattern else None,
                       context={"messages": messages, "tools": tools or None,
                                "bos_token": self._bos, "eos_token": self._eos,
                                "add_generation_prompt": True, "functions": None,
-                               "function_call": None, "tool_choice": None})
+                               "function_call": None, "tool_choice": None, **switch})
+
+    @functools.cached_property
+    def turns_thinking_off(self) -> bool:
+        """Whether ``enable_thinking`` false changes the prompt (Qwen3's templates write an
+        empty thinking into it)."""
+        if "enable_thinking" not in self.source:
+            return False
+        probe = [{"role": "user", "content": "hi"}]
+        try:
+            return self._render(probe, None, thinking=False) != self._render(probe, None)
+        except ValueError:  # the template's own error, or a bound
+            return False
 
     @functools.cached_property
     def writes_tools(self) -> bool:

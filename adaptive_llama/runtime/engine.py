@@ -52,7 +52,7 @@ from .drafting import ModelDrafter, NgramDrafter
 from .embeddings import Embedder
 from .gguf_header import quantization_name
 from .limits import MAX_CTX, MAX_THREADS, N_BATCH
-from .reasoning import ThinkingFormat
+from .reasoning import ThinkingFormat, template_thinks
 from .loading import layer_devices, load_model, set_llama_log
 from .models import ModelError, resolve_model
 from .request import ContextOverflow, InvalidArgument, Request, check_int, check_shares
@@ -443,12 +443,16 @@ class Engine:
         of the vocabulary, and its chat template writes or reads them (or takes
         ``enable_thinking``); None otherwise (:mod:`adaptive_llama.runtime.reasoning`)."""
         form = ThinkingFormat()
-        template = self.chat_template.source if self.chat_template else ""
-        if not any(mark in template for mark in (form.open, form.close, "enable_thinking")):
+        if not (self.chat_template and template_thinks(self.chat_template.source, form)):
             return None
         if not all(self._is_one_token(tag) for tag in (form.open, form.close)):
             return None
         return form
+
+    def can_turn_thinking_off(self) -> bool:
+        """Whether a reasoning model's chat template turns its thinking off
+        (``enable_thinking``)."""
+        return self.chat_template is not None and self.chat_template.turns_thinking_off
 
     def _is_one_token(self, text: str) -> bool:
         tokens = self.tokenize(text, add_bos=False, special=True)
@@ -487,7 +491,8 @@ class Engine:
         return self.tokenize(text)
 
     def chat_prompt_tokens(self, messages: list[dict], tools: list[dict] | None = None,
-                           cancelled: threading.Event | None = None) -> list[int]:
+                           cancelled: threading.Event | None = None,
+                           thinking: bool | None = None) -> list[int]:
         """Tokens of the conversation rendered with the chat template (the model's own, or
         the one the engine was given), with ``tools`` (OpenAI's function definitions) for a
         template that shows them (:attr:`ChatTemplate.writes_tools`).
@@ -495,13 +500,14 @@ class Engine:
         Only the template's own markup becomes control tokens: the messages' text is
         tokenized as text, so a message containing ``<|im_end|>`` cannot end its turn or
         forge another role's. The render stops when ``cancelled`` is set
-        (:class:`~.template_process.TemplateCancelled`).
+        (:class:`~.template_process.TemplateCancelled`). ``thinking`` False turns a
+        reasoning model's thinking off where its template can (:meth:`can_turn_thinking_off`).
         """
         if self.chat_template is None:
             raise ModelError(f"{self.name} has no chat template (tokenizer.chat_template): "
                              "use plain completion (generate without --chat), or give one "
                              "(--chat-template)")
-        parts, added_bos = self.chat_template.render(messages, tools, cancelled)
+        parts, added_bos = self.chat_template.render(messages, tools, cancelled, thinking)
         tokens = [] if added_bos else self.tokenize("", add_bos=True)
         text: list[str] = []  # plain text gathered since the last control token
         for part, is_content in parts:

@@ -29,6 +29,12 @@ class ThinkingFormat:
     opened_by_prompt: bool = False
 
 
+def template_thinks(source: str, form: ThinkingFormat = ThinkingFormat()) -> bool:
+    """Whether a chat template writes or reads a reasoning model's thinking (its tags, or
+    Qwen3's ``enable_thinking``)."""
+    return any(mark in source for mark in (form.open, form.close, "enable_thinking"))
+
+
 class ThinkingSplitter:
     """Splits a streamed reply into thinking and answer (see the module docstring).
 
@@ -128,3 +134,14 @@ def _partial_suffix(text: str, tag: str) -> int:
 class Thought(str):
     """A piece of a reasoning model's thinking, as a stream gives it out; a ``str``, so that
     a consumer that does not tell the phases apart still has all the text."""
+
+
+def without_thinking(message: dict, form: ThinkingFormat) -> dict:
+    """A chat template's message without the thinking an earlier answer may still hold
+    (``<think>...</think>`` before its text): reasoning models' templates drop it, and so
+    does a prompt built here for a template that does not."""
+    content = message.get("content")
+    if (message.get("role") != "assistant" or not isinstance(content, str)
+            or form.close not in content):
+        return message
+    return {**message, "content": content.split(form.close)[-1].lstrip()}

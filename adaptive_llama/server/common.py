@@ -28,6 +28,7 @@ from starlette.requests import ClientDisconnect
 from ..llama.grammar import UnsupportedSchema, json_grammar
 from ..runtime.embeddings import Embedder
 from ..runtime.engine import Engine, GenerationResult, InvalidArgument
+from ..runtime.reasoning import without_thinking
 from ..runtime.tools import calls_grammar
 from ..samplers import SamplerSpec, SpecError, spec_from_options
 from .errors import APIError, too_large
@@ -108,6 +109,10 @@ class Message(BaseModel):
     tool_call_id: str | None = None  # OpenAI's, in a tool's result
     name: str | None = None
     tool_name: str | None = None  # Ollama's name of the tool in its result
+    # A reasoning model's thinking sent back with its answer (llama.cpp's and DeepSeek's
+    # field, Ollama's): never shown to the model again, as reasoning models' templates do.
+    reasoning_content: str | None = None
+    thinking: str | None = None
 
     def as_template_message(self, index: int) -> dict:
         """The message for the chat template; 400 for a part the model cannot read."""
@@ -153,22 +158,27 @@ def _template_call(call: ToolCallMessage, where: str) -> dict:
 
 
 async def chat_prompt(request: Request, engine: Engine, messages: list[Message],
-                      tools: list[Tool] | None = None) -> list[int]:
+                      tools: list[Tool] | None = None, thinking: bool | None = None
+                      ) -> list[int]:
     """The conversation's tokens in the model's chat template, with ``tools`` shown to the
-    model (:func:`template_prompt`)."""
+    model (:func:`template_prompt`); earlier answers without their thinking."""
     rendered = [m.as_template_message(i) for i, m in enumerate(messages)]
+    if engine.thinking is not None:
+        rendered = [without_thinking(m, engine.thinking) for m in rendered]
     offered = [t.model_dump(exclude_none=True) for t in tools] if tools else None
-    return await template_prompt(request, engine, rendered, offered)
+    return await template_prompt(request, engine, rendered, offered, thinking)
 
 
 async def template_prompt(request: Request, engine: Engine, messages: list[dict],
-                          tools: list[dict] | None = None) -> list[int]:
+                          tools: list[dict] | None = None, thinking: bool | None = None
+                          ) -> list[int]:
     """The tokens of ``messages`` (the chat template's dicts) in the model's chat template,
     rendered off the event loop (a long conversation must not stall other requests) and
     stopped when the client leaves; a 400 on ``messages`` when the model has no template or
-    its template rejects the roles given or passes its bounds."""
+    its template rejects the roles given or passes its bounds. ``thinking`` False: the
+    template's ``enable_thinking`` false."""
     def render(cancelled: threading.Event) -> list[int]:
-        return engine.chat_prompt_tokens(messages, tools, cancelled)
+        return engine.chat_prompt_tokens(messages, tools, cancelled, thinking)
     try:
         return await _watched(request, render)
     except APIError:

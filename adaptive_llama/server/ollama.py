@@ -22,6 +22,13 @@ server sets them when it starts.
 ``tools`` (chat) are shown to the model in its chat template, and the calls it writes come back
 in ``message.tool_calls``, arguments as an object (:mod:`adaptive_llama.runtime.tools`).
 
+``think`` (reasoning models, as Ollama 0.12): a reasoning model's thinking comes back in
+``message.thinking`` (``thinking`` on ``/api/generate``), apart from the answer, unless
+``think`` is false: then the template turns the thinking off where it can (Qwen3's
+``enable_thinking``), and a model that cannot is a 400. ``think`` true on a model that does
+not think is a 400, as in Ollama; its levels ("low", "medium", "high") would set a thinking
+budget, which this server does not have: a 400 too.
+
 Models (:mod:`.pool`): ``model`` names one the server serves (``/api/tags`` lists them,
 ``/api/ps`` the loaded ones, with when each will be unloaded); an unknown name gets 404. The
 model loads on its first request; ``keep_alive`` (``"5m"``, seconds, ``-1`` for ever, ``0``
@@ -49,6 +56,7 @@ from pydantic import BaseModel, Field
 from ..llama.grammar import ANY_OBJECT
 from ..runtime.engine import GenerationResult
 from ..runtime.models import ModelError
+from ..runtime.reasoning import Thought
 from ..runtime.tools import ToolCall, ToolCallReader, parse_reply
 from ..samplers import SEED
 from .common import (
@@ -107,6 +115,28 @@ class _Body(BaseModel):
     options: Options = Field(default_factory=Options)
     format: Literal["", "json"] | dict | None = None
     keep_alive: int | float | str | None = None
+    think: bool | Literal["low", "medium", "high"] | None = None
+
+    def thinking_wanted(self, engine) -> bool | None:
+        """The template's ``enable_thinking`` for this request (None: the template's own
+        default), or the 400 that says why ``think`` cannot be done."""
+        if self.think is None:
+            return None
+        name = self.model
+        if engine.thinking is None:
+            if self.think is False:
+                return None
+            raise APIError(400, f"`think`: {name} is not a reasoning model (it does not "
+                           "think); leave `think` out", param="think")
+        if isinstance(self.think, str):
+            raise APIError(400, f"`think` {self.think!r} would set a thinking budget, which "
+                           "this server does not have yet: send true or false",
+                           param="think")
+        if self.think is False and not engine.can_turn_thinking_off():
+            raise APIError(400, f"`think`: {name} cannot turn its thinking off (its chat "
+                           "template has no enable_thinking); leave `think` out or send "
+                           "true", param="think")
+        return self.think
 
     def keep_alive_wanted(self) -> float | None:
         """Seconds to keep the model loaded after this request (None: as it is)."""
@@ -283,28 +313,34 @@ async def _respond(model: LoadedModel, request: Request, job: Job, body: _Body, 
     model.submit(job)
     head = {"model": body.model}
 
-    def piece(text: str, calls: list[ToolCall] = ()) -> dict:
+    def piece(text: str, calls: list[ToolCall] = (), thinking: str = "") -> dict:
         if kind == "chat":
             message = {"role": "assistant", "content": text}
+            if thinking:
+                message["thinking"] = thinking
             if calls:
                 message["tool_calls"] = [_call(call) for call in calls]
             return {**head, "created_at": _now(), "message": message, "done": False}
-        return {**head, "created_at": _now(), "response": text, "done": False}
+        return {**head, "created_at": _now(), "response": text, "done": False,
+                **({"thinking": thinking} if thinking else {})}
 
-    def last(result: GenerationResult, text: str, calls: list[ToolCall] = ()) -> dict:
-        out = piece(text, calls)
+    def last(result: GenerationResult, text: str, calls: list[ToolCall] = (),
+             thinking: str = "") -> dict:
+        out = piece(text, calls, thinking)
         out.update(done=True, **_final_fields(result))
         return out
 
     if not body.stream:
         result = await wait(request, job)
         if functions:
-            return last(result, *parse_reply(result.text, functions))
-        return last(result, result.text)
+            return last(result, *parse_reply(result.text, functions), result.reasoning)
+        return last(result, result.text, thinking=result.reasoning)
 
     reader = ToolCallReader(functions) if functions else None
 
     def lines_of(text: str) -> list[bytes]:
+        if isinstance(text, Thought):
+            return [_line(piece("", thinking=str(text)))]
         if reader is None:
             return [_line(piece(text))]
         return [_line(piece("", [part]) if isinstance(part, ToolCall) else piece(part))
@@ -380,7 +416,8 @@ async def show(request: Request):
     template = model.template_source
     return {"modelfile": "", "parameters": f"sampler {model.sampler}", "template": template,
             "details": _details(model), "model_info": _model_info(model),
-            "capabilities": ["completion", *(["tools"] if model.calls_tools else [])],
+            "capabilities": ["completion", *(["tools"] if model.calls_tools else []),
+                             *(["thinking"] if model.thinks else [])],
             "modified_at": _now()}
 
 
@@ -413,7 +450,8 @@ async def chat(request: Request):
     offered = body.tools or []
     async with server.model(body.model, keep_alive=body.keep_alive_wanted()) as model:
         functions = check_tools(model, offered) if offered else []
-        tokens = await chat_prompt(request, model.engine, body.messages, offered)
+        thinking = body.thinking_wanted(model.engine)
+        tokens = await chat_prompt(request, model.engine, body.messages, offered, thinking)
         job = await _job(model, tokens, body, "messages", request.url.path)
         return await _respond(model, request, job, body, "chat", functions)
 
@@ -426,6 +464,7 @@ async def generate(request: Request):
         return await _load_or_unload(server, body, "generate")
     async with server.model(body.model, keep_alive=body.keep_alive_wanted()) as model:
         engine = model.engine
+        thinking = body.thinking_wanted(engine)
         if body.raw or not engine.has_chat_template:
             text = body.prompt if body.system is None else f"{body.system}\n\n{body.prompt}"
             # raw: the caller wrote the template's markup itself, on purpose
@@ -433,7 +472,7 @@ async def generate(request: Request):
         else:
             messages = ([{"role": "system", "content": body.system}] if body.system else [])
             messages.append({"role": "user", "content": body.prompt})
-            tokens = await template_prompt(request, engine, messages)
+            tokens = await template_prompt(request, engine, messages, thinking=thinking)
         job = await _job(model, tokens, body, "prompt", request.url.path)
         return await _respond(model, request, job, body, "generate")
 

@@ -18,6 +18,12 @@ Structured output: ``response_format`` ``{"type": "json_object"}`` (any JSON obj
 with a grammar (:mod:`adaptive_llama.llama.grammar`), on both routes; the sampler chooses
 among the tokens it allows. A schema keyword the grammar cannot enforce is a 400 naming it.
 
+Reasoning models (chat): the thinking comes back apart from the answer, as llama-server and
+DeepSeek send it: ``message.reasoning_content``, ``delta.reasoning_content`` while streaming,
+and ``usage.completion_tokens_details.reasoning_tokens``; ``reasoning_format: "none"`` keeps
+the reply as one text, tags and all. Thinking sent back in earlier turns is not shown to the
+model again.
+
 Tool calls (chat): ``tools`` are shown to the model in its chat template, and the calls it
 writes (:mod:`adaptive_llama.runtime.tools`) come back as ``tool_calls``, streamed as OpenAI
 streams them; ``tool_choice`` "required" or a named function constrains the reply to calls
@@ -47,6 +53,7 @@ from sse_starlette.sse import EventSourceResponse
 
 from ..llama.grammar import ANY_OBJECT
 from ..runtime.engine import MAX_LOGPROBS, GenerationResult, TokenLogprob
+from ..runtime.reasoning import Thought
 from ..runtime.tools import ToolCall, ToolCallReader, parse_reply
 from ..samplers import DRY_SEQUENCE_BREAKERS, SEED
 from .common import (
@@ -155,6 +162,11 @@ class ChatBody(_Body):
     tools: Annotated[list[Tool], Field(max_length=MAX_TOOLS)] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool = True
+    # llama-server's: "none" keeps a reasoning model's reply as one text
+    reasoning_format: Literal["none", "auto", "deepseek"] | None = None
+
+    def thinking_apart(self) -> bool:
+        return self.reasoning_format != "none"
 
     def tools_offered(self) -> list[Tool]:
         """The tools the model may call: none without ``tools`` or with ``tool_choice``
@@ -191,6 +203,9 @@ class CompletionBody(_Body):
 
     def logprobs_wanted(self) -> int | None:
         return self.logprobs
+
+    def thinking_apart(self) -> bool:
+        return False  # a raw prompt's reply is one text, as llama-server's
 
 
 class EmbeddingBody(BaseModel):
@@ -231,7 +246,7 @@ async def _job(model: LoadedModel, tokens: list[int], body: _Body, max_tokens: i
                       stop=[body.stop] if isinstance(body.stop, str) else list(body.stop or []),
                       stream=body.stream, logprobs=logprobs, grammar=grammar,
                       format_field=grammar_field, prompt_field=prompt_field,
-                      route=route)
+                      route=route, thinking=body.thinking_apart())
 
 
 async def _chat_grammar(body: ChatBody, offered: list[Tool]) -> tuple[object, str]:
@@ -320,6 +335,8 @@ def _final(result: GenerationResult, head: dict, kind: str, shown: _Shown,
         content, calls = (parse_reply(result.text, functions) if functions
                           else (result.text, []))
         message = {"role": "assistant", "content": content if content or not calls else None}
+        if result.reasoning:
+            message["reasoning_content"] = result.reasoning
         if calls:
             message["tool_calls"] = [_call(call) for call in calls]
         choice = {"index": 0, "message": message,
@@ -404,6 +421,9 @@ class _Chunks:
         return _json({**self.head, "object": self.obj, "choices": [choice], **extra})
 
     def piece(self, text: str, entries, stats) -> list[str]:
+        if isinstance(text, Thought):
+            return [self.chunk(None, delta={"reasoning_content": str(text)}, entries=entries,
+                               **self.shown.extra(entries, stats))]
         if self.reader is None:
             return [self.chunk(text, entries=entries, **self.shown.extra(entries, stats))]
         events = []
@@ -481,9 +501,12 @@ class _CompletionLogprobs:
 
 
 def _usage(result: GenerationResult) -> dict:
-    return {"prompt_tokens": result.prompt_tokens,
-            "completion_tokens": result.completion_tokens,
-            "total_tokens": result.prompt_tokens + result.completion_tokens}
+    usage = {"prompt_tokens": result.prompt_tokens,
+             "completion_tokens": result.completion_tokens,
+             "total_tokens": result.prompt_tokens + result.completion_tokens}
+    if result.thinks:
+        usage["completion_tokens_details"] = {"reasoning_tokens": result.reasoning_tokens}
+    return usage
 
 
 def _json(value: dict) -> str:

@@ -31,6 +31,7 @@ from ..runtime.chat_template import ChatTemplate, TemplateError
 from ..runtime.engine import ContextOverflow, Engine, InvalidArgument
 from ..runtime.gguf_header import GGUFHeader, read_header
 from ..runtime.models import BUNDLED
+from ..runtime.reasoning import template_thinks
 from ..samplers import SamplerSpec, SpecError
 from .errors import APIError
 from .scheduler import Job, QueueFull, Scheduler
@@ -132,6 +133,13 @@ class ServedModel:
         except TemplateError:  # loading the model says what is wrong with it
             return False
 
+    @property
+    def thinks(self) -> bool:
+        """Whether it is a reasoning model, as far as its header says without loading it:
+        its template writes or reads the thinking (loaded, the engine also checks that the
+        tags are tokens of its vocabulary)."""
+        return template_thinks(self.template_source)
+
     def answers_to(self, name: str) -> bool:
         """Whether a request naming ``name`` means this model: its name (with ollama's
         ``:latest`` or not), its file name or stem, in any case."""
@@ -176,16 +184,19 @@ class LoadedModel:
 
     def job(self, prompt_tokens: list[int], *, sampler: SamplerSpec, max_tokens: int | None,
             seed: int | None, stop: list[str], stream: bool, logprobs: int | None = None,
-            grammar=None, format_field: str = "", prompt_field: str, route: str = "") -> Job:
+            grammar=None, format_field: str = "", prompt_field: str, route: str = "",
+            thinking: bool = True) -> Job:
         """The engine's checked request as the scheduler takes it, or the 400 that says why
         not: a prompt that leaves no room in the context window (named as
         ``prompt_field``), a sampler or a grammar (asked for by ``format_field``) the engine
         cannot run here (backend sampling runs fewer, and no grammar), logprobs it cannot
-        give. ``max_tokens`` None or beyond the room: the room."""
+        give. ``max_tokens`` None or beyond the room: the room. ``thinking``: a reasoning
+        model's thinking comes apart from its answer (False: one text)."""
         try:
             request = self.engine.request(prompt_tokens, sampler=sampler,
                                           max_tokens=max_tokens, seed=seed, stop=stop,
-                                          logprobs=logprobs, grammar=grammar)
+                                          logprobs=logprobs, grammar=grammar,
+                                          thinking=thinking)
         except SpecError as exc:
             param = format_field if grammar is not None and sampler.in_graph \
                 else "sampler"
