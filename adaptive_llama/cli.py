@@ -51,7 +51,11 @@ def _spec(ctx, param, value):
     try:
         return parse_spec(value)
     except SpecError as exc:
-        fail(f"--sampler: {exc}")
+        fail(f"--{param.name.replace('_', '-')}: {exc}")
+
+
+def _optional_spec(ctx, param, value):
+    return None if value is None else _spec(ctx, param, value)
 
 
 # config.toml key -> the commands' parameter; the command line (or its environment variable)
@@ -60,7 +64,10 @@ CONFIG_PARAMS = {"sampler": "sampler", "system": "system", "ctx": "n_ctx",
                  "n_gpu_layers": "n_gpu_layers", "threads": "threads",
                  "backend_sampling": "backend_sampling", "markdown": "markdown",
                  "wordwrap": "wordwrap", "chat_template": "chat_template", "rpc": "rpc",
-                 "tensor_split": "tensor_split", "draft": "draft", "draft_max": "draft_max"}
+                 "tensor_split": "tensor_split", "draft": "draft", "draft_max": "draft_max",
+                 "reasoning_budget": "reasoning_budget",
+                 "reasoning_budget_message": "reasoning_budget_message",
+                 "reasoning_sampler": "reasoning_sampler"}
 GIVEN = (ParameterSource.COMMANDLINE, ParameterSource.ENVIRONMENT)
 
 
@@ -165,6 +172,16 @@ def model_options(fn):
                      "faster where drafts are kept (docs/performance.md)."),
         click.option("--draft-max", type=click.IntRange(1, 511), default=16,
                      show_default=True, help="Tokens drafted per step at most."),
+        click.option("--reasoning-budget", type=click.IntRange(min=-1), default=-1,
+                     show_default=True, metavar="N",
+                     help="A reasoning model thinks at most N tokens, then answers (-1: no "
+                     "bound; 0: no thinking; docs/reasoning.md)."),
+        click.option("--reasoning-budget-message", default="", metavar="TEXT",
+                     help="What a reasoning model's thinking ends with when its budget is "
+                     "spent (before the closing tag)."),
+        click.option("--reasoning-sampler", default=None, metavar="SPEC",
+                     callback=_optional_spec, help="The sampler of a reasoning model's "
+                     "thinking (default: the reply's --sampler)."),
         click.option("--verbose", is_flag=True, help="Show llama.cpp's own log."),
     ]):
         fn = option(fn)
@@ -198,6 +215,9 @@ class EngineOptions:
     rpc_timeout: float
     draft: str | None
     draft_max: int
+    reasoning_budget: int
+    reasoning_budget_message: str
+    reasoning_sampler: object
     verbose: bool
 
     @classmethod
@@ -227,7 +247,9 @@ class EngineOptions:
                         chat_template=template or template_source(self.chat_template),
                         rpc=self.rpc, tensor_split=self.tensor_split,
                         rpc_timeout=self.rpc_timeout, draft=self.draft,
-                        draft_max=self.draft_max)
+                        draft_max=self.draft_max, reasoning_budget=self.reasoning_budget,
+                        reasoning_budget_message=self.reasoning_budget_message,
+                        reasoning_sampler=self.reasoning_sampler)
         if sampler is not None:
             try:
                 engine.check_sampler(sampler)

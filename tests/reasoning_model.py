@@ -22,10 +22,11 @@ import numpy as np
 N_EMBD = 32
 MARGIN = 40.0  # the next token's logit over every other's
 # The reply after the generation prompt (<｜Assistant｜>), as the tokenizer's own tokens:
-# "<think>\nLet me think</think>\n\nHello!" then the end of the sentence.
-CHAIN = ["<｜Assistant｜>", "<think>", "Ċ", "Let", "Ġme", "Ġthink", "</think>", "ĊĊ",
-         "Hello", "!", "<｜end▁of▁sentence｜>"]
-THINKING_TEXT, ANSWER_TEXT = "\nLet me think", "Hello!"
+# "<think>\nLet me think é</think>\n\nHello!" then the end of the sentence; "é" is two
+# tokens, one byte each (Ã: 0xC3, ©: 0xA9).
+CHAIN = ["<｜Assistant｜>", "<think>", "Ċ", "Let", "Ġme", "Ġthink", "Ġ", "Ã", "©",
+         "</think>", "ĊĊ", "Hello", "!", "<｜end▁of▁sentence｜>"]
+THINKING_TEXT, ANSWER_TEXT = "\nLet me think é", "Hello!"
 
 # A template written from Qwen3's public one, with this tokenizer's markup: the thinking is
 # the model's unless the caller turns it off (enable_thinking=false), which writes an empty

@@ -10,10 +10,12 @@ import ollama
 import openai
 import pytest
 import reasoning_model as reasoning_model_file
+from llama_cpp import LlamaGrammar
 from reasoning_model import ANSWER_TEXT, CHAIN, THINKING_TEXT
 from test_server import API_KEY, serving
 
 from adaptive_llama import Engine
+from adaptive_llama.runtime.request import InvalidArgument
 from adaptive_llama.runtime.reasoning import (ANSWER, THINKING, ThinkingFormat,
                                               ThinkingSplitter, Thought)
 
@@ -270,14 +272,12 @@ def test_think_false_turns_thinking_off_where_the_template_can(ollama_client):
         refused.value) and R1 in str(refused.value)
 
 
-@pytest.mark.parametrize("model, think, says", [
-    ("smollm2", True, "is not a reasoning model"),
-    (R1, "high", "thinking budget"),
-])
-def test_think_that_cannot_be_done_is_a_400(ollama_client, model, think, says):
+def test_think_on_a_model_that_does_not_think_is_a_400(ollama_client):
     with pytest.raises(ollama.ResponseError) as refused:
-        ollama_client.chat(model=model, messages=HI, think=think)
-    assert refused.value.status_code == 400 and says in str(refused.value)
+        ollama_client.chat(model="smollm2", messages=HI, think=True)
+    assert refused.value.status_code == 400 and "is not a reasoning model" in str(
+        refused.value)
+    assert ollama_client.chat(model="smollm2", messages=HI, think=False).message.content
 
 
 def test_show_says_which_models_think(ollama_client):
@@ -297,3 +297,116 @@ def test_generate_prints_the_answer_and_json_gives_the_thinking_beside_it(reason
     figures = json.loads(generate("--json").stdout.splitlines()[-1])
     assert (figures["text"], figures["reasoning"]) == (ANSWER_TEXT, THINKING_TEXT.strip())
     assert figures["reasoning_tokens"] == chain_tokens("<think>", "</think>")
+
+
+# ---- the thinking's budget and its own sampler ----
+
+def thinking_of(engine, **kwargs):
+    """The fixture's reply to "Hi" with ``kwargs`` for the request."""
+    request = engine.request(engine.prompt_tokens("Hi", chat=True), sampler="adaptive",
+                             max_tokens=40, **kwargs)
+    stream = engine.run(request)
+    stream.text()
+    return stream.result
+
+
+def test_a_spent_budget_closes_the_thinking_and_the_answer_follows(r1):
+    result = thinking_of(r1, reasoning_budget=2)  # "\n" and "Let", then closed
+    assert (result.reasoning, result.text) == ("Let", ANSWER_TEXT)
+    # <think>, the two, then the forced "\n" and </think>
+    assert result.reasoning_tokens == 5 and result.finish_reason == "stop"
+
+
+def test_a_budget_never_ends_the_thinking_inside_a_character(r1):
+    budget = CHAIN.index("Ã") - CHAIN.index("<think>")  # spent on é's first byte
+    result = thinking_of(r1, reasoning_budget=budget)
+    assert result.reasoning == THINKING_TEXT.strip()  # é whole, not a replacement character
+    assert "\ufffd" not in result.reasoning + result.text
+
+
+def test_the_budget_message_ends_the_thinking(reasoning_model):
+    engine = Engine(reasoning_model, n_ctx=512, reasoning_budget=3,
+                    reasoning_budget_message="Time to answer.")
+    try:
+        result = thinking_of(engine)
+        assert (result.reasoning, result.text) == ("Let me\nTime to answer.", ANSWER_TEXT)
+        assert thinking_of(engine, reasoning_budget=-1).reasoning == THINKING_TEXT.strip()
+    finally:
+        engine.close()
+
+
+def test_a_budget_of_0_closes_the_thinking_at_once_where_the_template_cannot_turn_it_off(
+        r1, reasoning_model, qwen3_style):
+    assert not r1.can_turn_thinking_off()
+    result = thinking_of(r1, reasoning_budget=0)
+    assert (result.reasoning, result.text, result.reasoning_tokens) == ("", ANSWER_TEXT, 3)
+    engine = Engine(qwen3_style, n_ctx=512, reasoning_budget=0)
+    try:
+        assert engine.can_turn_thinking_off()
+        result = thinking_of(engine)  # the template wrote an empty thinking: no tokens of it
+        assert (result.reasoning, result.text, result.reasoning_tokens) == ("", ANSWER_TEXT, 0)
+    finally:
+        engine.close()
+
+
+@pytest.mark.parametrize("budget", [-2, 1.5, "3", True])
+def test_a_bad_budget_is_refused_in_one_line(r1, reasoning_model, budget):
+    with pytest.raises(InvalidArgument, match="`reasoning_budget` has to be an integer"):
+        r1.request(r1.prompt_tokens("Hi", chat=True), reasoning_budget=budget)
+    with pytest.raises(InvalidArgument, match="`reasoning_budget` has to be an integer"):
+        Engine(reasoning_model, reasoning_budget=budget)
+
+
+def test_the_thinking_has_its_own_sampler_and_the_answer_the_replys(r1):
+    """The chain that chose a token shows in its figures: the adaptive sampler records each
+    token it chooses, greedy none."""
+    first_answer = CHAIN.index("Hello") - CHAIN.index("<think>")
+    for thinking, answer, recorded in (("greedy", "adaptive", False),
+                                       ("adaptive", "greedy", True)):
+        request = r1.request(r1.prompt_tokens("Hi", chat=True), sampler=answer,
+                             reasoning_sampler=thinking, max_tokens=40)
+        stream = r1.run(request)
+        stream.text()
+        result = stream.result
+        phases = [stats is not None for stats in result.token_stats]
+        assert phases == [recorded] * first_answer + [not recorded] * (
+            result.completion_tokens - first_answer)
+        assert result.summary()["reasoning_sampler"] == thinking
+        assert (result.reasoning, result.text) == (THINKING_TEXT.strip(), ANSWER_TEXT)
+
+
+def test_a_grammar_shapes_the_answer_and_leaves_the_thinking_free(r1):
+    grammar = LlamaGrammar.from_string('root ::= "Hello" "!"', verbose=False)
+    result = r1.generate("Hi", chat=True, sampler="greedy", max_tokens=40, grammar=grammar)
+    assert (result.reasoning, result.text) == (THINKING_TEXT.strip(), ANSWER_TEXT)
+
+
+def test_openai_takes_a_budget_an_effort_and_a_sampler_for_the_thinking(openai_client):
+    def reply(**extra):
+        return openai_client.chat.completions.create(model=R1, messages=HI, extra_body=extra)
+
+    spent = reply(reasoning_budget=2).choices[0].message
+    assert (spent.model_extra["reasoning_content"], spent.content) == ("Let", ANSWER_TEXT)
+    assert reply(reasoning_effort="low").choices[0].message.model_extra[
+        "reasoning_content"] == THINKING_TEXT.strip()  # 1,024 tokens: more than it needs
+    stats = reply(reasoning_sampler="min-p:p=0.1").model_extra["sampler_stats"]
+    assert stats["reasoning_sampler"] == "min-p:p=0.1"
+
+
+@pytest.mark.parametrize("extra, param", [
+    ({"reasoning_effort": "extreme"}, "reasoning_effort"),
+    ({"reasoning_budget": -2}, "reasoning_budget"),
+    ({"reasoning_budget": 10, "reasoning_effort": "low"}, "reasoning_budget"),
+    ({"reasoning_sampler": "nucleus:p=2"}, "reasoning_sampler"),
+])
+def test_a_bad_thinking_field_is_a_400_naming_it(openai_client, extra, param):
+    with pytest.raises(openai.BadRequestError) as refused:
+        openai_client.chat.completions.create(model=R1, messages=HI, extra_body=extra)
+    assert param in str(refused.value)
+
+
+def test_ollama_think_levels_set_the_budget(ollama_client):
+    reply = ollama_client.chat(model=R1, messages=HI, think="low",
+                               options={"reasoning_sampler": "greedy"})
+    assert (reply.message.thinking, reply.message.content) == (THINKING_TEXT.strip(),
+                                                               ANSWER_TEXT)

@@ -21,7 +21,9 @@ class Chat:
     oldest exchanges leave the window (the system prompt stays); they stay in ``messages``
     (and in a /save) and ``dropped`` counts them. A message that cannot fit even alone is
     refused with ContextOverflow and changes nothing. A reply that is interrupted joins the
-    history with ``"interrupted": True``.
+    history with ``"interrupted": True``; a reasoning model's reply with its thinking in
+    ``"reasoning"``, which the model is not shown again. ``reasoning_budget`` bounds a
+    reasoning model's thinking (None: the engine's; 0: none, see docs/reasoning.md).
 
     Args:
         engine: the model.
@@ -44,6 +46,7 @@ class Chat:
         self.seed = None if seed is None else SEED.validate(seed)
         self.messages: list[dict] = []
         self.dropped = 0  # messages at the start of `messages` outside the window
+        self.reasoning_budget: int | None = None
 
     @property
     def window(self) -> list[dict]:
@@ -70,7 +73,7 @@ class Chat:
         def prompt(i: int) -> list[int]:
             if i not in rendered:
                 rendered[i] = self.engine.chat_prompt_tokens(
-                    self._conversation(messages[starts[i]:]))
+                    self._conversation(messages[starts[i]:]), thinking=self._thinking_switch())
             return rendered[i]
 
         low, high = 0, len(starts) - 1
@@ -112,15 +115,24 @@ class Chat:
         """The reply's stream; the history becomes ``messages`` once its request is
         checked, so that a request refused leaves the chat as it was."""
         tokens, start = self._fit(messages, self.dropped)
-        options = dict(sampler=self.sampler, max_tokens=self.max_tokens, seed=self.seed)
+        options = dict(sampler=self.sampler, max_tokens=self.max_tokens, seed=self.seed,
+                       reasoning_budget=self.reasoning_budget)
         request = self.engine.request(tokens, **{**options, **overrides})
         self.messages, self.dropped = messages, start
         stream = self.engine.run(request)
         stream.on_finish(self._add_reply)
         return stream
 
+    def _thinking_switch(self) -> bool | None:
+        """The template's ``enable_thinking``: false for a budget of 0 where it can."""
+        if self.reasoning_budget == 0 and self.engine.can_turn_thinking_off():
+            return False
+        return None
+
     def _add_reply(self, result: GenerationResult) -> None:
         message = {"role": "assistant", "content": result.text}
+        if result.reasoning:
+            message["reasoning"] = result.reasoning
         if result.finish_reason == "interrupted":
             message["interrupted"] = True
         self.messages.append(message)

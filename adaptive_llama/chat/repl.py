@@ -19,7 +19,7 @@ from pathlib import Path
 
 from .. import kernel
 from ..runtime.engine import ContextOverflow, Engine, GenerationResult
-from ..runtime.reasoning import Thought
+from ..runtime.reasoning import Thought, check_budget
 from ..samplers import (
     INT32_MAX,
     SAMPLERS,
@@ -39,7 +39,8 @@ from .saved import ChatStore, read_text_file, state_folder, write_user_file
 COMMANDS = {
     "/help": "this list; /help samplers: every sampler and its parameters",
     "/set": "/set eps|temp|max-tokens VALUE, /set seed N|random, /set sampler SPEC, "
-            "/set system [TEXT], /set verbose|markdown|wordwrap on|off; ollama's and "
+            "/set system [TEXT], /set verbose|markdown|wordwrap on|off, a reasoning "
+            "model's /set think show|hide|off and /set reasoning-budget N; ollama's and "
             "llama.cpp's too: "
             "/set [parameter] temperature|top_k|top_p|min_p|repeat_penalty|num_predict VALUE",
     "/show": "model, sampler, parameters, context used",
@@ -56,7 +57,8 @@ COMMANDS = {
     "/bye": "quit (also Ctrl-D)",
 }
 SET_KEYS = ("eps", "temp", "seed", "max-tokens", "sampler", "system", "verbose", "markdown",
-            "wordwrap")
+            "wordwrap", "think", "reasoning-budget")
+THINK_VALUES = ("show", "hide", "off")  # /set think: the thinking shown, hidden, or none
 # on|off switches of how replies show: the footer, markdown rendering, wrapping at words
 DISPLAY_SWITCHES = ("verbose", "markdown", "wordwrap")
 # ollama's `/set parameter NAME VALUE` names (llama.cpp's too) -> ours
@@ -102,6 +104,7 @@ class Repl:
         self.read_line = read_line or (self._terminal_reader() if interactive else _plain_reader)
         self.trace = "off"  # "on": each token's k; "top": and its likeliest alternatives
         self.verbose = interactive  # a footer after each reply (/set verbose)
+        self.show_thinking = True  # a reasoning model's thinking, dim (/set think)
         # by default on a terminal only: piped, a reply comes out exactly as the model wrote it
         self.markdown = interactive if markdown is None else markdown
         self.wordwrap = interactive if wordwrap is None else wordwrap
@@ -260,8 +263,10 @@ class Repl:
                 raise KeyboardInterrupt
             for piece in stream:
                 if isinstance(piece, Thought):
-                    self.say(f"\033[2m{piece}{RESET}" if self.interactive else piece, end="")
-                    thought = True
+                    if self.show_thinking:
+                        self.say(f"\033[2m{piece}{RESET}" if self.interactive else piece,
+                                 end="")
+                        thought = True
                     continue
                 if thought:  # the answer on a line of its own after the thinking
                     self.say("\n")
@@ -298,7 +303,10 @@ class Repl:
         if self.verbose:
             mean_k = f" · mean k {result.mean_k:.1f}" if result.mean_k is not None else ""
             drafts = f" · {result.drafts_kept}" if result.drafts_kept else ""
-            self.note(f"{result.completion_tokens} tokens · "
+            phases = (f" ({result.reasoning_tokens} thinking, "
+                      f"{result.completion_tokens - result.reasoning_tokens} answer)"
+                      if result.thinks else "")
+            self.note(f"{result.completion_tokens} tokens{phases} · "
                       f"{result.decode_tokens_per_s:.1f} tok/s{mean_k}{drafts} · "
                       f"seed {result.seed}")
 
@@ -364,6 +372,9 @@ class Repl:
                 setattr(self, key, _on_off(key, value))
                 self.note(f"{key} {value.lower()}")
                 return
+            if key in ("think", "reasoning-budget"):
+                self._set_thinking(key, value.lower())
+                return
             if key == "system":
                 chat.system = value or None
             elif key in ("sampler", "temp") or key in SET_OPTIONS:
@@ -382,6 +393,29 @@ class Repl:
                   f"{chat.sampler}, seed {_seed_text(chat.seed)}, max-tokens "
                   f"{chat.max_tokens}")
         self._note_hot_epsilon()
+
+    def _set_thinking(self, key: str, value: str) -> None:
+        """/set think show|hide|off (off: a budget of 0) and /set reasoning-budget N
+        (-1: no bound); ValueError for a value out of range."""
+        if key == "think":
+            if value not in THINK_VALUES:
+                raise ValueError(f"/set think takes {', '.join(THINK_VALUES)}, not {value!r}")
+            self.show_thinking = value == "show"
+            if value == "off":
+                self.chat.reasoning_budget = 0
+            elif self.chat.reasoning_budget == 0:
+                self.chat.reasoning_budget = None
+        else:
+            try:
+                number = int(value)
+            except ValueError:
+                raise ValueError(f"/set reasoning-budget takes a number of tokens (-1: no "
+                                 f"bound), not {value!r}") from None
+            self.chat.reasoning_budget = check_budget("reasoning-budget", number)
+        budget = self.chat.reasoning_budget
+        self.note(f"thinking {'shown' if self.show_thinking else 'hidden'}, budget "
+                  f"{'the engine default' if budget is None else budget if budget >= 0 else 'none'}"
+                  f"{'' if self.engine.thinking else ' (this model does not think)'}")
 
     def _note_hot_epsilon(self) -> None:
         note = hot_epsilon_note(self.chat.sampler)

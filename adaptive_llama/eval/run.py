@@ -109,9 +109,9 @@ class Evaluator:
             key, prompt, sample, spec = todo[index]
             row = {"key": key, "prompt_id": prompt.id, "sample": sample, "spec": spec,
                    "text": result.text, "completion_tokens": result.completion_tokens,
-                   "k": [s.k for s in result.token_stats],
-                   "kept_mass": [round(s.kept_mass, 5) for s in result.token_stats],
-                   "conf": [round(s.conf, 5) for s in result.token_stats]}
+                   "k": [s.k for s in result.adaptive_stats],
+                   "kept_mass": [round(s.kept_mass, 5) for s in result.adaptive_stats],
+                   "conf": [round(s.conf, 5) for s in result.adaptive_stats]}
             self.cache.add(row)
             yield row
             clock = time.perf_counter()

@@ -424,6 +424,11 @@ class SamplerChain:
                           conf=s.conf, p_chosen=s.p_chosen)
 
     @property
+    def records_stats(self) -> bool:
+        """Whether the chain's adaptive sampler records each token (:meth:`last_stats`)."""
+        return self._adaptive is not None
+
+    @property
     def fallbacks(self) -> int:
         """Tokens the adaptive sampler chose by arg-max because memory ran out (0 normally)."""
         return 0 if self._adaptive is None else self._stats.n_fallbacks

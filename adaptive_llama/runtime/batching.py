@@ -45,7 +45,7 @@ import numpy as np
 
 from ..llama.chain import SamplerChain
 from .prefix import shared_prefix
-from .reasoning import THINKING, ThinkingSplitter, Thought
+from .reasoning import ANSWER, THINKING, ThinkingSplitter, Thought
 from .request import Request
 from .speculation import DraftRound, Speculation
 from .threads import ThreadTuner
@@ -94,13 +94,16 @@ class GenerationResult:
     seed: int
     backend: str = ""             # what runs the adaptive and eta samplers: "c" or "numba"
     tokens: list[int] = field(default_factory=list)
-    token_stats: list = field(default_factory=list)   # AdaptiveStats, adaptive only
+    # AdaptiveStats per token when an adaptive chain chose any (None for a token it did not
+    # choose: another phase's sampler, a budget's forced token), else empty
+    token_stats: list = field(default_factory=list)
     logprobs: list = field(default_factory=list)      # TokenLogprob, when asked for
     prompt_eval_s: float = 0.0
     time_to_first_token_s: float = 0.0
     decode_s: float = 0.0
     thinks: bool = False          # a reasoning model's reply, its thinking split off:
     reasoning: str = ""           # the thinking, apart from ``text``
+    reasoning_sampler: str = ""   # the thinking's own sampler, if it has one
     reasoning_tokens: int = 0     # the tokens of the thinking (its tags included)
     drafter: str = ""             # speculation: "ngram" or the draft model's file, else ""
     draft_tokens: int = 0         # drafted tokens the sampler checked (not those after the end)
@@ -121,8 +124,14 @@ class GenerationResult:
         return f"drafts kept {self.draft_accepted}/{self.draft_tokens}{share}"
 
     @property
+    def adaptive_stats(self) -> list:
+        """The AdaptiveStats of the tokens the adaptive sampler chose."""
+        return [s for s in self.token_stats if s is not None]
+
+    @property
     def mean_k(self) -> float | None:
-        return statistics.fmean(s.k for s in self.token_stats) if self.token_stats else None
+        stats = self.adaptive_stats
+        return statistics.fmean(s.k for s in stats) if stats else None
 
     def summary(self) -> dict:
         """The figures of the reply, for the REPL's /stats, the server's ``sampler_stats``
@@ -132,13 +141,17 @@ class GenerationResult:
                "completion_tokens": self.completion_tokens,
                "decode_tokens_per_s": round(self.decode_tokens_per_s, 2),
                "time_to_first_token_s": round(self.time_to_first_token_s, 4)}
-        if self.token_stats:
-            ks = sorted(s.k for s in self.token_stats)
-            confs = [s.conf for s in self.token_stats if not math.isnan(s.conf)]
+        if stats := self.adaptive_stats:
+            ks = sorted(s.k for s in stats)
+            confs = [s.conf for s in stats if not math.isnan(s.conf)]
             out.update(mean_k=round(statistics.fmean(ks), 3),
                        stdev_k=round(statistics.pstdev(ks), 3),
                        median_k=statistics.median_low(ks), max_k=ks[-1],
                        mean_conf=round(statistics.fmean(confs), 4) if confs else None)
+        if self.reasoning_sampler:
+            out["reasoning_sampler"] = self.reasoning_sampler
+        if self.thinks:
+            out["reasoning_tokens"] = self.reasoning_tokens
         if self.drafter:
             out.update(drafter=self.drafter, draft_tokens=self.draft_tokens,
                        draft_accepted=self.draft_accepted,
@@ -158,17 +171,30 @@ class Generation:
 
     Text appears in ``pieces`` as it is made (take it with :meth:`take`), a reasoning model's
     thinking as :class:`~.reasoning.Thought` pieces when the request splits it off;
-    ``done`` once it has finished, whatever the reason. The generation owns its chain and
-    closes it.
+    ``done`` once it has finished, whatever the reason. The generation owns its chains and
+    closes them.
+
+    A reasoning model's reply has two chains: ``thinking_chain`` chooses the tokens of the
+    thinking (the request's reasoning sampler, without its grammar) and ``answer_chain``
+    the rest; :attr:`chain` is the one choosing now, switched at the token that closes the
+    thinking. Each chain sees every token of the reply (penalties and DRY look back on the
+    whole of it), the grammar only the answer's. ``forced`` tokens are taken in place of
+    the next choices: a spent thinking budget closes the thinking this way.
     """
 
-    def __init__(self, request: Request, chain: SamplerChain):
+    def __init__(self, request: Request, chain: SamplerChain,
+                 thinking_chain: SamplerChain | None = None):
         self.request = request
         self.prompt_tokens = list(request.prompt_tokens)
-        self.chain = chain
+        self.answer_chain = chain
+        self.thinking_chain = thinking_chain
+        self.forced: list[int] = []
+        self.forced_now = False  # whether the token being taken was forced
+        self.thought_tokens = 0  # tokens inside the thinking, its tags not counted
         self.result = GenerationResult(
             text="", finish_reason="interrupted", prompt_tokens=len(self.prompt_tokens),
-            completion_tokens=0, sampler=str(chain.spec), seed=chain.seed, backend=chain.backend)
+            completion_tokens=0, sampler=str(chain.spec), seed=chain.seed, backend=chain.backend,
+            reasoning_sampler=str(request.thinking_spec or ""))
         self.pieces: list[str] = []
         self.done = False
         self.slot: Slot | None = None
@@ -178,8 +204,38 @@ class Generation:
         self._held = ""                     # text that could still begin a stop string
         self.splitter = ThinkingSplitter(request.thinking) if request.thinking else None
         self.result.thinks = self.splitter is not None
+        if self.splitter is not None and self.splitter.thinking:
+            self._check_budget()  # a budget of 0 closes a thinking the prompt opened
         self._submitted = time.perf_counter()
         self._decode_start: float | None = None
+
+    @property
+    def chain(self) -> SamplerChain:
+        """The chain that chooses the next token."""
+        if self.thinking_chain is not None and self.splitter.phase != ANSWER:
+            return self.thinking_chain
+        return self.answer_chain
+
+    @property
+    def chains(self) -> list[SamplerChain]:
+        return [c for c in (self.thinking_chain, self.answer_chain) if c is not None]
+
+    @property
+    def records_stats(self) -> bool:
+        return any(chain.records_stats for chain in self.chains)
+
+    def seen(self, token: int, chosen_by: SamplerChain | None) -> None:
+        """Let the chains that did not choose ``token`` look back on it too."""
+        for chain in self.chains:
+            if chain is not chosen_by:
+                chain.remember((token,))
+
+    def _check_budget(self) -> None:
+        """Close the thinking once its budget is spent, between whole characters."""
+        budget = self.request.thinking_budget
+        if (budget is not None and not self.forced and self.splitter.thinking
+                and self.thought_tokens >= budget and not self._utf8.getstate()[0]):
+            self.forced = list(self.request.closing_tokens)
 
     def take(self) -> list[str]:
         """The text pieces made since the last call."""
@@ -273,7 +329,7 @@ class Decoder:
         slot = max(free, key=lambda s: (s.reusable(prompt), -s.joined, -s.index))
         self._joins += 1
         slot.joined = self._joins
-        if generation.chain.in_graph:
+        if generation.chain.in_graph:  # one chain: no reasoning sampler in the graph
             generation.chain.attach(self._ctx, slot.index)
         generation.todo = self._reuse(slot, prompt)
         generation.slot, slot.generation = slot, generation
@@ -433,7 +489,8 @@ class Decoder:
         if self.speculation is None:
             return DraftRound.of(generating, [[] for _ in generating])
         left = [min(g.request.max_tokens - g.result.completion_tokens,
-                    self.n_ctx_seq - len(g.slot.tokens)) - 2 for g in generating]
+                    self.n_ctx_seq - len(g.slot.tokens)) - 2 if not g.forced else 0
+                for g in generating]
         return self.speculation.plan(generating, self.step_rows - len(generating), left)
 
     def _verify(self, round_: DraftRound) -> None:
@@ -520,9 +577,13 @@ class Decoder:
         the graph read what the graph chose, here.
         """
         ctx = self._ctx
-        tokens = [generation.chain.sample(ctx, index) if generation.chain.in_graph else None
-                  for generation, index in wants]
-        cpu = [(i, g.chain, index) for i, (g, index) in enumerate(wants) if not g.chain.in_graph]
+        tokens = []
+        for generation, index in wants:  # forced tokens, and what the graph chose
+            generation.forced_now = bool(generation.forced)
+            tokens.append(generation.forced.pop(0) if generation.forced_now
+                          else generation.chain.sample(ctx, index)
+                          if generation.chain.in_graph else None)
+        cpu = [(i, g.chain, index) for i, (g, index) in enumerate(wants) if tokens[i] is None]
         groups = min(len(cpu), self.tuner.threads)
         self._steps += 1
         if (groups > 1 and self._chain_s >= self.parallel_from_s
@@ -566,12 +627,15 @@ class Decoder:
         result.completion_tokens += 1
         if request.logprobs is not None:
             result.logprobs.append(self._logprob(index, token, request.logprobs))
-        stats = generation.chain.last_stats()
-        if stats is not None:
-            result.token_stats.append(stats)
+        chain = None if generation.forced_now else generation.chain  # None: forced
+        if generation.records_stats:
+            result.token_stats.append(chain.last_stats() if chain is not None
+                                      and chain.records_stats else None)
+        generation.seen(token, chain)
         text = generation._utf8.decode(vocab.piece(token))
         if generation.splitter is not None:
             text = self._split_thinking(generation, text, counts=True)
+            generation._check_budget()
         generation._held += text
         emit, generation._held, hit = split_stop(generation._held, request.stop)
         if emit:
@@ -595,6 +659,7 @@ class Decoder:
         parts = splitter.feed(text) + (splitter.finish() if final else [])
         if counts and (was_thinking or splitter.thinking):
             result.reasoning_tokens += 1
+            generation.thought_tokens += was_thinking and splitter.thinking
         answer = []
         for phase, part in parts:
             if phase == THINKING:
@@ -641,7 +706,8 @@ class Decoder:
                 generation.chain.detach(self._ctx, generation.slot.index)
         if generation in self.live:
             self.live.remove(generation)
-        generation.chain.close()
+        for chain in generation.chains:
+            chain.close()
 
 
 def _run_chains(group: list[tuple[int, SamplerChain, int]]) -> list[tuple[int, int]]:

@@ -18,13 +18,18 @@
     tensor_split = [3, 2]           # their shares of the layers
     draft = "ngram"                 # speculative decoding: "ngram" or a draft model
     draft_max = 16                  # tokens drafted per step at most
+    reasoning_budget = 4096         # a reasoning model thinks at most this many tokens
+    reasoning_budget_message = "Time to answer."
+    reasoning_sampler = "min-p:p=0.05,temp=0.6"  # the thinking's own sampler
 
 Keys: ``sampler`` (a spec), ``system`` (the REPL's system prompt), ``ctx``, ``n_gpu_layers``,
 ``threads`` (1 to 512), ``backend_sampling``, and the REPL's ``markdown`` and ``wordwrap``
 (rendering and wrapping replies; on a terminal by default), ``chat_template`` (a Jinja
 template in place of the model's own: ``chatml-tools``, or a file's path), ``rpc`` and
 ``tensor_split`` (workers holding the layers, docs/distributed.md), ``draft`` and ``draft_max``
-(speculative decoding, docs/performance.md). ``run``, ``generate`` and ``serve`` use them;
+(speculative decoding, docs/performance.md), ``reasoning_budget`` (-1: no bound),
+``reasoning_budget_message`` and ``reasoning_sampler`` (a reasoning model's thinking,
+docs/reasoning.md). ``run``, ``generate`` and ``serve`` use them;
 the command line wins over the file, a model's table over ``[defaults]``, and the file over
 the built-in defaults. Each value comes with where it came from, which ``/show`` and
 ``adaptive-llama models`` print. The whole file is checked before anything starts: a bad one
@@ -131,6 +136,9 @@ KEYS = {
     "tensor_split": _shares,
     "draft": _text,
     "draft_max": _integer(1, 511),
+    "reasoning_budget": _integer(-1),
+    "reasoning_budget_message": _text,
+    "reasoning_sampler": _sampler,
 }
 
 

@@ -52,7 +52,7 @@ from .drafting import ModelDrafter, NgramDrafter
 from .embeddings import Embedder
 from .gguf_header import quantization_name
 from .limits import MAX_CTX, MAX_THREADS, N_BATCH
-from .reasoning import ThinkingFormat, template_thinks
+from .reasoning import ThinkingFormat, ThinkingSettings, check_budget, template_thinks
 from .loading import layer_devices, load_model, set_llama_log
 from .models import ModelError, resolve_model
 from .request import ContextOverflow, InvalidArgument, Request, check_int, check_shares
@@ -71,6 +71,8 @@ class _NoWatchdog(contextlib.nullcontext):
 
 
 _NO_WATCHDOG = _NoWatchdog()
+_GRAPH_HAS_ONE_CHAIN = ("a sampler of the thinking's own needs a second chain, and backend "
+                        "sampling runs one chain in the graph: drop one of the two")
 
 __all__ = ["ContextOverflow", "Engine", "GenerationResult", "InvalidArgument", "Request",
            "Stream", "set_llama_log"]
@@ -100,7 +102,8 @@ class Stream:
     @property
     def last_k(self) -> int | None:
         """The candidate-set size of the newest token (adaptive sampler), else None."""
-        return self._live.token_stats[-1].k if self._live.token_stats else None
+        stats = self._live.token_stats[-1] if self._live.token_stats else None
+        return stats.k if stats is not None else None
 
     def on_finish(self, callback: Callable[[GenerationResult], None]) -> None:
         self._callbacks.append(callback)
@@ -179,6 +182,11 @@ class Engine:
             where drafts are kept.
         draft_max: tokens drafted per step at most (the engine drafts fewer, or none,
             where drafts are seldom kept).
+        reasoning_budget, reasoning_budget_message, reasoning_sampler: a reasoning model's
+            thinking (:mod:`adaptive_llama.runtime.reasoning`): at most this many tokens of
+            it (-1: no bound; 0: none), the text that closes it when the budget is spent,
+            and the sampler that chooses its tokens (None: the reply's); each request may
+            set its own.
         reference_attention: on the CPU (no GPU layers; RPC workers started with
             ``adaptive-llama rpc-worker`` follow it), flash attention through llama.cpp's
             tiled kernel for whole prompt chunks and its one-row reference kernel for every
@@ -199,7 +207,14 @@ class Engine:
                  chat_template: str | None = None, rpc: str | list[str] | None = None,
                  tensor_split: list[float] | None = None,
                  rpc_timeout: float = ggml_rpc.STEP_TIMEOUT_S, draft: str | None = None,
-                 draft_max: int = MAX_DRAFT, reference_attention: bool | None = None):
+                 draft_max: int = MAX_DRAFT, reference_attention: bool | None = None,
+                 reasoning_budget: int = -1, reasoning_budget_message: str = "",
+                 reasoning_sampler: SamplerSpec | str | None = None):
+        self.thinking_settings = ThinkingSettings(
+            check_budget("reasoning_budget", reasoning_budget), str(reasoning_budget_message),
+            None if reasoning_sampler is None else spec_of(reasoning_sampler))
+        if reasoning_sampler is not None and backend_sampling:
+            raise InvalidArgument(_GRAPH_HAS_ONE_CHAIN, "reasoning_sampler")
         self.rpc, tensor_split = _checked_arguments(
             n_gpu_layers=n_gpu_layers, n_ctx=n_ctx, n_threads=n_threads, parallel=parallel,
             backend_sampling=backend_sampling, rpc=rpc, rpc_timeout=rpc_timeout,
@@ -507,6 +522,8 @@ class Engine:
             raise ModelError(f"{self.name} has no chat template (tokenizer.chat_template): "
                              "use plain completion (generate without --chat), or give one "
                              "(--chat-template)")
+        if thinking is None and self.thinking_settings.budget == 0:
+            thinking = False if self.can_turn_thinking_off() else None
         parts, added_bos = self.chat_template.render(messages, tools, cancelled, thinking)
         tokens = [] if added_bos else self.tokenize("", add_bos=True)
         text: list[str] = []  # plain text gathered since the last control token
@@ -570,7 +587,9 @@ class Engine:
     def request(self, prompt_tokens: list[int], *, sampler: SamplerSpec | str = "adaptive",
                 max_tokens: int | None = 256, seed: int | None = None,
                 stop: list[str] | tuple = (), grammar=None, record_stats: bool = True,
-                logprobs: int | None = None, thinking: bool = True) -> Request:
+                logprobs: int | None = None, thinking: bool = True,
+                reasoning_sampler: SamplerSpec | str | None = None,
+                reasoning_budget: int | None = None) -> Request:
         """The request, checked once (:mod:`adaptive_llama.runtime.request`); arguments as
         :meth:`stream`. ``max_tokens`` None, or beyond the room the prompt leaves in the
         context window: that room. Seed None: the engine's seed, else a fresh random one.
@@ -603,7 +622,32 @@ class Engine:
                        seed=seed_or_fresh(self.seed if seed is None else seed),
                        stop=tuple(s for s in stop if s), logprobs=logprobs, grammar=grammar,
                        record_stats=record_stats,
-                       thinking=self._thinking_of(prompt_tokens) if thinking else None)
+                       **self._thinking_request(prompt_tokens, thinking, reasoning_sampler,
+                                                reasoning_budget))
+
+    def _thinking_request(self, prompt_tokens: list[int], thinking: bool, sampler,
+                          budget: int | None) -> dict:
+        """A request's fields for a reasoning model's thinking (none for another model, or
+        with ``thinking`` False); ``sampler`` and ``budget`` None: the engine's."""
+        settings = self.thinking_settings
+        spec = settings.sampler if sampler is None else spec_of(sampler)
+        if spec is not None and self.backend_sampling:
+            raise InvalidArgument(_GRAPH_HAS_ONE_CHAIN, "reasoning_sampler")
+        budget = settings.budget if budget is None else check_budget("reasoning_budget", budget)
+        form = self._thinking_of(prompt_tokens) if thinking else None
+        if form is None:
+            return {}
+        return {"thinking": form, "thinking_spec": spec, "thinking_budget": budget,
+                "closing_tokens": tuple(self._closing_tokens(settings.budget_message))
+                if budget is not None else ()}
+
+    def _closing_tokens(self, message: str) -> list[int]:
+        """What closes the thinking when its budget is spent: ``message`` (on a line of its
+        own), the closing tag, and the blank line before the answer."""
+        text = f"\n{message.strip()}\n" if message.strip() else "\n"
+        return (self.tokenize(text, add_bos=False)
+                + self.tokenize(self.thinking.close, add_bos=False, special=True)
+                + self.tokenize("\n\n", add_bos=False))
 
     def check_sampler(self, sampler: SamplerSpec | str, grammar=None) -> SamplerSpec:
         """The parsed spec, or the SpecError a request with it would get here: under backend
@@ -618,7 +662,18 @@ class Engine:
                              vocab_model=self._model, record_stats=request.record_stats,
                              in_graph=self.backend_sampling)
         chain.remember(request.prompt_tokens)
-        return Generation(request, chain)
+        if request.thinking is None or self.backend_sampling:
+            return Generation(request, chain)
+        # the thinking's own chain: its sampler (or the reply's), never the grammar
+        try:
+            thinking = SamplerChain(request.thinking_spec or request.spec, request.seed,
+                                    self.n_vocab, vocab_model=self._model,
+                                    record_stats=request.record_stats)
+        except BaseException:
+            chain.close()
+            raise
+        thinking.remember(request.prompt_tokens)
+        return Generation(request, chain, thinking)
 
     # ---- driving the slots: for a scheduler of its own (the server's) ----
 

@@ -145,3 +145,27 @@ def without_thinking(message: dict, form: ThinkingFormat) -> dict:
             or form.close not in content):
         return message
     return {**message, "content": content.split(form.close)[-1].lstrip()}
+
+
+# What OpenAI's reasoning_effort and Ollama's think levels set the thinking budget to, in
+# tokens (docs/reasoning.md).
+EFFORT_BUDGETS = {"minimal": 0, "low": 1024, "medium": 4096, "high": 16384}
+
+
+@dataclass(frozen=True)
+class ThinkingSettings:
+    """How a reasoning model's requests think unless they say otherwise: ``budget`` tokens
+    of thinking at most (None: no bound; 0: none), then ``budget_message`` and the closing
+    tag; ``sampler`` chooses the thinking's tokens (None: the reply's sampler)."""
+
+    budget: int | None = None
+    budget_message: str = ""
+    sampler: object = None  # a SamplerSpec
+
+
+def check_budget(name: str, value) -> int | None:
+    """A thinking budget as given (-1: no bound) as the engine keeps it (None: no bound), or
+    InvalidArgument naming ``name``."""
+    from .request import check_int  # request imports this module for ThinkingFormat
+
+    return None if check_int(name, value, low=-1) == -1 else value

@@ -41,7 +41,10 @@ class Request:
     ``stop`` holds no empty string; ``logprobs``: None, or how many alternatives to record
     with each token's log-probability; ``grammar``: a ``llama_cpp.LlamaGrammar`` or None;
     ``thinking``: how a reasoning model's thinking is told apart from its answer
-    (:mod:`adaptive_llama.runtime.reasoning`), None to keep the reply as one text.
+    (:mod:`adaptive_llama.runtime.reasoning`), None to keep the reply as one text; then
+    ``thinking_spec`` is the thinking's own sampler (None: ``spec``), ``thinking_budget``
+    the tokens it may take (None: no bound), and ``closing_tokens`` what closes it when
+    the budget is spent.
     """
 
     prompt_tokens: tuple[int, ...]
@@ -53,6 +56,9 @@ class Request:
     grammar: Any = None
     record_stats: bool = True
     thinking: ThinkingFormat | None = None
+    thinking_spec: SamplerSpec | None = None
+    thinking_budget: int | None = None
+    closing_tokens: tuple[int, ...] = ()
 
 
 def check_shares(name: str, value, most: int) -> list[float]:

@@ -30,7 +30,7 @@ from ..runtime.embeddings import Embedder
 from ..runtime.engine import Engine, GenerationResult, InvalidArgument
 from ..runtime.reasoning import without_thinking
 from ..runtime.tools import calls_grammar
-from ..samplers import SamplerSpec, SpecError, spec_from_options
+from ..samplers import SamplerSpec, SpecError, parse_spec, spec_from_options
 from .errors import APIError, too_large
 from .pool import FOREVER, LoadedModel, ModelPool, ServedModel, keep_alive_s  # noqa: F401
 from .scheduler import Job
@@ -245,6 +245,23 @@ class SamplingFields(BaseModel):
     def sampling_options(self) -> dict:
         """These fields as :func:`adaptive_llama.samplers.spec_from_options` takes them."""
         return {name: getattr(self, name) for name in SamplingFields.model_fields}
+
+
+def reasoning_sampler(text: str | None, param: str) -> SamplerSpec | None:
+    """The spec of a request's ``reasoning_sampler`` (None: the engine's), or a 400."""
+    if text is None:
+        return None
+    try:
+        return parse_spec(text)
+    except SpecError as exc:
+        raise APIError(400, f"{param}: {exc}", param=param, code="invalid_sampler") from None
+
+
+def thinking_switch(engine: Engine, budget: int | None) -> bool | None:
+    """The chat template's ``enable_thinking`` for a request's thinking budget: false for
+    a budget of 0 where the template can turn thinking off (elsewhere the engine closes
+    the thinking as soon as it opens), else the template's default."""
+    return False if budget == 0 and engine.can_turn_thinking_off() else None
 
 
 def sampler_for(default: SamplerSpec, *, param: str = "sampler", prefix: str = "",

@@ -26,8 +26,8 @@ in ``message.tool_calls``, arguments as an object (:mod:`adaptive_llama.runtime.
 ``message.thinking`` (``thinking`` on ``/api/generate``), apart from the answer, unless
 ``think`` is false: then the template turns the thinking off where it can (Qwen3's
 ``enable_thinking``), and a model that cannot is a 400. ``think`` true on a model that does
-not think is a 400, as in Ollama; its levels ("low", "medium", "high") would set a thinking
-budget, which this server does not have: a 400 too.
+not think is a 400, as in Ollama; its levels ("low", "medium", "high") set the thinking
+budget (docs/reasoning.md), and ``options.reasoning_sampler`` the thinking's sampler.
 
 Models (:mod:`.pool`): ``model`` names one the server serves (``/api/tags`` lists them,
 ``/api/ps`` the loaded ones, with when each will be unloaded); an unknown name gets 404. The
@@ -56,7 +56,7 @@ from pydantic import BaseModel, Field
 from ..llama.grammar import ANY_OBJECT
 from ..runtime.engine import GenerationResult
 from ..runtime.models import ModelError
-from ..runtime.reasoning import Thought
+from ..runtime.reasoning import EFFORT_BUDGETS, Thought
 from ..runtime.tools import ToolCall, ToolCallReader, parse_reply
 from ..samplers import SEED
 from .common import (
@@ -80,6 +80,7 @@ from .common import (
     grammar_for,
     keep_alive_s,
     parse_body,
+    reasoning_sampler,
     sampler_for,
     server_of,
     template_prompt,
@@ -102,6 +103,7 @@ class Options(SamplingFields):
     num_predict: int | None = Field(None, ge=-2)
     stop: list[str] | None = Field(None, max_length=MAX_STOPS)
     sampler: str | None = None
+    reasoning_sampler: str | None = None  # a reasoning model's thinking (docs/reasoning.md)
 
 
 class _Body(BaseModel):
@@ -117,26 +119,28 @@ class _Body(BaseModel):
     keep_alive: int | float | str | None = None
     think: bool | Literal["low", "medium", "high"] | None = None
 
-    def thinking_wanted(self, engine) -> bool | None:
+    def thinking_wanted(self, engine) -> tuple[bool | None, int | None]:
         """The template's ``enable_thinking`` for this request (None: the template's own
-        default), or the 400 that says why ``think`` cannot be done."""
+        default) and the thinking budget (None: the engine's, -1: no bound), or the 400
+        that says why ``think`` cannot be done."""
         if self.think is None:
-            return None
+            return None, None
         name = self.model
         if engine.thinking is None:
             if self.think is False:
-                return None
+                return None, None
             raise APIError(400, f"`think`: {name} is not a reasoning model (it does not "
                            "think); leave `think` out", param="think")
+        if self.think is False:
+            if not engine.can_turn_thinking_off():
+                raise APIError(400, f"`think`: {name} cannot turn its thinking off (its "
+                               "chat template has no enable_thinking); leave `think` out "
+                               "or send true", param="think")
+            return False, None
         if isinstance(self.think, str):
-            raise APIError(400, f"`think` {self.think!r} would set a thinking budget, which "
-                           "this server does not have yet: send true or false",
-                           param="think")
-        if self.think is False and not engine.can_turn_thinking_off():
-            raise APIError(400, f"`think`: {name} cannot turn its thinking off (its chat "
-                           "template has no enable_thinking); leave `think` out or send "
-                           "true", param="think")
-        return self.think
+            return None, EFFORT_BUDGETS[self.think]
+        # think: true asks for thinking even where the server's budget is 0
+        return None, -1 if engine.thinking_settings.budget == 0 else None
 
     def keep_alive_wanted(self) -> float | None:
         """Seconds to keep the model loaded after this request (None: as it is)."""
@@ -286,7 +290,7 @@ def _in_memory(model: LoadedModel) -> tuple[int, int]:
 
 
 async def _job(model: LoadedModel, tokens: list[int], body: _Body, prompt_field: str,
-               route: str) -> Job:
+               route: str, budget: int | None = None) -> Job:
     options = body.options
     sampler = sampler_for(model.sampler, sampler=options.sampler,
                           temperature=options.temperature, top_p=options.top_p,
@@ -303,7 +307,10 @@ async def _job(model: LoadedModel, tokens: list[int], body: _Body, prompt_field:
     return model.job(tokens, sampler=sampler, max_tokens=wanted, seed=options.seed,
                       stop=[s for s in options.stop or [] if s], stream=body.stream,
                       grammar=await grammar_for(body.schema_wanted(), "format"),
-                      format_field="format", prompt_field=prompt_field, route=route)
+                      format_field="format", prompt_field=prompt_field, route=route,
+                      reasoning_budget=budget,
+                      reasoning_sampler=reasoning_sampler(options.reasoning_sampler,
+                                                          "options.reasoning_sampler"))
 
 
 async def _respond(model: LoadedModel, request: Request, job: Job, body: _Body, kind: str,
@@ -450,9 +457,9 @@ async def chat(request: Request):
     offered = body.tools or []
     async with server.model(body.model, keep_alive=body.keep_alive_wanted()) as model:
         functions = check_tools(model, offered) if offered else []
-        thinking = body.thinking_wanted(model.engine)
+        thinking, budget = body.thinking_wanted(model.engine)
         tokens = await chat_prompt(request, model.engine, body.messages, offered, thinking)
-        job = await _job(model, tokens, body, "messages", request.url.path)
+        job = await _job(model, tokens, body, "messages", request.url.path, budget)
         return await _respond(model, request, job, body, "chat", functions)
 
 
@@ -464,7 +471,7 @@ async def generate(request: Request):
         return await _load_or_unload(server, body, "generate")
     async with server.model(body.model, keep_alive=body.keep_alive_wanted()) as model:
         engine = model.engine
-        thinking = body.thinking_wanted(engine)
+        thinking, budget = body.thinking_wanted(engine)
         if body.raw or not engine.has_chat_template:
             text = body.prompt if body.system is None else f"{body.system}\n\n{body.prompt}"
             # raw: the caller wrote the template's markup itself, on purpose
@@ -473,7 +480,7 @@ async def generate(request: Request):
             messages = ([{"role": "system", "content": body.system}] if body.system else [])
             messages.append({"role": "user", "content": body.prompt})
             tokens = await template_prompt(request, engine, messages, thinking=thinking)
-        job = await _job(model, tokens, body, "prompt", request.url.path)
+        job = await _job(model, tokens, body, "prompt", request.url.path, budget)
         return await _respond(model, request, job, body, "generate")
 
 

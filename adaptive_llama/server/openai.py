@@ -53,7 +53,7 @@ from sse_starlette.sse import EventSourceResponse
 
 from ..llama.grammar import ANY_OBJECT
 from ..runtime.engine import MAX_LOGPROBS, GenerationResult, TokenLogprob
-from ..runtime.reasoning import Thought
+from ..runtime.reasoning import EFFORT_BUDGETS, Thought
 from ..runtime.tools import ToolCall, ToolCallReader, parse_reply
 from ..samplers import DRY_SEQUENCE_BREAKERS, SEED
 from .common import (
@@ -75,8 +75,10 @@ from .common import (
     check_tools,
     grammar_for,
     parse_body,
+    reasoning_sampler,
     sampler_for,
     server_of,
+    thinking_switch,
     wait,
 )
 
@@ -162,11 +164,24 @@ class ChatBody(_Body):
     tools: Annotated[list[Tool], Field(max_length=MAX_TOOLS)] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool = True
-    # llama-server's: "none" keeps a reasoning model's reply as one text
+    # A reasoning model's thinking (docs/reasoning.md): llama-server's reasoning_format
+    # ("none" keeps the reply as one text), OpenAI's reasoning_effort, and ours.
     reasoning_format: Literal["none", "auto", "deepseek"] | None = None
+    reasoning_effort: Literal["minimal", "low", "medium", "high"] | None = None
+    reasoning_budget: int | None = Field(None, ge=-1)
+    reasoning_sampler: str | None = None
 
     def thinking_apart(self) -> bool:
         return self.reasoning_format != "none"
+
+    def budget_wanted(self) -> int | None:
+        """The thinking budget asked for (-1: no bound), or None: the engine's."""
+        if self.reasoning_effort is not None and self.reasoning_budget is not None:
+            raise APIError(400, "`reasoning_effort` and `reasoning_budget` both set the "
+                           "thinking budget; send one", param="reasoning_budget")
+        if self.reasoning_effort is not None:
+            return EFFORT_BUDGETS[self.reasoning_effort]
+        return self.reasoning_budget
 
     def tools_offered(self) -> list[Tool]:
         """The tools the model may call: none without ``tools`` or with ``tool_choice``
@@ -207,6 +222,9 @@ class CompletionBody(_Body):
     def thinking_apart(self) -> bool:
         return False  # a raw prompt's reply is one text, as llama-server's
 
+    def budget_wanted(self) -> None:
+        return None
+
 
 class EmbeddingBody(BaseModel):
     model_config = STRICT
@@ -246,7 +264,10 @@ async def _job(model: LoadedModel, tokens: list[int], body: _Body, max_tokens: i
                       stop=[body.stop] if isinstance(body.stop, str) else list(body.stop or []),
                       stream=body.stream, logprobs=logprobs, grammar=grammar,
                       format_field=grammar_field, prompt_field=prompt_field,
-                      route=route, thinking=body.thinking_apart())
+                      route=route, thinking=body.thinking_apart(),
+                      reasoning_budget=body.budget_wanted(),
+                      reasoning_sampler=reasoning_sampler(
+                          getattr(body, "reasoning_sampler", None), "reasoning_sampler"))
 
 
 async def _chat_grammar(body: ChatBody, offered: list[Tool]) -> tuple[object, str]:
@@ -534,7 +555,8 @@ async def chat_completions(request: Request):
     offered = body.tools_offered()
     async with server.model(body.model, any_name_for_one=True) as model:
         functions = check_tools(model, offered) if offered else []
-        tokens = await chat_prompt(request, model.engine, body.messages, offered)
+        tokens = await chat_prompt(request, model.engine, body.messages, offered,
+                                   thinking_switch(model.engine, body.budget_wanted()))
         job = await _job(model, tokens, body, body.max_completion_tokens or body.max_tokens,
                          "messages", request.url.path, *await _chat_grammar(body, offered))
         return await _respond(model, request, job, body, "chat", functions)
