@@ -288,7 +288,7 @@ def test_show_says_which_models_think(ollama_client):
 def test_generate_prints_the_answer_and_json_gives_the_thinking_beside_it(reasoning_model):
     def generate(*options):
         return subprocess.run([sys.executable, "-m", "adaptive_llama.cli", "generate",
-                               str(reasoning_model), "Hi", "--chat", "--ctx", "512",
+                               str(reasoning_model), "--prompt", "Hi", "--chat", "--ctx", "512",
                                "--sampler", "greedy", *options],
                               capture_output=True, text=True, timeout=120, check=True)
 
@@ -360,7 +360,7 @@ def test_a_bad_budget_is_refused_in_one_line(r1, reasoning_model, budget):
 def test_the_thinking_has_its_own_sampler_and_the_answer_the_replys(r1):
     """The chain that chose a token shows in its figures: the adaptive sampler records each
     token it chooses, greedy none."""
-    first_answer = CHAIN.index("Hello") - CHAIN.index("<think>")
+    first_answer = chain_tokens("<think>", "</think>")  # the token after the closing tag
     for thinking, answer, recorded in (("greedy", "adaptive", False),
                                        ("adaptive", "greedy", True)):
         request = r1.request(r1.prompt_tokens("Hi", chat=True), sampler=answer,

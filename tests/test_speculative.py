@@ -16,7 +16,7 @@ from conftest import GPU_LAYERS, generating_batch_rows
 
 from adaptive_llama import Engine
 from adaptive_llama.llama import cpu_attention, ggml
-from adaptive_llama.runtime import drafting
+from adaptive_llama.runtime import drafting, speculation
 from adaptive_llama.runtime.batching import CHUNK
 from adaptive_llama.runtime.drafting import PromptLookup
 from adaptive_llama.runtime.speculation import DraftLength, RowCost, Speculation
@@ -732,3 +732,14 @@ def test_several_sequences_drafting_never_pass_the_steps_rows(smollm2_path, monk
         batch.close()
     assert sum(r.draft_tokens for r in results) > 0
     assert max(rows) == 7  # drafts fill the step, and never pass it
+
+
+def test_a_row_count_not_measured_again_is_forgotten_and_tried_anew():
+    cost = RowCost(prior=0.1)
+    cost.observe(0.050, rows=2)  # measured once at a long context, or in a burst of noise
+    for _ in range(speculation.MAX_AGE):
+        cost.observe(0.010, rows=1)
+    assert 2 in cost.step_s
+    cost.observe(0.010, rows=1)
+    assert 2 not in cost.step_s  # 65 steps without it: guessed at the prior again
+    assert cost.extra(1, 1) == pytest.approx([0.1])

@@ -40,6 +40,10 @@ MAX_DRAFT = 16           # tokens per round at most (llama.cpp's --draft-max def
 PROBE_EVERY = 8          # rounds between one-token drafts while drafting does not pay,
 MAX_PROBE_EVERY = 64     # doubling after each probe up to this
 POSITION_WEIGHT = 2.0    # a position's own rate weighs in after this many rounds reached it
+# A row count's time not measured again for this many steps is forgotten: a cost measured
+# at another context length (a long prompt's rows cost more), or in a burst of noise, would
+# otherwise keep a length from being tried ever again.
+MAX_AGE = 64
 
 
 class DraftState(Protocol):
@@ -186,19 +190,27 @@ class DraftLength:
 
 class RowCost:
     """What drafted rows add to a decode step, from running averages of the step's time by
-    its number of rows. A row count not measured is interpolated between the nearest
-    measured ones; past the largest, guessed optimistically (each row more at ``prior`` of
-    a sequence's share of that step), so that a length that could pay gets tried once and
-    measured: on a CPU bound by arithmetic 16 rows cost about 10 single-row decodes, on a
-    GPU not much more than one. Until a step of the plain rows was measured, drafts are
-    taken to cost without bound: that step comes first."""
+    its number of rows, each forgotten when not measured again within ``MAX_AGE`` steps. A
+    row count not measured is interpolated between the nearest measured ones; past the
+    largest, guessed optimistically (each row more at ``prior`` of a sequence's share of
+    that step), so that a length that could pay gets tried and measured: on a CPU bound by
+    arithmetic 16 rows cost about 10 single-row decodes, on a GPU not much more than one.
+    Until a step of the plain rows was measured, drafts are taken to cost without bound:
+    that step comes first."""
 
     def __init__(self, prior: float = 0.1):
         self.step_s: dict[int, float] = {}  # rows in the step -> seconds, running average
         self.prior = prior
+        self._steps = 0
+        self._measured: dict[int, int] = {}  # rows -> the step it was last measured at
 
     def observe(self, seconds: float, rows: int) -> None:
+        self._steps += 1
         self.step_s[rows] = average(self.step_s.get(rows), seconds)
+        self._measured[rows] = self._steps
+        for stale in [r for r, step in self._measured.items()
+                      if self._steps - step > MAX_AGE]:
+            del self.step_s[stale], self._measured[stale]
 
     def extra(self, sequences: int, n_max: int, draft_s: float = 0.0) -> np.ndarray:
         """What 1, 2, ..., ``n_max`` more rows (and drafting them, ``draft_s`` seconds each)
