@@ -16,6 +16,7 @@ from test_server import API_KEY, serving
 
 from adaptive_llama import Engine
 from adaptive_llama.runtime.request import InvalidArgument
+from adaptive_llama.samplers import spec_of
 from adaptive_llama.runtime.reasoning import (ANSWER, THINKING, ThinkingFormat,
                                               ThinkingSplitter, Thought)
 
@@ -371,7 +372,7 @@ def test_the_thinking_has_its_own_sampler_and_the_answer_the_replys(r1):
         phases = [stats is not None for stats in result.token_stats]
         assert phases == [recorded] * first_answer + [not recorded] * (
             result.completion_tokens - first_answer)
-        assert result.summary()["reasoning_sampler"] == thinking
+        assert result.summary()["reasoning_sampler"] == str(spec_of(thinking))
         assert (result.reasoning, result.text) == (THINKING_TEXT.strip(), ANSWER_TEXT)
 
 
@@ -390,7 +391,7 @@ def test_openai_takes_a_budget_an_effort_and_a_sampler_for_the_thinking(openai_c
     assert reply(reasoning_effort="low").choices[0].message.model_extra[
         "reasoning_content"] == THINKING_TEXT.strip()  # 1,024 tokens: more than it needs
     stats = reply(reasoning_sampler="min-p:p=0.1").model_extra["sampler_stats"]
-    assert stats["reasoning_sampler"] == "min-p:p=0.1"
+    assert stats["reasoning_sampler"] == str(spec_of("min-p:p=0.1"))
 
 
 @pytest.mark.parametrize("extra, param", [
