@@ -16,7 +16,7 @@ class CountingEngine:
         self.n_ctx = n_ctx
         self.renders = 0
 
-    def chat_prompt_tokens(self, messages):
+    def chat_prompt_tokens(self, messages, thinking=None):
         self.renders += 1
         return [0] * sum(3 + len(m["content"]) for m in messages)
 

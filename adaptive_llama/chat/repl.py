@@ -19,7 +19,8 @@ from pathlib import Path
 
 from .. import kernel
 from ..runtime.engine import ContextOverflow, Engine, GenerationResult
-from ..runtime.reasoning import Thought, check_budget
+from ..runtime.reasoning import Thought
+from ..runtime.request import check_budget
 from ..samplers import (
     INT32_MAX,
     SAMPLERS,

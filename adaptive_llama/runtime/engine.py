@@ -52,10 +52,11 @@ from .drafting import ModelDrafter, NgramDrafter
 from .embeddings import Embedder
 from .gguf_header import quantization_name
 from .limits import MAX_CTX, MAX_THREADS, N_BATCH
-from .reasoning import ThinkingFormat, ThinkingSettings, check_budget, template_thinks
+from .reasoning import ThinkingFormat, ThinkingSettings, template_thinks
 from .loading import layer_devices, load_model, set_llama_log
 from .models import ModelError, resolve_model
-from .request import ContextOverflow, InvalidArgument, Request, check_int, check_shares
+from .request import (ContextOverflow, InvalidArgument, Request, check_budget, check_int,
+                      check_shares)
 from .speculation import MAX_DRAFT, Speculation
 from .threads import ThreadTuner, default_threads
 from .vocab import Vocab

@@ -162,10 +162,3 @@ class ThinkingSettings:
     budget_message: str = ""
     sampler: object = None  # a SamplerSpec
 
-
-def check_budget(name: str, value) -> int | None:
-    """A thinking budget as given (-1: no bound) as the engine keeps it (None: no bound), or
-    InvalidArgument naming ``name``."""
-    from .request import check_int  # request imports this module for ThinkingFormat
-
-    return None if check_int(name, value, low=-1) == -1 else value

@@ -73,6 +73,12 @@ def check_shares(name: str, value, most: int) -> list[float]:
     return [float(x) for x in value]
 
 
+def check_budget(name: str, value) -> int | None:
+    """A reasoning model's thinking budget as given (-1: no bound) as the engine keeps it
+    (None: no bound), or InvalidArgument naming ``name``."""
+    return None if check_int(name, value, low=-1) == -1 else value
+
+
 def check_int(name: str, value, low: int, high: int | None = None) -> int:
     """``value`` if it is an integer (not a bool) in [low, high], else InvalidArgument."""
     if (isinstance(value, bool) or not isinstance(value, int) or value < low
