@@ -10,11 +10,13 @@ import ollama
 import openai
 import pytest
 import reasoning_model as reasoning_model_file
+from click.testing import CliRunner
 from llama_cpp import LlamaGrammar
 from reasoning_model import ANSWER_TEXT, CHAIN, THINKING_TEXT
 from test_server import API_KEY, serving
 
 from adaptive_llama import Engine
+from adaptive_llama.cli import main
 from adaptive_llama.runtime.request import InvalidArgument
 from adaptive_llama.samplers import spec_of
 from adaptive_llama.runtime.reasoning import (ANSWER, THINKING, ThinkingFormat,
@@ -411,3 +413,25 @@ def test_ollama_think_levels_set_the_budget(ollama_client):
                                options={"reasoning_sampler": "greedy"})
     assert (reply.message.thinking, reply.message.content) == (THINKING_TEXT.strip(),
                                                                ANSWER_TEXT)
+
+
+def test_the_repl_shows_hides_and_bounds_the_thinking(reasoning_model, tmp_path):
+    saved = tmp_path / "chat.json"
+    result = CliRunner().invoke(main, [
+        "run", str(reasoning_model), "--ctx", "512", "--max-tokens", "40", "--sampler",
+        "greedy"], input="\n".join([
+            "Hi", "/set think hide", "Hi", "/set think off", "Hi", "/set reasoning-budget 2",
+            "/set think show", "Hi", "/set reasoning-budget x", "/show",
+            f"/save {saved}"]) + "\n")
+    out = result.output
+    assert result.exit_code == 0 and "Traceback" not in out
+    assert out.count(THINKING_TEXT.strip()) == 1  # the first reply only: then hidden
+    assert f"{THINKING_TEXT.strip()}\n{ANSWER_TEXT}" in out  # the answer on its own line
+    assert f"Let\n{ANSWER_TEXT}" in out  # a budget of 2
+    assert out.count(ANSWER_TEXT) == 4
+    assert "takes a number of tokens" in out and "thinking    <think>...</think>" in out
+    replies = [m for m in json.loads(saved.read_text())["messages"]
+               if m["role"] == "assistant"]
+    assert [m["content"] for m in replies] == [ANSWER_TEXT] * 4
+    assert [m.get("reasoning") for m in replies] == [THINKING_TEXT.strip(),
+                                                     THINKING_TEXT.strip(), None, "Let"]
