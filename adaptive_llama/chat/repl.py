@@ -270,7 +270,7 @@ class Repl:
                         thought = True
                     continue
                 if thought:  # the answer on a line of its own after the thinking
-                    self.say("\n")
+                    self.say()
                     thought = False
                 if keep is not None:  # kept before it shows: nothing shown can be lost
                     keep(piece)
