@@ -13,7 +13,7 @@ import reasoning_model as reasoning_model_file
 from click.testing import CliRunner
 from llama_cpp import LlamaGrammar
 from reasoning_model import ANSWER_TEXT, CHAIN, THINKING_TEXT
-from test_server import API_KEY, serving
+from test_server import ollama_client_for, openai_client_for, serving
 
 from adaptive_llama import Engine
 from adaptive_llama.cli import main
@@ -194,14 +194,12 @@ def reasoning_server(reasoning_model, qwen3_style, smollm2_path, tmp_path_factor
 
 @pytest.fixture
 def openai_client(reasoning_server):
-    return openai.OpenAI(base_url=f"http://127.0.0.1:{reasoning_server}/v1", api_key=API_KEY,
-                         max_retries=0, timeout=120)
+    return openai_client_for(reasoning_server)
 
 
 @pytest.fixture
 def ollama_client(reasoning_server):
-    return ollama.Client(host=f"http://127.0.0.1:{reasoning_server}",
-                         headers={"Authorization": f"Bearer {API_KEY}"}, timeout=120)
+    return ollama_client_for(reasoning_server)
 
 
 HI = [{"role": "user", "content": "What is 17 times 23?"}]

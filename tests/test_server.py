@@ -99,10 +99,23 @@ def wait_idle(port, timeout=30):
     pytest.fail(f"server still busy after {timeout} s: {health(port)}")
 
 
+def openai_client_for(port) -> openai.OpenAI:
+    """The openai SDK's client of the server on ``port``."""
+    return openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key=API_KEY,
+                         max_retries=0, timeout=120)
+
+
+def ollama_client_for(port):
+    """The ollama package's client of the server on ``port``."""
+    import ollama
+
+    return ollama.Client(host=f"http://127.0.0.1:{port}",
+                         headers={"Authorization": f"Bearer {API_KEY}"}, timeout=120)
+
+
 @pytest.fixture
 def client(server):
-    return openai.OpenAI(base_url=f"http://127.0.0.1:{server}/v1", api_key=API_KEY,
-                         max_retries=0, timeout=120)
+    return openai_client_for(server)
 
 
 HELLO = [{"role": "user", "content": "Name one colour."}]

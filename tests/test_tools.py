@@ -5,13 +5,18 @@ the bundled model), and the server's tools through the real openai and ollama cl
 import json
 import time
 
-import ollama
-import openai
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from test_fuzz import schemas
-from test_server import API_KEY, raw, server, server_log, serving  # noqa: F401 (fixtures)
+from test_server import (  # noqa: F401 (fixtures)
+    ollama_client_for,
+    openai_client_for,
+    raw,
+    server,
+    server_log,
+    serving,
+)
 
 from adaptive_llama import Engine
 from adaptive_llama.llama.grammar import UnsupportedSchema
@@ -262,14 +267,12 @@ def tool_server(smollm2_path, tmp_path_factory):
 
 @pytest.fixture
 def openai_client(tool_server):
-    return openai.OpenAI(base_url=f"http://127.0.0.1:{tool_server}/v1", api_key=API_KEY,
-                         max_retries=0, timeout=120)
+    return openai_client_for(tool_server)
 
 
 @pytest.fixture
 def ollama_client(tool_server):
-    return ollama.Client(host=f"http://127.0.0.1:{tool_server}",
-                         headers={"Authorization": f"Bearer {API_KEY}"}, timeout=120)
+    return ollama_client_for(tool_server)
 
 
 def few_shot(cities=("Paris", "Rome", "Oslo"), ask="Berlin", arguments=dict):
