@@ -202,6 +202,8 @@ class Generation:
         self.next_token: int | None = None  # sampled, to be decoded in the next step
         self._utf8 = codecs.getincrementaldecoder("utf-8")(errors="replace")
         self._held = ""                     # text that could still begin a stop string
+        # whether each token gets a place in token_stats (an adaptive chain chooses some)
+        self.records_stats = any(chain.records_stats for chain in self.chains)
         self.splitter = ThinkingSplitter(request.thinking) if request.thinking else None
         self.result.thinks = self.splitter is not None
         if self.splitter is not None and self.splitter.thinking:
@@ -219,10 +221,6 @@ class Generation:
     @property
     def chains(self) -> list[SamplerChain]:
         return [c for c in (self.thinking_chain, self.answer_chain) if c is not None]
-
-    @property
-    def records_stats(self) -> bool:
-        return any(chain.records_stats for chain in self.chains)
 
     def seen(self, token: int, chosen_by: SamplerChain | None) -> None:
         """Let the chains that did not choose ``token`` look back on it too."""
