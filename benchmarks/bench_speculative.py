@@ -6,8 +6,8 @@ at temperature 0.7 and at 1.0. Each is decoded without drafts ("none"), with pro
 ("ngram", the length rule of adaptive_llama.runtime.speculation deciding how much to
 draft), and with prompt lookup drafting a fixed number of tokens at every step where it
 has them ("fixed-1" to "fixed-16": what the rule is measured against); with
-``--draft-model``, also with that model drafting (its rule). Rounds interleave the modes;
-every reply has the same seed in every mode.
+``--draft-model``, also with that model drafting (its rule). Rounds interleave the modes,
+each round starting at another; every reply has the same seed in every mode.
 
 One JSON object on stdout: per task and sampler, the median decode tokens/s of each mode,
 its ratio to "none" (the median of each round's ratio: a slow spell of the machine then
@@ -172,7 +172,10 @@ def main():
         for task in tasks:
             prompt, max_tokens = TASKS[task]
             for sampler in SAMPLERS:
-                for mode, engine in engines.items():
+                # each round starts at another mode: no mode always follows the same one
+                modes = list(engines)
+                for mode in modes[r % len(modes):] + modes[:r % len(modes)]:
+                    engine = engines[mode]
                     engine.clear_cache()
                     result = engine.generate(prompt, chat=True, sampler=sampler,
                                              seed=args.seed + r, max_tokens=max_tokens)

@@ -11,6 +11,34 @@ import pytest
 from adaptive_llama.runtime.models import BUNDLED
 
 GPU_LAYERS = int(os.environ.get("ADAPTIVE_LLAMA_TEST_GPU_LAYERS", "0"))
+ALL_CPUS = os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity") else None
+
+
+def pytest_configure(config):
+    """Under pytest-xdist (``make test`` runs a worker per core), each worker, and every
+    command it starts, keeps to cores of its own: llama.cpp's threads spin while they wait
+    for each other at every step, so two workers' threads on one core would each run a
+    step per time slice. The engines then take one thread per core they have
+    (:func:`adaptive_llama.runtime.threads.default_threads`)."""
+    worker, count = os.environ.get("PYTEST_XDIST_WORKER"), os.environ.get(
+        "PYTEST_XDIST_WORKER_COUNT")
+    if worker and count and ALL_CPUS is not None and int(count) <= len(ALL_CPUS):
+        os.sched_setaffinity(0, sorted(ALL_CPUS)[int(worker.removeprefix("gw"))::int(count)])
+
+
+@pytest.fixture(autouse=True)
+def every_core_for_threads_tests(request):
+    """A test marked ``all_cores`` (it runs llama.cpp on more threads than a worker's
+    cores) gets every core while it runs: the threads it starts then may use them all."""
+    if ALL_CPUS is None or not request.node.get_closest_marker("all_cores"):
+        yield
+        return
+    own = os.sched_getaffinity(0)
+    os.sched_setaffinity(0, ALL_CPUS)
+    try:
+        yield
+    finally:
+        os.sched_setaffinity(0, own)
 
 
 @pytest.fixture(autouse=True)

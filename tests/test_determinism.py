@@ -58,6 +58,7 @@ def test_same_seed_same_reply_whatever_the_cache_holds(engine):
     assert texts[0] and texts == [texts[0]] * 4
 
 
+@pytest.mark.all_cores
 def test_the_thread_count_changes_no_reply(smollm2_path):
     prompt = LONG * 2  # past 512 cached cells, where flash attention split by threads
     texts = []
@@ -71,6 +72,7 @@ def test_the_thread_count_changes_no_reply(smollm2_path):
     assert texts[0] and texts[0] == texts[1]
 
 
+@pytest.mark.all_cores
 def test_the_thread_count_changes_no_logits_of_whole_chunks_or_single_rows(smollm2_path):
     # Whole 64-token prompt chunks go through flash attention's tiled kernel, every other
     # row through its reference kernel (adaptive_llama.llama.cpu_attention): neither may

@@ -232,6 +232,7 @@ def test_batches_are_deterministic_and_each_sequence_keeps_its_own_settings(batc
     assert not batched.decoder.live and batched.decoder.free_slots == 3
 
 
+@pytest.mark.all_cores
 def test_chains_sampled_in_threads_choose_what_one_thread_would(smollm2_path, monkeypatch):
     """The decoder can sample a step's sequences in groups, one per decoding thread; the texts
     are those of sampling them one after another (the decode itself is the same: 2 threads)."""

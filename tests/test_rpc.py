@@ -492,6 +492,7 @@ def test_same_seed_same_text_as_alone(engine, split_engine, sampler):
     assert split.text == alone.text and split.completion_tokens == alone.completion_tokens
 
 
+@pytest.mark.all_cores
 def test_past_512_cells_a_worker_computes_a_row_as_the_host_alone(engine, smollm2_path):
     """A reply's tokens one by one with 512 cells or more in view, where llama.cpp's own
     kernel would split a row over a worker's (two) threads: the worker takes the reference

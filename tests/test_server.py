@@ -731,7 +731,6 @@ def test_a_loopback_page_may_ask_first_and_read_the_answer(server):
 @pytest.mark.parametrize("path,extra,field", [
     ("/v1/chat/completions", {"functions": [{"name": "f"}]}, "functions"),
     ("/v1/chat/completions", {"function_call": {"name": "f"}}, "function_call"),
-    ("/v1/chat/completions", {"logit_bias": {"42": 5}}, "logit_bias"),
     ("/v1/completions", {"echo": True}, "echo"),
     ("/v1/completions", {"suffix": "end"}, "suffix"),
     ("/v1/completions", {"best_of": 3}, "best_of"),

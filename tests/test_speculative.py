@@ -527,12 +527,17 @@ def test_the_row_cost_is_what_drafted_rows_add_to_a_step():
     # nothing measured for the plain rows: no draft pays until a plain step is measured
     assert np.isinf(cost.extra(2, 4)).all()
     cost.observe(0.010, rows=2)  # 5 ms a sequence
-    # past what was measured: the prior per row, 0.1 of a share
-    assert cost.extra(2, 4) == pytest.approx([0.1, 0.2, 0.3, 0.4])
+    # past what was measured: the prior per row, 0.1 of a share, and one row to try first
+    assert cost.extra(2, 4) == pytest.approx([0.1, np.inf, np.inf, np.inf])
+    cost.observe(0.010 + 0.0001, rows=3)
+    # 1 drafted row measured: up to 3 may be tried, the rows past it at the prior
+    assert cost.extra(2, 4) == pytest.approx([0.02, 0.12, 0.22, np.inf])
     cost.observe(0.010 + 4 * 0.002, rows=6)
-    # 4 drafted rows: 8 ms more, in 5 ms shares; 2 rows interpolated between 2 and 6 rows;
-    # 6 rows: 18 ms and two more at the prior, 0.5 ms each
-    assert cost.extra(2, 6) == pytest.approx([0.4, 0.8, 1.2, 1.6, 1.7, 1.8])
+    # 4 drafted rows: 8 ms more, in 5 ms shares, up to 9 may be tried; rows interpolated
+    # between 3 and 6 rows; past 6 at the slope between them, 2.6 ms a row
+    assert cost.extra(2, 10)[:4] == pytest.approx([0.02, 0.547, 1.073, 1.6], abs=1e-3)
+    assert cost.extra(2, 10)[4:] == pytest.approx([2.126, 2.653, 3.18, 3.706, 4.233,
+                                                   np.inf], abs=1e-3)
     assert cost.extra(2, 4, draft_s=0.001)[3] == pytest.approx(2.4)
     cost.observe(0.020, rows=2)  # a running average: 10 ms + 0.2 * 10 ms
     assert cost.step_s[2] == pytest.approx(0.012)
@@ -742,4 +747,4 @@ def test_a_row_count_not_measured_again_is_forgotten_and_tried_anew():
     assert 2 in cost.step_s
     cost.observe(0.010, rows=1)
     assert 2 not in cost.step_s  # 65 steps without it: guessed at the prior again
-    assert cost.extra(1, 1) == pytest.approx([0.1])
+    assert cost.extra(1, 2) == pytest.approx([0.1, np.inf])

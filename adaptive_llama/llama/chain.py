@@ -151,8 +151,8 @@ def in_chain_samplers():
 class SamplerChain:
     """A llama.cpp sampler chain for one spec and seed; owns its samplers.
 
-    The chain is ``[grammar] -> [modifiers before] -> [temp] -> the spec's sampler ->
-    [modifiers after] -> [dist]``, built from the spec's entries in
+    The chain is ``[grammar] -> [logit bias] -> [modifiers before] -> [temp] -> the spec's
+    sampler -> [modifiers after] -> [dist]``, built from the spec's entries in
     :data:`adaptive_llama.samplers.SAMPLERS`; ``dist`` (seeded) follows unless the sampler
     chooses the token itself and nothing comes after it. Penalties and DRY see the tokens
     of the reply (and, through :meth:`remember`, of the prompt).
@@ -162,6 +162,8 @@ class SamplerChain:
         seed: the random seed, 0 to 2**32 - 1; the same seed and prompt give the same tokens.
         n_vocab: the model's vocabulary size (mirostat v1 needs it).
         grammar: an optional ``llama_cpp.LlamaGrammar`` applied before everything else.
+        logit_bias: (token, bias) pairs added to the logits before the samplers (OpenAI's
+            ``logit_bias``).
         vocab_model: the model the grammar or DRY tokenizes for (a
             ``llama_cpp._internals.LlamaModel``: ``Llama._model``, or the engine's), needed
             with a grammar or DRY.
@@ -175,11 +177,15 @@ class SamplerChain:
     """
 
     def __init__(self, spec: SamplerSpec | str, seed: int, n_vocab: int, grammar=None,
-                 vocab_model=None, record_stats: bool = False, in_graph: bool = False):
+                 vocab_model=None, record_stats: bool = False, in_graph: bool = False,
+                 logit_bias: tuple[tuple[int, float], ...] = ()):
         self.spec = spec_of(spec)
         self.seed = SEED.validate(seed)
         if in_graph:
             check_in_graph(self.spec, grammar)
+            if logit_bias:
+                raise SpecError("a logit bias cannot run inside llama.cpp's graph (backend "
+                                "sampling): turn backend sampling off to use one")
         self.in_graph = in_graph
         self._n_vocab = n_vocab
         self._record_stats = record_stats
@@ -193,6 +199,8 @@ class SamplerChain:
         self._last_token = -1
         if grammar is not None:
             self._add_grammar(vocab_model, grammar)
+        if logit_bias:
+            self._add_logit_bias(logit_bias)
         for modifier in self.spec.stage("before"):
             modifier.sampler.add(self, modifier.params)
         sampler = self.spec.sampler
@@ -209,7 +217,7 @@ class SamplerChain:
         self._chosen_later = bool(after) and sampler.chooses_token
         if not sampler.chooses_token or after:
             self._chain.add_dist(self.seed)
-        self._on_row = self._row_sampler(grammar)
+        self._on_row = None if logit_bias else self._row_sampler(grammar)
 
     def _row_sampler(self, grammar):
         """The chain's choice straight from a row of logits (its address), or None.
@@ -230,6 +238,11 @@ class SamplerChain:
             row = in_chain_samplers().greedy_row
             return lambda logits: row(logits, n)
         return None
+
+    def _add_logit_bias(self, biases: tuple[tuple[int, float], ...]) -> None:
+        """llama.cpp's logit-bias sampler: ``bias`` added to each token's logit, before
+        every other sampler but the grammar."""
+        self._chain.add_logit_bias(self._n_vocab, dict(biases))  # llama.cpp copies them
 
     def _add_grammar(self, vocab_model, grammar) -> None:
         # llama-cpp-python's add_grammar would put a NULL sampler in the chain for a grammar

@@ -23,7 +23,7 @@ from llama_cpp.llama_grammar import RESERVED_NAMES, LlamaGrammar, SchemaConverte
 from .schema import UnsupportedSchema, check_schema
 
 __all__ = ["UnsupportedSchema", "check_schema", "json_grammar", "framed_json_grammar",
-           "json_gbnf", "group_depth"]
+           "gbnf_grammar", "json_gbnf", "group_depth"]
 
 # A grammar llama.cpp is given: at most this long, and its groups at most this deep (it
 # parses a group by recursion; about 30,000 deep overflowed the stack and killed the process,
@@ -53,29 +53,41 @@ def framed_json_grammar(schema: dict, before: str, after: str,
     return _parsed(f"{top} ::= {body}\n{gbnf}", top)
 
 
-def _parsed(gbnf: str, root: str) -> LlamaGrammar:
+def gbnf_grammar(gbnf: str) -> LlamaGrammar:
+    """A grammar its caller wrote in GBNF (llama-server's ``grammar`` field), start rule
+    ``root``; UnsupportedSchema when llama.cpp cannot parse it, when it passes the bounds,
+    or when it names tokens (``<|im_end|>``, ``<[42]>``: parsing those needs the model's
+    vocabulary, which a grammar checked before its request is queued does not have)."""
+    if any(term.startswith("<") for term in _GBNF_TERM.findall(gbnf)):
+        raise UnsupportedSchema("the grammar names tokens (<...>), which this server does "
+                                "not take; write them as text")
+    return _parsed(gbnf, "root", "the grammar")
+
+
+def _parsed(gbnf: str, root: str, what: str = "the grammar the schema makes"
+            ) -> LlamaGrammar:
     """The grammar, once llama.cpp has parsed it here (UnsupportedSchema if it cannot),
     so that a request learns it at once, not from the decoding thread."""
     if len(gbnf) > MAX_GRAMMAR_BYTES:
-        raise UnsupportedSchema(f"the schema makes a grammar of {len(gbnf):,} bytes, more "
-                                f"than the {MAX_GRAMMAR_BYTES:,} allowed; make it smaller")
+        raise UnsupportedSchema(f"{what} has {len(gbnf):,} bytes, more than the "
+                                f"{MAX_GRAMMAR_BYTES:,} allowed; make it smaller")
     if group_depth(gbnf) > MAX_GROUP_DEPTH:
-        raise UnsupportedSchema(f"the schema makes a grammar nested more than "
-                                f"{MAX_GROUP_DEPTH} deep; make its counts smaller")
+        raise UnsupportedSchema(f"{what} nests more than {MAX_GROUP_DEPTH} groups deep; "
+                                "make it (or its counts) smaller")
     # No vocabulary: a schema's grammar has no <token> terms, and parsing needs none else.
     sampler = llama_cpp.llama_sampler_init_grammar(None, gbnf.encode("utf-8"),
                                                    root.encode("utf-8"))
     if not sampler:
-        raise UnsupportedSchema("llama.cpp cannot parse the grammar the schema makes (it "
-                                "has too many rules, or a pattern holds an escape GBNF "
-                                "does not know, such as \\b)")
+        raise UnsupportedSchema(f"llama.cpp cannot parse {what} (a rule it does not "
+                                "define, left recursion, too many rules, or an escape "
+                                "GBNF does not know, such as \\b)")
     llama_cpp.llama_sampler_free(sampler)
     grammar = LlamaGrammar.from_string(gbnf, verbose=False)
     grammar._root = root  # the start rule llama_sampler_init_grammar is given (see .chain)
     return grammar
 
 
-_GBNF_TERM = re.compile(r'"(?:[^"\\]|\\.)*"|\[(?:[^\]\\]|\\.)*\]|[()]')
+_GBNF_TERM = re.compile(r'"(?:[^"\\]|\\.)*"|\[(?:[^\]\\]|\\.)*\]|[()]|<')
 
 
 def group_depth(gbnf: str) -> int:

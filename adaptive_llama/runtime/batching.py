@@ -105,6 +105,7 @@ class GenerationResult:
     reasoning: str = ""           # the thinking, apart from ``text``
     reasoning_sampler: str = ""   # the thinking's own sampler, if it has one
     reasoning_tokens: int = 0     # the tokens of the thinking (its tags included)
+    stop_string: str = ""         # the stop string that ended it ("stop_string")
     drafter: str = ""             # speculation: "ngram" or the draft model's file, else ""
     draft_tokens: int = 0         # drafted tokens the sampler checked (not those after the end)
     draft_accepted: int = 0       # of them, those it chose too
@@ -640,6 +641,7 @@ class Decoder:
             result.text += emit
             generation.pieces.append(emit)
         if hit:
+            result.stop_string = hit
             return self._finish(generation, "stop_string")
         if (result.completion_tokens >= request.max_tokens
                 or len(generation.slot.tokens) + 1 >= self.n_ctx_seq):
@@ -719,17 +721,19 @@ def _keepable(shared: int, prompt: list[int]) -> int:
     return max(0, min(shared, len(prompt) - 1)) // CHUNK * CHUNK
 
 
-def split_stop(text: str, stops: list[str]) -> tuple[str, str, bool]:
-    """(text safe to emit, text held back, whether a stop string was found)."""
+def split_stop(text: str, stops: list[str]) -> tuple[str, str, str]:
+    """(text safe to emit, text held back, the stop string found there or "": the one
+    that starts first, the first listed of those that start there)."""
     if not stops:
-        return text, "", False
-    cut = min((i for i in (text.find(s) for s in stops) if i >= 0), default=-1)
-    if cut >= 0:
-        return text[:cut], "", True
+        return text, "", ""
+    found = [(i, n) for n, i in enumerate(text.find(s) for s in stops) if i >= 0]
+    if found:
+        cut, n = min(found)
+        return text[:cut], "", stops[n]
     hold = 0  # longest suffix of text that is a proper prefix of some stop string
     for s in stops:
         for n in range(min(len(s) - 1, len(text)), 0, -1):
             if text.endswith(s[:n]):
                 hold = max(hold, n)
                 break
-    return text[: len(text) - hold], text[len(text) - hold:], False
+    return text[: len(text) - hold], text[len(text) - hold:], ""

@@ -56,7 +56,7 @@ from .reasoning import ThinkingFormat, ThinkingSettings, template_thinks
 from .loading import layer_devices, load_model, set_llama_log
 from .models import ModelError, resolve_model
 from .request import (ContextOverflow, InvalidArgument, Request, check_budget, check_int,
-                      check_shares)
+                      check_logit_bias, check_shares)
 from .speculation import MAX_DRAFT, Speculation
 from .threads import ThreadTuner, default_threads
 from .vocab import Vocab
@@ -590,7 +590,7 @@ class Engine:
                 stop: list[str] | tuple = (), grammar=None, record_stats: bool = True,
                 logprobs: int | None = None, thinking: bool = True,
                 reasoning_sampler: SamplerSpec | str | None = None,
-                reasoning_budget: int | None = None) -> Request:
+                reasoning_budget: int | None = None, logit_bias=()) -> Request:
         """The request, checked once (:mod:`adaptive_llama.runtime.request`); arguments as
         :meth:`stream`. ``max_tokens`` None, or beyond the room the prompt leaves in the
         context window: that room. Seed None: the engine's seed, else a fresh random one.
@@ -607,6 +607,10 @@ class Engine:
                 f"the prompt has {len(prompt_tokens)} tokens, but the context window holds "
                 f"{self.n_ctx}: shorten it or raise n_ctx")
         spec = self.check_sampler(sampler, grammar)
+        biases = check_logit_bias(logit_bias, self.n_vocab)
+        if biases and self.backend_sampling:
+            raise InvalidArgument("`logit_bias` cannot run inside llama.cpp's graph: start "
+                                  "without backend sampling", "logit_bias")
         if max_tokens is not None:
             check_int("max_tokens", max_tokens, low=1)
         if logprobs is not None:
@@ -622,7 +626,7 @@ class Engine:
                        max_tokens=min(max_tokens or room, room),
                        seed=seed_or_fresh(self.seed if seed is None else seed),
                        stop=tuple(s for s in stop if s), logprobs=logprobs, grammar=grammar,
-                       record_stats=record_stats,
+                       logit_bias=biases, record_stats=record_stats,
                        **self._thinking_request(prompt_tokens, thinking, reasoning_sampler,
                                                 reasoning_budget))
 
@@ -661,7 +665,7 @@ class Engine:
     def _generation(self, request: Request) -> Generation:
         chain = SamplerChain(request.spec, request.seed, self.n_vocab, grammar=request.grammar,
                              vocab_model=self._model, record_stats=request.record_stats,
-                             in_graph=self.backend_sampling)
+                             in_graph=self.backend_sampling, logit_bias=request.logit_bias)
         chain.remember(request.prompt_tokens)
         if request.thinking is None or self.backend_sampling:
             return Generation(request, chain)
@@ -669,7 +673,8 @@ class Engine:
         try:
             thinking = SamplerChain(request.thinking_spec or request.spec, request.seed,
                                     self.n_vocab, vocab_model=self._model,
-                                    record_stats=request.record_stats)
+                                    record_stats=request.record_stats,
+                                    logit_bias=request.logit_bias)
         except BaseException:
             chain.close()
             raise
@@ -711,7 +716,7 @@ class Engine:
     def stream(self, prompt_tokens: list[int], *, sampler: SamplerSpec | str = "adaptive",
                max_tokens: int | None = 256, seed: int | None = None,
                stop: list[str] | tuple = (), grammar=None, record_stats: bool = True,
-               logprobs: int | None = None, thinking: bool = True) -> Stream:
+               logprobs: int | None = None, thinking: bool = True, logit_bias=()) -> Stream:
         """Generate after ``prompt_tokens``; iterate the returned :class:`Stream` for text.
 
         ``logprobs``: None, or record each token's log-probability in the model's own
@@ -723,6 +728,9 @@ class Engine:
         and in ``result.reasoning``, while ``result.text`` is the answer; False keeps the
         reply as one text, tags and all.
 
+        ``logit_bias``: {token id: bias} (or (token, bias) pairs), each bias in [-100, 100]
+        added to the token's logit before the samplers, as OpenAI's ``logit_bias``.
+
         Raises at once what :meth:`request` raises; generation itself stops at the window
         with finish_reason "length". Other streams of this engine advance while this one is
         iterated (they share each decode step).
@@ -730,7 +738,7 @@ class Engine:
         return self.run(self.request(prompt_tokens, sampler=sampler, max_tokens=max_tokens,
                                      seed=seed, stop=stop, grammar=grammar,
                                      record_stats=record_stats, logprobs=logprobs,
-                                     thinking=thinking))
+                                     thinking=thinking, logit_bias=logit_bias))
 
     def run(self, request: Request) -> Stream:
         """:meth:`stream` of a request built with :meth:`request`: it takes a slot when

@@ -40,6 +40,7 @@ class Request:
     ``max_tokens`` is at most the room the prompt leaves; ``seed`` is the one the reply uses;
     ``stop`` holds no empty string; ``logprobs``: None, or how many alternatives to record
     with each token's log-probability; ``grammar``: a ``llama_cpp.LlamaGrammar`` or None;
+    ``logit_bias``: (token, bias) pairs added to the logits;
     ``thinking``: how a reasoning model's thinking is told apart from its answer
     (:mod:`adaptive_llama.runtime.reasoning`), None to keep the reply as one text; then
     ``thinking_spec`` is the thinking's own sampler (None: ``spec``), ``thinking_budget``
@@ -54,11 +55,30 @@ class Request:
     stop: tuple[str, ...] = ()
     logprobs: int | None = None
     grammar: Any = None
+    logit_bias: tuple[tuple[int, float], ...] = ()
     record_stats: bool = True
     thinking: ThinkingFormat | None = None
     thinking_spec: SamplerSpec | None = None
     thinking_budget: int | None = None
     closing_tokens: tuple[int, ...] = ()
+
+
+def check_logit_bias(value, n_vocab: int) -> tuple[tuple[int, float], ...]:
+    """``value`` ({token id: bias} or [(token id, bias)]) as (token, bias) pairs if every id
+    is a token of the vocabulary and every bias a number in [-100, 100] (OpenAI's range:
+    -100 bans the token in effect), else InvalidArgument."""
+    pairs = list(value.items() if isinstance(value, dict) else value)
+    checked = {}
+    for token, bias in pairs:
+        if isinstance(token, bool) or not isinstance(token, int) or not 0 <= token < n_vocab:
+            raise InvalidArgument(f"`logit_bias`: {token!r} is not a token id of this model "
+                                  f"(0 to {n_vocab - 1})", "logit_bias")
+        if (isinstance(bias, bool) or not isinstance(bias, (int, float))
+                or not -100 <= bias <= 100):
+            raise InvalidArgument(f"`logit_bias`: the bias of token {token} has to be a "
+                                  f"number in [-100, 100], but is {bias!r}", "logit_bias")
+        checked[token] = float(bias)
+    return tuple(checked.items())
 
 
 def check_shares(name: str, value, most: int) -> list[float]:

@@ -191,12 +191,14 @@ class DraftLength:
 class RowCost:
     """What drafted rows add to a decode step, from running averages of the step's time by
     its number of rows, each forgotten when not measured again within ``MAX_AGE`` steps. A
-    row count not measured is interpolated between the nearest measured ones; past the
-    largest, guessed optimistically (each row more at ``prior`` of a sequence's share of
-    that step), so that a length that could pay gets tried and measured: on a CPU bound by
-    arithmetic 16 rows cost about 10 single-row decodes, on a GPU not much more than one.
-    Until a step of the plain rows was measured, drafts are taken to cost without bound:
-    that step comes first."""
+    row count not measured is interpolated between the nearest measured ones, and past the
+    largest extrapolated along the two largest (each row at least ``prior`` of a sequence's
+    share of the step: on a CPU bound by arithmetic 16 rows cost about 10 single-row
+    decodes, on a GPU not much more than one). Drafts grow into what was not measured step
+    by step: at most one more than twice the most drafted rows measured, so that finding
+    out what rows cost never costs a step of 16 rows that pays nothing. Until a step of the
+    plain rows was measured, drafts are taken to cost without bound: that step comes
+    first."""
 
     def __init__(self, prior: float = 0.1):
         self.step_s: dict[int, float] = {}  # rows in the step -> seconds, running average
@@ -215,19 +217,25 @@ class RowCost:
     def extra(self, sequences: int, n_max: int, draft_s: float = 0.0) -> np.ndarray:
         """What 1, 2, ..., ``n_max`` more rows (and drafting them, ``draft_s`` seconds each)
         add to a step of ``sequences`` single rows, in units of one sequence's share of that
-        step."""
+        step; inf past what may be tried yet."""
         drafted = np.arange(1, n_max + 1)
         plain = self.step_s.get(sequences)
         if plain is None:
             return np.full(n_max, np.inf)
         share = plain / sequences
-        return (self._time(sequences + drafted, share) - plain + drafted * draft_s) / share
+        costs = (self._time(sequences + drafted, share) - plain + drafted * draft_s) / share
+        tried = max(self.step_s) - sequences  # the most drafted rows measured
+        costs[drafted > 2 * tried + 1] = np.inf
+        return costs
 
     def _time(self, rows: np.ndarray, share: float) -> np.ndarray:
         measured = sorted(self.step_s)
         seconds = [self.step_s[r] for r in measured]
+        slope = self.prior * share
+        if len(measured) > 1:
+            slope = max(slope, (seconds[-1] - seconds[-2]) / (measured[-1] - measured[-2]))
         beyond = np.maximum(rows - measured[-1], 0)
-        return np.interp(rows, measured, seconds) + self.prior * share * beyond
+        return np.interp(rows, measured, seconds) + slope * beyond
 
 
 def average(old: float | None, new: float, weight: float = 0.2) -> float:

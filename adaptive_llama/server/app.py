@@ -1,5 +1,7 @@
 """The HTTP server behind ``adaptive-llama serve``: one or several models (:mod:`.pool`: each
-with its llama.cpp context, loaded on demand), behind OpenAI's routes (:mod:`.openai`) and Ollama's (:mod:`.ollama`), plus llama-server's
+with its llama.cpp context, loaded on demand), behind OpenAI's routes (:mod:`.openai`, and
+the Responses API, :mod:`.responses`), Anthropic's Messages API (:mod:`.messages`) and
+Ollama's routes (:mod:`.ollama`), plus llama-server's
 ``/tokenize`` and ``/detokenize`` (:mod:`.llamacpp`), ``GET /health``, and the chat page at
 ``GET /`` (:mod:`.web`).
 
@@ -20,7 +22,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from ..runtime.embeddings import Embedder
 from ..runtime.models import ModelError
-from . import llamacpp, ollama, openai, web
+from . import llamacpp, messages, ollama, openai, responses, web
 from .common import MAX_BODY, Server
 from .errors import APIError
 from .guard import LOOPBACK_ORIGIN, Access, Guard
@@ -73,6 +75,8 @@ def create_app(pool: ModelPool, *, api_key: str | None = None, max_body: int = M
         return {"status": "ok", "model": pool.default.name, **totals, "loaded": loaded}
 
     app.include_router(openai.router)
+    app.include_router(responses.router)
+    app.include_router(messages.router)
     app.include_router(ollama.router)
     app.include_router(llamacpp.router)
     app.include_router(web.router)

@@ -25,11 +25,11 @@ from fastapi import Request
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from starlette.requests import ClientDisconnect
 
-from ..llama.grammar import UnsupportedSchema, json_grammar
+from ..llama.grammar import UnsupportedSchema, gbnf_grammar, json_grammar
 from ..runtime.embeddings import Embedder
 from ..runtime.engine import Engine, GenerationResult, InvalidArgument
-from ..runtime.reasoning import without_thinking
-from ..runtime.tools import calls_grammar
+from ..runtime.reasoning import Thought, without_thinking
+from ..runtime.tools import ToolCall, ToolCallReader, calls_grammar
 from ..samplers import SamplerSpec, SpecError, parse_spec, spec_from_options
 from .errors import APIError, too_large
 from .pool import FOREVER, LoadedModel, ModelPool, ServedModel, keep_alive_s  # noqa: F401
@@ -158,25 +158,25 @@ def _template_call(call: ToolCallMessage, where: str) -> dict:
 
 
 async def chat_prompt(request: Request, engine: Engine, messages: list[Message],
-                      tools: list[Tool] | None = None, thinking: bool | None = None
-                      ) -> list[int]:
+                      tools: list[Tool] | None = None, thinking: bool | None = None,
+                      field: str = "messages") -> list[int]:
     """The conversation's tokens in the model's chat template, with ``tools`` shown to the
     model (:func:`template_prompt`); earlier answers without their thinking."""
     rendered = [m.as_template_message(i) for i, m in enumerate(messages)]
     if engine.thinking is not None:
         rendered = [without_thinking(m, engine.thinking) for m in rendered]
     offered = [t.model_dump(exclude_none=True) for t in tools] if tools else None
-    return await template_prompt(request, engine, rendered, offered, thinking)
+    return await template_prompt(request, engine, rendered, offered, thinking, field)
 
 
 async def template_prompt(request: Request, engine: Engine, messages: list[dict],
-                          tools: list[dict] | None = None, thinking: bool | None = None
-                          ) -> list[int]:
+                          tools: list[dict] | None = None, thinking: bool | None = None,
+                          field: str = "messages") -> list[int]:
     """The tokens of ``messages`` (the chat template's dicts) in the model's chat template,
     rendered off the event loop (a long conversation must not stall other requests) and
-    stopped when the client leaves; a 400 on ``messages`` when the model has no template or
-    its template rejects the roles given or passes its bounds. ``thinking`` False: the
-    template's ``enable_thinking`` false."""
+    stopped when the client leaves; a 400 on ``field`` (where the request holds the
+    messages) when the model has no template or its template rejects the roles given or
+    passes its bounds. ``thinking`` False: the template's ``enable_thinking`` false."""
     def render(cancelled: threading.Event) -> list[int]:
         return engine.chat_prompt_tokens(messages, tools, cancelled, thinking)
     try:
@@ -184,7 +184,7 @@ async def template_prompt(request: Request, engine: Engine, messages: list[dict]
     except APIError:
         raise
     except Exception as exc:  # the template's own error, whatever its kind
-        raise APIError(400, f"messages: {exc}", param="messages") from None
+        raise APIError(400, f"{field}: {exc}", param=field) from None
 
 
 async def _watched(request: Request, work: Callable[[threading.Event], T]) -> T:
@@ -347,11 +347,53 @@ async def wait(request: Request, job: Job) -> GenerationResult:
         job.cancelled.set()  # no-op once done; stops the generation if we were cancelled
 
 
-async def grammar_for(schema: dict | None, field: str):
-    """The grammar of JSON output that ``schema`` accepts (None: no grammar), built off the
-    event loop; a 400 naming ``field`` for a schema it cannot enforce."""
+async def reply_parts(job: Job, functions: list[str]):
+    """A streamed reply as its parts come, for the routes that send thinking, text and
+    calls as items or blocks of their own (Responses, Messages): ``("thinking", text)``,
+    ``("text", text)``, ``("call", ToolCall)`` (with ``functions``, the calls read out of
+    the text), then ``("done", result)`` or ``("error", message)``. Text of white space
+    only waits for the text after it, and goes where a call or the end follows it: a
+    client then gets no text block of a line break before a call. The client leaving
+    stops the generation at its next token."""
+    reader = ToolCallReader(functions) if functions else None
+    space = ""  # white space waiting for text
+    try:
+        while True:
+            what, value = await job.events.get()
+            if what == "error":
+                yield "error", value
+                return
+            if what == "piece" and isinstance(value[0], Thought):
+                yield "thinking", str(value[0])
+                continue
+            parts = ([] if what == "done" else reader.feed(value[0]) if reader
+                     else [value[0]])
+            if what == "done" and reader:
+                parts = reader.finish()
+            for part in parts:
+                if isinstance(part, ToolCall):
+                    space = ""
+                    yield "call", part
+                elif (space + part).strip():
+                    yield "text", space + part
+                    space = ""
+                else:
+                    space += part
+            if what == "done":
+                yield "done", value
+                return
+    finally:
+        job.cancelled.set()
+
+
+async def grammar_for(schema: dict | str | None, field: str):
+    """The grammar of JSON output that ``schema`` accepts, or of a GBNF text (None: no
+    grammar), built off the event loop; a 400 naming ``field`` for a schema it cannot
+    enforce or a grammar llama.cpp cannot parse."""
     if schema is None:
         return None
+    if isinstance(schema, str):
+        return await _grammar(gbnf_grammar, field, schema)
     return await _grammar(json_grammar, field, schema)
 
 

@@ -1,10 +1,16 @@
 """The errors a client can cause, answered in the protocol's own shape: OpenAI's
-``{"error": {"message", "type", "param", "code"}}``, or Ollama's ``{"error": message}`` on
-its routes (``/api/``)."""
+``{"error": {"message", "type", "param", "code"}}``, Ollama's ``{"error": message}`` on
+its routes (``/api/``), or Anthropic's ``{"type": "error", "error": {"type", "message"}}``
+on its Messages routes (``/v1/messages``)."""
 
 from __future__ import annotations
 
 from fastapi.responses import JSONResponse
+
+
+ANTHROPIC_PATH = "/v1/messages"  # the routes of Anthropic's Messages API (.messages)
+ANTHROPIC_TYPES = {401: "authentication_error", 403: "permission_error",
+                   404: "not_found_error", 413: "request_too_large", 429: "rate_limit_error"}
 
 
 class APIError(Exception):
@@ -19,10 +25,20 @@ class APIError(Exception):
     def response(self, path: str = "") -> JSONResponse:
         if path.startswith("/api/"):
             body = {"error": self.message}
+        elif path.startswith(ANTHROPIC_PATH):
+            body = {"type": "error", "error": {"type": self.anthropic_type(),
+                                               "message": self.message}}
         else:
             body = {"error": {"message": self.message, "type": self.type,
                               "param": self.param, "code": self.code}}
         return JSONResponse(body, status_code=self.status, headers=self.headers)
+
+
+    def anthropic_type(self) -> str:
+        """The error's type in Anthropic's words, by its status."""
+        if self.status >= 500:
+            return "overloaded_error" if self.status == 503 else "api_error"
+        return ANTHROPIC_TYPES.get(self.status, "invalid_request_error")
 
 
 def too_large(max_body: int) -> APIError:

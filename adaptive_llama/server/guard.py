@@ -20,7 +20,9 @@ Without a key the server still refuses what a web page could send on the user's 
 The chat page and its files (``GET /``, ``GET /web/...``, :mod:`.web`) load without the key,
 so that the page can ask for it; the Host and Origin rules apply to them as to every route.
 
-The answer is 401, 403, 413 or 415 in the protocol's error shape.
+The key comes as ``Authorization: Bearer KEY`` (OpenAI's and Ollama's clients) or as
+``x-api-key: KEY`` (Anthropic's). The answer is 401, 403, 413 or 415 in the protocol's error
+shape.
 """
 
 from __future__ import annotations
@@ -117,11 +119,12 @@ class Access:
         if self.api_key is None:
             return None
         scheme, _, token = headers.get("authorization", "").partition(" ")
-        if scheme.lower() == "bearer" and hmac.compare_digest(token.strip().encode(),
-                                                              self.api_key.encode()):
+        given = token.strip() if scheme.lower() == "bearer" else headers.get("x-api-key")
+        if given is not None and hmac.compare_digest(given.encode(), self.api_key.encode()):
             return None
         return APIError(401, "invalid or missing API key: send the header "
-                        "'Authorization: Bearer KEY'", code="invalid_api_key",
+                        "'Authorization: Bearer KEY' (or Anthropic's 'x-api-key: KEY')",
+                        code="invalid_api_key",
                         headers={"WWW-Authenticate": "Bearer"})
 
     @staticmethod

@@ -1,6 +1,7 @@
 """The OpenAI-compatible routes: ``GET /v1/models``, ``POST /v1/chat/completions`` and
 ``POST /v1/completions``, streaming as server-sent events ending with ``data: [DONE]``, or one
-JSON object; ``POST /v1/embeddings`` (unit vectors, as numbers or base64 float32).
+JSON object; ``POST /v1/embeddings`` (unit vectors, as numbers or base64 float32). Each
+also answers without ``/v1``, as llama-server's do, for clients given a bare base URL.
 
 Sampling: the body field ``sampler`` takes a spec (``adaptive:eps=0.001``, ``min-p:p=0.05``,
 ...); without it the server's default (adaptive) runs. OpenAI fields map onto the spec
@@ -43,9 +44,12 @@ import dataclasses
 import itertools
 import json
 import math
+import threading
 import time
+from importlib import metadata
 from typing import Annotated, ClassVar, Literal
 
+import llama_cpp
 import numpy as np
 from fastapi import APIRouter, Request
 from pydantic import BaseModel, Field
@@ -84,7 +88,12 @@ from .common import (
 
 router = APIRouter()
 DETAIL_CANDIDATES = 5  # the likeliest candidates each token's token_details names
+MAX_CHOICES = 16  # OpenAI's `n`: choices of one request (each a generation of its own)
+MAX_BIASES = 1024  # tokens one logit_bias names (OpenAI allows 300)
 _ids = itertools.count(1)  # of the responses, "chatcmpl-1", "cmpl-2", ...
+# OpenAI's system_fingerprint: what made the reply besides the request and the model.
+FINGERPRINT = (f"adaptive-llama-{metadata.version('adaptive-llama')}"
+               f"-llama.cpp-{llama_cpp.__version__}")
 
 
 class JsonSchemaFormat(BaseModel):
@@ -99,13 +108,14 @@ class ResponseFormat(BaseModel):
     model_config = STRICT
     type: Literal["text", "json_object", "json_schema"]
     json_schema: JsonSchemaFormat | None = None
+    schema_: dict | None = Field(None, alias="schema")  # llama-server's, with json_object
 
     def schema_wanted(self) -> dict | None:
         """The JSON schema the reply has to follow; None: plain text."""
         if self.type == "text":
             return None
         if self.type == "json_object":
-            return ANY_OBJECT
+            return self.schema_ or ANY_OBJECT
         if self.json_schema is None:
             raise APIError(400, "`response_format.json_schema` is required with type "
                            "json_schema", param="response_format.json_schema")
@@ -133,7 +143,10 @@ class _Body(SamplingFields):
     # DRY runs with llama.cpp's sequence breakers; clients that send them (SillyTavern
     # sends llama.cpp's) are served, other breakers refused.
     UNSUPPORTED: ClassVar[dict[str, tuple]] = {
-        "logit_bias": (None, {}), "dry_sequence_breakers": (None, list(DRY_SEQUENCE_BREAKERS))}
+        "dry_sequence_breakers": (None, list(DRY_SEQUENCE_BREAKERS))}
+    # A body translated from another API's (Responses, Messages): its fields' names there,
+    # for the errors that name one.
+    NAMES: ClassVar[dict[str, str]] = {}
 
     model: str | None = None
     max_tokens: int | None = Field(None, ge=1)
@@ -141,15 +154,42 @@ class _Body(SamplingFields):
     top_p: float | None = Field(None, gt=0, le=1)
     stop: str | Annotated[list[str], Field(max_length=MAX_STOPS)] | None = None
     seed: int | None = Field(None, ge=0, le=SEED.high)
-    n: int = Field(1, ge=1, le=1)  # one context, one choice
+    n: int = Field(1, ge=1, le=MAX_CHOICES)  # choices, each its own seed
     stream: bool = False
     stream_options: StreamOptions | None = None
     sampler: str | None = None
     response_format: ResponseFormat | None = None
+    json_schema: dict | None = None  # llama-server's: a schema the reply follows
+    grammar: str | None = None       # llama-server's: a GBNF grammar the reply follows
+    # {"token id": bias} (OpenAI's) or [[token id, bias]] (llama-server's)
+    logit_bias: (Annotated[dict[str, float], Field(max_length=MAX_BIASES)]
+                 | Annotated[list[Annotated[list[int | float], Field(min_length=2,
+                                                                   max_length=2)]],
+                             Field(max_length=MAX_BIASES)]
+                 | None) = None
+
+    def biases(self) -> list[tuple[int, float]]:
+        """``logit_bias`` as (token id, bias) pairs; a 400 for a key that is not an id."""
+        if isinstance(self.logit_bias, dict):
+            bad = [key for key in self.logit_bias if not key.isdigit()]
+            if bad:
+                raise APIError(400, f"`logit_bias`: {bad[0]!r} is not a token id (the keys "
+                               "are token ids, as /tokenize gives them)", param="logit_bias")
+            return [(int(key), bias) for key, bias in self.logit_bias.items()]
+        return [tuple(pair) for pair in self.logit_bias or []]  # the engine checks the ids
     token_details: bool = False  # an extension: see the module docstring
 
-    def schema_wanted(self) -> dict | None:
-        return self.response_format.schema_wanted() if self.response_format else None
+    def constraint(self) -> tuple[str, dict | str | None]:
+        """The field that constrains the reply (by its name where the request was sent)
+        and its schema or GBNF; None: plain text. A 400 when two fields ask."""
+        given = [(name, value) for name, value in (
+            ("response_format", self.response_format and self.response_format.schema_wanted()),
+            ("json_schema", self.json_schema), ("grammar", self.grammar)) if value is not None]
+        if len(given) > 1:
+            raise APIError(400, f"`{given[0][0]}` and `{given[1][0]}` both constrain the "
+                           "reply; send one", param=given[1][0])
+        name, value = given[0] if given else ("response_format", None)
+        return self.NAMES.get(name, name), value
 
 
 class ChatBody(_Body):
@@ -265,37 +305,94 @@ async def _job(model: LoadedModel, tokens: list[int], body: _Body, max_tokens: i
                       stream=body.stream, logprobs=logprobs, grammar=grammar,
                       format_field=grammar_field, prompt_field=prompt_field,
                       route=route, thinking=body.thinking_apart(),
-                      reasoning_budget=body.budget_wanted(),
+                      reasoning_budget=body.budget_wanted(), logit_bias=body.biases(),
                       reasoning_sampler=reasoning_sampler(
                           getattr(body, "reasoning_sampler", None), "reasoning_sampler"))
+
+
+async def chat_job(request: Request, model: LoadedModel, body: ChatBody
+                   ) -> tuple[Job, list[str]]:
+    """The generation a chat body asks for, whichever API's request it was (the Responses
+    and Messages routes translate theirs into a ChatBody), and the names of the functions
+    whose calls are read out of its reply."""
+    tokens, offered, functions = await chat_tokens(request, model, body)
+    job = await _job(model, tokens, body, body.max_completion_tokens or body.max_tokens,
+                     body.NAMES.get("messages", "messages"), request.url.path,
+                     *await _chat_grammar(body, offered))
+    return job, functions
+
+
+async def chat_tokens(request: Request, model: LoadedModel, body: ChatBody
+                      ) -> tuple[list[int], list[Tool], list[str]]:
+    """A chat body's prompt in the model's template, the tools shown in it and their
+    names."""
+    offered = body.tools_offered()
+    functions = check_tools(model, offered) if offered else []
+    tokens = await chat_prompt(request, model.engine, body.messages, offered,
+                               thinking_switch(model.engine, body.budget_wanted()),
+                               body.NAMES.get("messages", "messages"))
+    return tokens, offered, functions
+
+
+async def _constraint_grammar(body: _Body) -> tuple[object, str]:
+    """The grammar of the field that constrains the reply (None: none), and the field."""
+    field, constraint = body.constraint()
+    return await grammar_for(constraint, field), field
 
 
 async def _chat_grammar(body: ChatBody, offered: list[Tool]) -> tuple[object, str]:
     """The grammar of a reply that has to call a tool, or else of ``response_format``, and
     the field that asks for it."""
     required = body.tools_required(offered)
+    format_field, constraint = body.constraint()
     if not required:
-        return await grammar_for(body.schema_wanted(), "response_format"), "response_format"
-    if body.schema_wanted() is not None:
-        raise APIError(400, "`response_format` and a `tool_choice` that requires a call "
-                       "cannot both shape the reply; drop one", param="response_format")
+        return await _constraint_grammar(body)
+    if constraint is not None:
+        raise APIError(400, f"`{format_field}` and a `tool_choice` that requires a call "
+                       "cannot both shape the reply; drop one", param=format_field)
     parallel = body.parallel_tool_calls and not isinstance(body.tool_choice, NamedToolChoice)
     return await calls_grammar_for(required, parallel=parallel), "tool_choice"
 
 
 async def _respond(model: LoadedModel, request: Request, job: Job, body: _Body, kind: str,
                    functions: list[str] = ()):
-    """Queue the job; answer with an SSE stream or one JSON object. ``functions``: the
-    names of the tools whose calls are read out of the reply."""
-    model.submit(job)
+    """Queue the job (and, for ``n`` choices, its copies); answer with an SSE stream or one
+    JSON object. ``functions``: the names of the tools whose calls are read out of the
+    reply."""
+    if body.n > 1 and body.token_details:
+        raise APIError(400, "`token_details` is for one choice; send `n` 1", param="n")
+    jobs = _choices(job, body.n)
+    for i, each in enumerate(jobs):
+        try:
+            model.submit(each)
+        except APIError:
+            for submitted in jobs[:i]:  # all the choices or none
+                submitted.cancelled.set()
+            raise
     head = {"id": f"{'chatcmpl' if kind == 'chat' else 'cmpl'}-{next(_ids)}",
-            "created": int(time.time()), "model": model.name}
+            "created": int(time.time()), "model": model.name,
+            "system_fingerprint": FINGERPRINT}
     shown = _Shown(body.logprobs_wanted(), body.token_details)
     if body.stream:
         usage = bool(body.stream_options and body.stream_options.include_usage)
-        return EventSourceResponse(_events(job, head, kind, usage, functions, shown),
+        return EventSourceResponse(_events(jobs, head, kind, usage, functions, shown),
                                    ping=15, sep="\n")
-    return _final(await wait(request, job), head, kind, shown, functions)
+    try:
+        results = await asyncio.gather(*(wait(request, each) for each in jobs))
+    finally:
+        for each in jobs:
+            each.cancelled.set()
+    return _final(results, head, kind, shown, functions)
+
+
+def _choices(job: Job, n: int) -> list[Job]:
+    """The job and ``n - 1`` copies, each with the seed after the one before: ``n``
+    choices, each its own seed, and the same seed gives the same choices."""
+    return [job, *(dataclasses.replace(
+        job, request=dataclasses.replace(job.request,
+                                         seed=(job.request.seed + i) % (SEED.high + 1)),
+        events=asyncio.Queue(), cancelled=threading.Event(), tokens_sent=0)
+        for i in range(1, n))]
 
 
 class _Shown:
@@ -348,31 +445,38 @@ def _number(x: float) -> float | None:
     return None if math.isnan(x) else x
 
 
-def _final(result: GenerationResult, head: dict, kind: str, shown: _Shown,
+def _final(results: list[GenerationResult], head: dict, kind: str, shown: _Shown,
            functions: list[str]) -> dict:
+    """The whole reply: a choice per result (each with its ``sampler_stats`` when there
+    are several), the prompt counted once in ``usage``."""
+    first = results[0]
+    choices = [_choice(result, i, kind, shown, functions) for i, result in enumerate(results)]
+    if len(results) > 1:
+        for choice, result in zip(choices, results):
+            choice["sampler_stats"] = result.summary()
+    return {**head, "object": "chat.completion" if kind == "chat" else "text_completion",
+            "choices": choices, "usage": _usage(results), "sampler_stats": first.summary(),
+            **shown.extra(first.logprobs, first.token_stats)}
+
+
+def _choice(result: GenerationResult, index: int, kind: str, shown: _Shown,
+            functions: list[str]) -> dict:
     reason = FINISH_REASONS[result.finish_reason]
     logprobs = shown.logprobs(result.logprobs)
-    if kind == "chat":
-        content, calls = (parse_reply(result.text, functions) if functions
-                          else (result.text, []))
-        message = {"role": "assistant", "content": content if content or not calls else None}
-        if result.reasoning:
-            message["reasoning_content"] = result.reasoning
-        if calls:
-            message["tool_calls"] = [_call(call) for call in calls]
-        choice = {"index": 0, "message": message,
-                  "logprobs": _chat_logprobs(logprobs) if logprobs is not None else None,
-                  "finish_reason": _finish_reason(reason, calls)}
-        obj = "chat.completion"
-    else:
-        choice = {"index": 0, "text": result.text,
-                  "logprobs": (_CompletionLogprobs()(logprobs)
-                               if logprobs is not None else None),
-                  "finish_reason": reason}
-        obj = "text_completion"
-    return {**head, "object": obj, "choices": [choice], "usage": _usage(result),
-            "sampler_stats": result.summary(),
-            **shown.extra(result.logprobs, result.token_stats)}
+    if kind != "chat":
+        return {"index": index, "text": result.text,
+                "logprobs": _CompletionLogprobs()(logprobs) if logprobs is not None else None,
+                "finish_reason": reason}
+    content, calls = parse_reply(result.text, functions) if functions else (result.text, [])
+    message = {"role": "assistant", "content": content if content or not calls else None}
+    if result.reasoning:
+        message["reasoning_content"] = result.reasoning
+    if calls:
+        message["tool_calls"] = [_call(call) for call in calls]
+    return {"index": index, "message": message,
+            "logprobs": _chat_logprobs(logprobs) if logprobs is not None else None,
+            "finish_reason": _finish_reason(reason, calls)}
+
 
 def _call(call: ToolCall) -> dict:
     """A call as OpenAI writes it: the arguments as JSON text."""
@@ -384,19 +488,21 @@ def _finish_reason(reason: str, calls: list) -> str:
     return "tool_calls" if calls and reason == "stop" else reason
 
 
-async def _events(job: Job, head: dict, kind: str, include_usage: bool,
+async def _events(jobs: list[Job], head: dict, kind: str, include_usage: bool,
                   functions: list[str], shown: _Shown):
-    """The stream's events (OpenAI's chunks, then ``[DONE]``) as the job makes its pieces."""
-    stream = _Chunks(head, kind, functions, shown)
+    """The stream's events (OpenAI's chunks, then ``[DONE]``) as the jobs (one per choice)
+    make their pieces."""
+    streams = [_Chunks(head, kind, functions, shown, i) for i in range(len(jobs))]
+    results = []
     try:
         if kind == "chat":
-            yield _json({**head, "object": stream.obj, "choices": [{
-                "index": 0, "delta": {"role": "assistant", "content": ""},
-                "logprobs": None, "finish_reason": None}]})
-        while True:
-            what, value = await job.events.get()
+            for stream in streams:
+                yield _json({**head, "object": stream.obj, "choices": [{
+                    "index": stream.index, "delta": {"role": "assistant", "content": ""},
+                    "logprobs": None, "finish_reason": None}]})
+        async for index, what, value in _merged(jobs):
             if what == "piece":
-                for event in stream.piece(*value):
+                for event in streams[index].piece(*value):
                     yield event
             elif what == "error":
                 yield _json({"error": {"message": f"generation failed: {value}",
@@ -404,20 +510,43 @@ async def _events(job: Job, head: dict, kind: str, include_usage: bool,
                                        "code": None}})
                 break
             else:
-                for event in stream.end(value, include_usage):
+                results.append(value)
+                for event in streams[index].end(value):
                     yield event
-                break
+        if include_usage and len(results) == len(jobs):
+            yield _json({**head, "object": streams[0].obj, "choices": [],
+                         "usage": _usage(results)})
         yield "[DONE]"
     finally:
-        job.cancelled.set()  # a client that left stops the generation at the next token
+        for job in jobs:
+            job.cancelled.set()  # a client that left stops the generations at the next token
+
+
+async def _merged(jobs: list[Job]):
+    """(the job's index, what, value) of the jobs' events as they come, each job's in its
+    order, until every job is done or one fails."""
+    waiting = {asyncio.ensure_future(job.events.get()): i for i, job in enumerate(jobs)}
+    try:
+        while waiting:
+            done, _ = await asyncio.wait(waiting, return_when=asyncio.FIRST_COMPLETED)
+            for task in sorted(done, key=waiting.get):
+                index = waiting.pop(task)
+                what, value = task.result()
+                yield index, what, value
+                if what == "piece":
+                    waiting[asyncio.ensure_future(jobs[index].events.get())] = index
+    finally:
+        for task in waiting:
+            task.cancel()
 
 
 class _Chunks:
     """One stream's chunks: pieces of text (or, with ``functions``, the tool calls read out
     of them), their log-probabilities and details, and the last chunk."""
 
-    def __init__(self, head: dict, kind: str, functions: list[str], shown: _Shown):
-        self.head, self.kind, self.shown = head, kind, shown
+    def __init__(self, head: dict, kind: str, functions: list[str], shown: _Shown,
+                 index: int = 0):
+        self.head, self.kind, self.shown, self.index = head, kind, shown, index
         self.obj = "chat.completion.chunk" if kind == "chat" else "text_completion"
         self.completion_logprobs = _CompletionLogprobs()
         self.reader = ToolCallReader(functions) if functions else None
@@ -434,10 +563,10 @@ class _Chunks:
         if self.kind == "chat":
             if delta is None:
                 delta = {} if delta_text is None else {"content": delta_text}
-            choice = {"index": 0, "delta": delta, "logprobs": logprobs,
+            choice = {"index": self.index, "delta": delta, "logprobs": logprobs,
                       "finish_reason": reason}
         else:
-            choice = {"index": 0, "text": delta_text or "", "logprobs": logprobs,
+            choice = {"index": self.index, "text": delta_text or "", "logprobs": logprobs,
                       "finish_reason": reason}
         return _json({**self.head, "object": self.obj, "choices": [choice], **extra})
 
@@ -472,7 +601,7 @@ class _Chunks:
         return [self.chunk(None, delta={"tool_calls": [first]}, entries=entries),
                 self.chunk(None, delta={"tool_calls": [arguments]})]
 
-    def end(self, result: GenerationResult, include_usage: bool) -> list[str]:
+    def end(self, result: GenerationResult) -> list[str]:
         events = []
         for part in self.reader.finish() if self.reader else ():
             events.append(self.chunk(part, entries=self.held))
@@ -480,9 +609,6 @@ class _Chunks:
         events.append(self.chunk(None, _finish_reason(FINISH_REASONS[result.finish_reason],
                                                       self.calls),
                                  sampler_stats=result.summary()))
-        if include_usage:
-            events.append(_json({**self.head, "object": self.obj, "choices": [],
-                                 "usage": _usage(result)}))
         return events
 
 
@@ -521,12 +647,15 @@ class _CompletionLogprobs:
                 "text_offset": offsets}
 
 
-def _usage(result: GenerationResult) -> dict:
-    usage = {"prompt_tokens": result.prompt_tokens,
-             "completion_tokens": result.completion_tokens,
-             "total_tokens": result.prompt_tokens + result.completion_tokens}
-    if result.thinks:
-        usage["completion_tokens_details"] = {"reasoning_tokens": result.reasoning_tokens}
+def _usage(results: list[GenerationResult]) -> dict:
+    """The tokens of one request's choices: their prompt once, every choice's reply."""
+    prompt = results[0].prompt_tokens
+    completion = sum(result.completion_tokens for result in results)
+    usage = {"prompt_tokens": prompt, "completion_tokens": completion,
+             "total_tokens": prompt + completion}
+    if results[0].thinks:
+        usage["completion_tokens_details"] = {
+            "reasoning_tokens": sum(result.reasoning_tokens for result in results)}
     return usage
 
 
@@ -537,6 +666,7 @@ def _json(value: dict) -> str:
 # ---- the routes ----
 
 @router.get("/v1/models")
+@router.get("/models")
 async def models(request: Request):
     pool = server_of(request).pool
     loaded = {m.name: m.engine for m in pool.loaded}
@@ -549,20 +679,16 @@ async def models(request: Request):
 
 # A server with one model answers every name with it: OpenAI clients often insist on a name.
 @router.post("/v1/chat/completions")
+@router.post("/chat/completions")
 async def chat_completions(request: Request):
-    server = server_of(request)
     body = await parse_body(request, ChatBody)
-    offered = body.tools_offered()
-    async with server.model(body.model, any_name_for_one=True) as model:
-        functions = check_tools(model, offered) if offered else []
-        tokens = await chat_prompt(request, model.engine, body.messages, offered,
-                                   thinking_switch(model.engine, body.budget_wanted()))
-        job = await _job(model, tokens, body, body.max_completion_tokens or body.max_tokens,
-                         "messages", request.url.path, *await _chat_grammar(body, offered))
+    async with server_of(request).model(body.model, any_name_for_one=True) as model:
+        job, functions = await chat_job(request, model, body)
         return await _respond(model, request, job, body, "chat", functions)
 
 
 @router.post("/v1/completions")
+@router.post("/completions")
 async def completions(request: Request):
     server = server_of(request)
     body = await parse_body(request, CompletionBody)
@@ -580,12 +706,12 @@ async def completions(request: Request):
         # OpenAI's completions endpoint defaults to 16 tokens.
         job = await _job(model, tokens, body, body.max_tokens or 16, "prompt",
                          request.url.path,
-                         await grammar_for(body.schema_wanted(), "response_format"),
-                         "response_format")
+                         *await _constraint_grammar(body))
         return await _respond(model, request, job, body, "completion")
 
 
 @router.post("/v1/embeddings")
+@router.post("/embeddings")
 async def embeddings(request: Request):
     server = server_of(request)
     body = await parse_body(request, EmbeddingBody)

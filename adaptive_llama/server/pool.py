@@ -186,21 +186,23 @@ class LoadedModel:
             seed: int | None, stop: list[str], stream: bool, logprobs: int | None = None,
             grammar=None, format_field: str = "", prompt_field: str, route: str = "",
             thinking: bool = True, reasoning_sampler: SamplerSpec | None = None,
-            reasoning_budget: int | None = None) -> Job:
+            reasoning_budget: int | None = None, logit_bias=()) -> Job:
         """The engine's checked request as the scheduler takes it, or the 400 that says why
         not: a prompt that leaves no room in the context window (named as
         ``prompt_field``), a sampler or a grammar (asked for by ``format_field``) the engine
         cannot run here (backend sampling runs fewer, and no grammar), logprobs it cannot
         give. ``max_tokens`` None or beyond the room: the room. ``thinking``: a reasoning
         model's thinking comes apart from its answer (False: one text), chosen by
-        ``reasoning_sampler`` and bounded by ``reasoning_budget`` (None: the engine's)."""
+        ``reasoning_sampler`` and bounded by ``reasoning_budget`` (None: the engine's).
+        ``logit_bias``: (token id, bias) pairs added to the logits."""
         try:
             request = self.engine.request(prompt_tokens, sampler=sampler,
                                           max_tokens=max_tokens, seed=seed, stop=stop,
                                           logprobs=logprobs, grammar=grammar,
                                           thinking=thinking,
                                           reasoning_sampler=reasoning_sampler,
-                                          reasoning_budget=reasoning_budget)
+                                          reasoning_budget=reasoning_budget,
+                                          logit_bias=logit_bias)
         except SpecError as exc:
             param = format_field if grammar is not None and sampler.in_graph \
                 else "sampler"
