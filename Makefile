@@ -55,10 +55,12 @@ chat: $(VENV)/.installed-default-model
 # The whole suite with the backend a normal install picks (C), then the tests whose outcome
 # depends on the backend (marked `backend`; tests/test_marks.py keeps the mark on every test
 # that uses the kernel or the chain) with the numba kernel and in-chain samplers forced, as
-# on a machine without a C compiler.
+# on a machine without a C compiler. One pytest-xdist worker per core, each on cores of its
+# own (tests/conftest.py): TEST_WORKERS=1 runs them one at a time.
+TEST_WORKERS ?= auto
 test: $(VENV)/.installed-test chromium
-	$(PY) -m pytest -q
-	ADAPTIVE_LLAMA_IMPL=numba $(PY) -m pytest -q -p no:cacheprovider -m backend
+	$(PY) -m pytest -q -n $(TEST_WORKERS)
+	ADAPTIVE_LLAMA_IMPL=numba $(PY) -m pytest -q -p no:cacheprovider -n $(TEST_WORKERS) -m backend
 
 # The chat page's tests (tests/test_web.py) drive Debian's Chromium; as root with apt-get it is
 # installed here, otherwise they are skipped (and fail under CI=true, as .ci/run sets).

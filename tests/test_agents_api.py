@@ -390,3 +390,56 @@ def test_logit_bias_bans_and_forces_tokens_before_the_sampler(openai_client, age
                                  {"messages": ASK, "max_tokens": 2, "logit_bias": bias})
         assert status == 400 and payload["error"]["param"] == "logit_bias"
         assert needle in payload["error"]["message"]
+
+
+def test_llama_servers_completion_route_whole_and_streamed(agents_server, engine):
+    body = {"prompt": "1, 2, 3, 4,", "n_predict": 6, "n_probs": 2}
+    status, _, whole = raw("POST", agents_server, "/completion", body)
+    assert status == 200 and whole["stop"] is True and whole["stop_type"] == "limit"
+    assert whole["tokens_predicted"] == 6 and whole["tokens_evaluated"] > 0
+    assert whole["timings"]["predicted_n"] == 6
+    probabilities = whole["completion_probabilities"]
+    assert "".join(p["token"] for p in probabilities) == whole["content"]
+    assert all(len(p["top_logprobs"]) == 2 for p in probabilities)
+    status, _, stream = raw("POST", agents_server, "/completion", {**body, "stream": True},
+                            parse=False)
+    lines = [json.loads(line[5:]) for line in stream.decode().splitlines()
+             if line.startswith("data:")]
+    assert "".join(line["content"] for line in lines[:-1]) == whole["content"]
+    assert lines[-1]["stop"] is True and lines[-1]["content"] == whole["content"]
+    word = whole["content"].split()[1]
+    status, _, cut = raw("POST", agents_server, "/completion",
+                         {"prompt": body["prompt"], "n_predict": 6, "stop": [word]})
+    assert cut["stop_type"] == "word" and cut["stopping_word"] == word
+    tokens = engine.tokenize(body["prompt"])
+    status, _, by_ids = raw("POST", agents_server, "/completion",
+                            {"prompt": tokens, "n_predict": 6})
+    assert by_ids["content"] == whole["content"]
+    status, _, error = raw("POST", agents_server, "/completion",
+                           {"prompt": [10 ** 9], "n_predict": 2})
+    assert status == 400 and error["error"]["code"] == 400
+    assert "prompt.0" in error["error"]["message"]
+
+
+def test_llama_servers_props_slots_template_and_metrics(agents_server):
+    status, _, props = raw("GET", agents_server, "/props")
+    assert status == 200 and props["total_slots"] >= 1
+    assert props["default_generation_settings"]["n_ctx"] == 1024
+    assert "tool_call" in props["chat_template"]  # the chatml-tools template it serves
+    status, _, slots = raw("GET", agents_server, "/slots")
+    assert [slot["id"] for slot in slots] == list(range(props["total_slots"]))
+    status, _, refused = raw("POST", agents_server, "/slots/0?action=save", {})
+    assert status == 400 and "does not save" in refused["error"]["message"]
+    status, _, applied = raw("POST", agents_server, "/apply-template",
+                             {"messages": [{"role": "user", "content": "Hi there"}]})
+    assert status == 200
+    assert applied["prompt"].endswith("<|im_start|>assistant\n")
+    assert "Hi there" in applied["prompt"]
+    raw("POST", agents_server, "/completion", {"prompt": "Hello", "n_predict": 3})
+    status, headers, text = raw("GET", agents_server, "/metrics", parse=False)
+    assert status == 200 and headers["content-type"].startswith("text/plain")
+    values = dict(line.rsplit(" ", 1) for line in text.decode().splitlines()
+                  if not line.startswith("#"))
+    assert float(values['llamacpp:tokens_predicted_total{model="smollm2"}']) >= 3
+    assert float(values['llamacpp:prompt_tokens_total{model="smollm2"}']) > 0
+    assert 'adaptive_llama:requests_total{model="smollm2",outcome="completed"}' in values

@@ -126,3 +126,15 @@ def test_a_registered_gguf_becomes_a_model(smollm2_path, tmp_path):
     assert refused.exit_code != 0 and "GGUF" in refused.output
     missing = llm("adaptive", "add", str(tmp_path / "missing.gguf"))
     assert missing.exit_code != 0 and "Traceback" not in missing.output
+
+
+def test_a_reasoning_models_reply_is_its_answer_without_the_thinking(reasoning_model):
+    from reasoning_model import ANSWER_TEXT, THINKING_TEXT
+
+    assert llm("adaptive", "add", str(reasoning_model), "--name", "r1").exit_code == 0
+    for stream in ([], ["--no-stream"]):
+        reply = llm("-m", "adaptive/r1", "What is 17 times 23?", "-o", "sampler", "greedy",
+                    *stream)
+        assert reply.exit_code == 0, reply.output
+        assert reply.output.strip() == ANSWER_TEXT
+        assert THINKING_TEXT.strip() not in reply.output

@@ -1,7 +1,8 @@
 """The errors a client can cause, answered in the protocol's own shape: OpenAI's
 ``{"error": {"message", "type", "param", "code"}}``, Ollama's ``{"error": message}`` on
-its routes (``/api/``), or Anthropic's ``{"type": "error", "error": {"type", "message"}}``
-on its Messages routes (``/v1/messages``)."""
+its routes (``/api/``), llama-server's ``{"error": {"code", "message", "type"}}`` on its own
+routes (``/completion``, ``/props``, ...), or Anthropic's ``{"type": "error", "error":
+{"type", "message"}}`` on its Messages routes (``/v1/messages``)."""
 
 from __future__ import annotations
 
@@ -9,6 +10,9 @@ from fastapi.responses import JSONResponse
 
 
 ANTHROPIC_PATH = "/v1/messages"  # the routes of Anthropic's Messages API (.messages)
+# llama-server's own routes (.llamacpp), whose errors come in its shape
+LLAMACPP_PATHS = ("/completion", "/tokenize", "/detokenize", "/props", "/apply-template",
+                  "/metrics")
 ANTHROPIC_TYPES = {401: "authentication_error", 403: "permission_error",
                    404: "not_found_error", 413: "request_too_large", 429: "rate_limit_error"}
 
@@ -25,6 +29,9 @@ class APIError(Exception):
     def response(self, path: str = "") -> JSONResponse:
         if path.startswith("/api/"):
             body = {"error": self.message}
+        elif path in LLAMACPP_PATHS or path.startswith("/slots"):
+            body = {"error": {"code": self.status, "message": self.message,
+                              "type": self.type}}
         elif path.startswith(ANTHROPIC_PATH):
             body = {"type": "error", "error": {"type": self.anthropic_type(),
                                                "message": self.message}}

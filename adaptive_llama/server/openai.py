@@ -704,10 +704,17 @@ async def completions(request: Request):
         # A raw prompt: its caller wrote any chat markup (<|im_start|>...) on purpose.
         tokens = await asyncio.to_thread(model.engine.tokenize, prompt, True, True)
         # OpenAI's completions endpoint defaults to 16 tokens.
-        job = await _job(model, tokens, body, body.max_tokens or 16, "prompt",
-                         request.url.path,
-                         *await _constraint_grammar(body))
+        job = await completion_job(model, tokens, body, request.url.path, default_max=16)
         return await _respond(model, request, job, body, "completion")
+
+
+async def completion_job(model: LoadedModel, tokens: list[int], body: CompletionBody,
+                         route: str, default_max: int | None = None) -> Job:
+    """The generation a completion body asks for (llama-server's /completion translates
+    its body into one); ``default_max``: the tokens without ``max_tokens`` (None: the
+    room the prompt leaves)."""
+    return await _job(model, tokens, body, body.max_tokens or default_max, "prompt", route,
+                      *await _constraint_grammar(body))
 
 
 @router.post("/v1/embeddings")

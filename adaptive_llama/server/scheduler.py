@@ -67,6 +67,9 @@ class Scheduler:
         self.accepted = 0  # waiting or running
         self.running = 0
         self.counts = dict.fromkeys(self.OUTCOMES, 0)
+        # what the jobs that ran did, for /metrics: tokens and the seconds they took
+        self.totals = {"prompt_tokens": 0, "prompt_s": 0.0, "predicted_tokens": 0,
+                       "predicted_s": 0.0}
         self.last_done = time.monotonic()  # when the latest job ended (idle since then)
         self._active: dict[Generation, Job] = {}  # the jobs in slots (the worker's)
         self._thread = threading.Thread(target=self._work, name="adaptive-llama-worker",
@@ -177,6 +180,11 @@ class Scheduler:
             self.accepted -= 1
             self.counts[outcome] += 1
             self.last_done = time.monotonic()
+            if result is not None:
+                self.totals["prompt_tokens"] += result.prompt_tokens
+                self.totals["prompt_s"] += result.prompt_eval_s
+                self.totals["predicted_tokens"] += result.completion_tokens
+                self.totals["predicted_s"] += result.decode_s
         log.info("%s", _log_line(job, outcome, result))
 
 
