@@ -386,6 +386,26 @@ async def reply_parts(job: Job, functions: list[str]):
         job.cancelled.set()
 
 
+async def reply_events(job: Job, functions: list[str], writer):
+    """A streamed reply in an API's own events: what ``writer`` (that API's events of one
+    reply) makes of its start (``start()``), of each part of :func:`reply_parts`
+    (``text(kind, text)`` for thinking and text, ``call(call)``) and of its end
+    (``end(result)``, or ``failed(message)``), each a list of events."""
+    for event in writer.start():
+        yield event
+    async for kind, value in reply_parts(job, functions):
+        if kind in ("thinking", "text"):
+            batch = writer.text(kind, value)
+        elif kind == "call":
+            batch = writer.call(value)
+        elif kind == "done":
+            batch = writer.end(value)
+        else:
+            batch = writer.failed(value)
+        for event in batch:
+            yield event
+
+
 async def grammar_for(schema: dict | str | None, field: str):
     """The grammar of JSON output that ``schema`` accepts, or of a GBNF text (None: no
     grammar), built off the event loop; a 400 naming ``field`` for a schema it cannot

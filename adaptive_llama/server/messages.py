@@ -49,7 +49,7 @@ from .common import (
     ContentPart,
     SamplingFields,
     parse_body,
-    reply_parts,
+    reply_events,
     server_of,
     wait,
 )
@@ -293,8 +293,9 @@ class _Blocks:
     """One stream's events: each block started, filled and stopped as the reply's parts
     come (:func:`.common.reply_parts`)."""
 
-    def __init__(self, model: str, prompt_tokens: int):
+    def __init__(self, model: str, prompt_tokens: int, thinking: bool):
         self.model, self.prompt_tokens = model, prompt_tokens
+        self.thinking = thinking  # whether the request enabled thinking (shown then)
         self.index = -1          # of the block open or last stopped
         self.open: str | None = None  # the kind of the open block: "text", "thinking"
         self.calls = 0
@@ -320,6 +321,8 @@ class _Blocks:
         return [self.event("content_block_stop", index=self.index)]
 
     def text(self, kind: str, text: str) -> list[dict]:
+        if kind == "thinking" and not self.thinking:
+            return []
         events = []
         if self.open != kind:
             events += self.stop()
@@ -356,24 +359,6 @@ class _Blocks:
             "type": "api_error", "message": f"generation failed: {message}"})]
 
 
-async def _stream(job, functions: list[str], blocks: _Blocks, thinking: bool):
-    for event in blocks.start():
-        yield event
-    async for kind, value in reply_parts(job, functions):
-        if kind == "thinking" and not thinking:
-            continue
-        if kind in ("thinking", "text"):
-            batch = blocks.text(kind, value)
-        elif kind == "call":
-            batch = blocks.call(value)
-        elif kind == "done":
-            batch = blocks.end(value)
-        else:
-            batch = blocks.failed(value)
-        for event in batch:
-            yield event
-
-
 @router.post("/v1/messages")
 async def messages(request: Request):
     body = await parse_body(request, MessagesBody)
@@ -383,8 +368,8 @@ async def messages(request: Request):
         job, functions = await chat_job(request, model, chat)
         model.submit(job)
         if body.stream:
-            blocks = _Blocks(model.name, len(job.request.prompt_tokens))
-            return EventSourceResponse(_stream(job, functions, blocks, thinking), ping=15,
+            blocks = _Blocks(model.name, len(job.request.prompt_tokens), thinking)
+            return EventSourceResponse(reply_events(job, functions, blocks), ping=15,
                                        sep="\n")
         result = await wait(request, job)
         content, calls = _final_content(result, functions, thinking)

@@ -50,7 +50,7 @@ from .common import (
     ContentPart,
     SamplingFields,
     parse_body,
-    reply_parts,
+    reply_events,
     server_of,
     wait,
 )
@@ -426,23 +426,6 @@ class _Events:
             self.output, status="failed", error=f"generation failed: {message}"))]
 
 
-async def _stream(job, functions: list[str], head: _Head):
-    events = _Events(head)
-    for event in events.start():
-        yield event
-    async for kind, value in reply_parts(job, functions):
-        if kind in ("thinking", "text"):
-            batch = events.text(kind, value)
-        elif kind == "call":
-            batch = events.call(value)
-        elif kind == "done":
-            batch = events.end(value)
-        else:
-            batch = events.failed(value)
-        for event in batch:
-            yield event
-
-
 @router.post("/v1/responses")
 async def responses(request: Request):
     body = await parse_body(request, ResponsesBody)
@@ -452,6 +435,7 @@ async def responses(request: Request):
         model.submit(job)
         head = _Head(body, model.name)
         if body.stream:
-            return EventSourceResponse(_stream(job, functions, head), ping=15, sep="\n")
+            return EventSourceResponse(reply_events(job, functions, _Events(head)), ping=15,
+                                       sep="\n")
         result = await wait(request, job)
         return head.response(_final_output(result, functions), result)
