@@ -182,10 +182,7 @@ class SamplerChain:
         self.spec = spec_of(spec)
         self.seed = SEED.validate(seed)
         if in_graph:
-            check_in_graph(self.spec, grammar)
-            if logit_bias:
-                raise SpecError("a logit bias cannot run inside llama.cpp's graph (backend "
-                                "sampling): turn backend sampling off to use one")
+            check_in_graph(self.spec, grammar, logit_bias)
         self.in_graph = in_graph
         self._n_vocab = n_vocab
         self._record_stats = record_stats
@@ -463,8 +460,9 @@ class SamplerChain:
         self.close()
 
 
-def check_in_graph(spec: SamplerSpec, grammar) -> None:
-    """SpecError unless the spec can run inside llama.cpp's graph."""
+def check_in_graph(spec: SamplerSpec, grammar, logit_bias=()) -> None:
+    """SpecError unless the spec (with its grammar and logit bias) can run inside
+    llama.cpp's graph."""
     refused = [s.name for s in (spec, *spec.modifiers) if not s.sampler.in_graph]
     if refused:
         raise SpecError(f"`{'`, `'.join(refused)}` cannot run inside llama.cpp's graph "
@@ -473,6 +471,9 @@ def check_in_graph(spec: SamplerSpec, grammar) -> None:
     if grammar is not None:
         raise SpecError("a grammar cannot run inside llama.cpp's graph (backend sampling): "
                         "turn backend sampling off to use one")
+    if logit_bias:
+        raise SpecError("a logit bias cannot run inside llama.cpp's graph (backend "
+                        "sampling): turn backend sampling off to use one")
 
 
 class _LlamaSamplerShim:

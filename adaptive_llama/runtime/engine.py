@@ -606,11 +606,8 @@ class Engine:
             raise ContextOverflow(
                 f"the prompt has {len(prompt_tokens)} tokens, but the context window holds "
                 f"{self.n_ctx}: shorten it or raise n_ctx")
-        spec = self.check_sampler(sampler, grammar)
         biases = check_logit_bias(logit_bias, self.n_vocab)
-        if biases and self.backend_sampling:
-            raise InvalidArgument("`logit_bias` cannot run inside llama.cpp's graph: start "
-                                  "without backend sampling", "logit_bias")
+        spec = self.check_sampler(sampler, grammar, biases)
         if max_tokens is not None:
             check_int("max_tokens", max_tokens, low=1)
         if logprobs is not None:
@@ -654,12 +651,13 @@ class Engine:
                 + self.tokenize(self.thinking.close, add_bos=False, special=True)
                 + self.tokenize("\n\n", add_bos=False))
 
-    def check_sampler(self, sampler: SamplerSpec | str, grammar=None) -> SamplerSpec:
+    def check_sampler(self, sampler: SamplerSpec | str, grammar=None,
+                      logit_bias=()) -> SamplerSpec:
         """The parsed spec, or the SpecError a request with it would get here: under backend
-        sampling, a sampler or grammar that cannot run inside the graph."""
+        sampling, a sampler, grammar or logit bias that cannot run inside the graph."""
         spec = spec_of(sampler)
         if self.backend_sampling:
-            check_in_graph(spec, grammar)
+            check_in_graph(spec, grammar, logit_bias)
         return spec
 
     def _generation(self, request: Request) -> Generation:
