@@ -8,7 +8,8 @@ its cores with the host (each worker gets the cores divided by the workers of it
 Rounds are interleaved (alone, one worker, two workers, again) and figures are medians. The
 wire is counted through a small TCP relay in front of each of one and of two more workers,
 in separate runs (the relay adds its own latency). One JSON object on stdout (also written
-to --out), progress on stderr.
+to --out), progress on stderr. With --gpu: the model alone on this machine's GPU against
+one worker holding all of it on that GPU (the host on the CPU), no wire counts.
 """
 
 from __future__ import annotations
@@ -167,12 +168,38 @@ def wire_per_token(model: str, worker_threads: int, tokens: int, workers: int) -
             proc.kill()
 
 
+def cpu_setups(model: str, threads: int, procs: list) -> dict[str, Engine]:
+    """The model alone, on one worker and on two, each worker with its share of the cores."""
+    endpoints = []
+    for n in (1, 2, 2):
+        proc, endpoint = start_worker(max(1, threads // n))
+        procs.append(proc)
+        endpoints.append(endpoint)
+    return {"alone": Engine(model, n_ctx=1024, n_threads=threads),
+            "one worker": Engine(model, n_ctx=1024, n_threads=threads, rpc=endpoints[:1]),
+            "two workers": Engine(model, n_ctx=1024, n_threads=threads, rpc=endpoints[1:])}
+
+
+def gpu_setups(model: str, procs: list) -> dict[str, Engine]:
+    """The model alone on the GPU, and every layer on one worker serving that GPU (the
+    host's own GPU gets none: tensor_split names the worker first, then the local GPUs)."""
+    proc, endpoint = start_worker(2)
+    procs.append(proc)
+    gpus = len(rpc.local_gpus())
+    return {"alone": Engine(model, n_ctx=1024, n_gpu_layers=-1),
+            "one worker on the GPU": Engine(model, n_ctx=1024, n_gpu_layers=-1,
+                                            rpc=[endpoint], tensor_split=[1.0] + [0.0] * gpus)}
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--models", default="smollm2,gemma3-270m")
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--tokens", type=int, default=64)
     parser.add_argument("--out", default="benchmarks/results/bench_rpc.json")
+    parser.add_argument("--gpu", action="store_true",
+                        help="the model alone on this machine's GPU against one worker "
+                             "holding every layer on that GPU, the host on the CPU")
     args = parser.parse_args()
     threads = default_threads()
     # The machine's cores shared among the workers of a setup: ggml's CPU threads spin while
@@ -184,16 +211,7 @@ def main():
     for model in args.models.split(","):
         procs = []
         try:
-            endpoints = []
-            for n in (1, 2, 2):
-                proc, endpoint = start_worker(max(1, threads // n))
-                procs.append(proc)
-                endpoints.append(endpoint)
-            setups = {"alone": Engine(model, n_ctx=1024, n_threads=threads),
-                      "one worker": Engine(model, n_ctx=1024, n_threads=threads,
-                                           rpc=endpoints[:1]),
-                      "two workers": Engine(model, n_ctx=1024, n_threads=threads,
-                                            rpc=endpoints[1:])}
+            setups = gpu_setups(model, procs) if args.gpu else cpu_setups(model, threads, procs)
             prompt = setups["alone"].tokenize(PROMPT)[:512]
             decode = {name: [] for name in setups}
             prefill = {name: [] for name in setups}
@@ -209,7 +227,7 @@ def main():
             for name in setups:
                 row[name] = {"decode_tok_s": round(statistics.median(decode[name]), 1),
                              "prompt_tok_s": round(statistics.median(prefill[name]), 1)}
-            for name in ("one worker", "two workers"):
+            for name in [name for name in setups if name != "alone"]:
                 row[name]["decode_vs_alone"] = round(
                     row[name]["decode_tok_s"] / row["alone"]["decode_tok_s"], 3)
                 row[name]["prompt_vs_alone"] = round(
@@ -219,8 +237,9 @@ def main():
         finally:
             for proc in procs:
                 proc.kill()
-        row["wire"] = {name: wire_per_token(model, max(1, threads // n), args.tokens, n)
-                       for name, n in (("one worker", 1), ("two workers", 2))}
+        if not args.gpu:
+            row["wire"] = {name: wire_per_token(model, max(1, threads // n), args.tokens, n)
+                           for name, n in (("one worker", 1), ("two workers", 2))}
         out["models"][model] = row
     text = json.dumps(out, indent=2)
     print(text)

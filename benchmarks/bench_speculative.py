@@ -15,7 +15,8 @@ slows both sides of a ratio), the share of drafted tokens kept, and whether ever
 text as "none" in every round; the rule's speed against the best fixed length ("none"
 counting as length 0) and against no drafts; and what verifying drafts costs: the median
 time of one decode of 1, 2, 4, 8 and 16 rows of one sequence after a 300-token prompt. Run
-it on a quiet machine.
+it on a quiet machine; ``--n-gpu-layers -1`` measures it on a GPU (the GPU kit does, on the
+code edit).
 """
 
 from __future__ import annotations
@@ -152,8 +153,15 @@ def main():
     parser.add_argument("--tasks", default=",".join(TASKS))
     parser.add_argument("--threads", type=int, default=None)
     parser.add_argument("--seed", type=int, default=1)
+    parser.add_argument("--samplers", default=",".join(SAMPLERS))
+    parser.add_argument("--max-tokens", type=int, default=None,
+                        help="tokens per reply (default: each task's own)")
+    parser.add_argument("--n-gpu-layers", type=int, default=0,
+                        help="layers on the GPU (-1: all), where a batch of rows costs "
+                             "little more than one")
     args = parser.parse_args()
-    options = dict(n_ctx=4096, n_threads=args.threads)
+    samplers = args.samplers.split(",")
+    options = dict(n_ctx=4096, n_threads=args.threads, n_gpu_layers=args.n_gpu_layers)
     # "none" computes attention as the engines with drafts do, so that texts are comparable
     engines = {"none": Engine(args.model, reference_attention=True, **options),
                "ngram": Engine(args.model, draft="ngram", draft_max=args.draft_max,
@@ -166,12 +174,13 @@ def main():
         engines["draft-model"] = Engine(args.model, draft=args.draft_model,
                                         draft_max=args.draft_max, **options)
     tasks = args.tasks.split(",")
-    runs = {(t, s, m): [] for t in tasks for s in SAMPLERS for m in engines}
+    runs = {(t, s, m): [] for t in tasks for s in samplers for m in engines}
     for r in range(args.rounds):
         print(f"round {r + 1}/{args.rounds}", file=sys.stderr, flush=True)
         for task in tasks:
             prompt, max_tokens = TASKS[task]
-            for sampler in SAMPLERS:
+            max_tokens = args.max_tokens or max_tokens
+            for sampler in samplers:
                 # each round starts at another mode: no mode always follows the same one
                 modes = list(engines)
                 for mode in modes[r % len(modes):] + modes[:r % len(modes)]:
@@ -182,7 +191,7 @@ def main():
                     runs[task, sampler, mode].append(result)
     table = {}
     for task in tasks:
-        for sampler in SAMPLERS:
+        for sampler in samplers:
             plain = runs[task, sampler, "none"]
             row = {"tokens": statistics.median(x.completion_tokens for x in plain)}
             for mode in engines:
@@ -205,6 +214,7 @@ def main():
     print(json.dumps({"benchmark": "speculative", "model": args.model,
                       "draft_model": args.draft_model, "draft_max": args.draft_max,
                       "threads": engines["none"].threads, "rounds": args.rounds,
+                      "n_gpu_layers": args.n_gpu_layers,
                       "attention": engines["none"].attention,
                       "decode_ms_by_rows": row_costs(engines["none"]), "results": table,
                       "rule_worst": {
