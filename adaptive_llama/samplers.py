@@ -3,7 +3,9 @@ and the server, parsed and validated once, at the edge.
 
 A spec is ``NAME`` or ``NAME:key=value,key=value``; every sampler but greedy also takes
 ``temp=`` (applied first). Modifiers join a sampler with ``+``:
-``adaptive:eps=0.001+penalties:repeat=1.1+dry``. Whatever order they are written in, a chain
+``adaptive:eps=0.001+penalties:repeat=1.1+dry``. Modifiers alone sample the whole
+distribution after them (``dist``), with ``temp=`` in any of them: ``top-n-sigma:n=1,temp=1.5``
+is top-n-sigma as a method of its own. Whatever order they are written in, a chain
 runs them in one order, llama.cpp's (``--samplers``)::
 
     [grammar] -> penalties -> dry -> top-n-sigma -> [temp] -> SAMPLER -> xtc -> [dist]
@@ -123,7 +125,9 @@ class ChainBuilder(Protocol):
     def mirostat_v2(self, tau: float, eta: float) -> None: ...
     def greedy(self) -> None: ...
     def eta(self, epsilon: float) -> None: ...
+    def p_less(self) -> None: ...
     def adaptive(self, epsilon: float, uniform: bool) -> None: ...
+    def adaptive_p(self, target: float, decay: float) -> None: ...
     def penalties(self, last_n: int, repeat: float, freq: float, present: float) -> None: ...
     def dry(self, multiplier: float, base: float, allowed_length: int,
             last_n: int) -> None: ...
@@ -223,12 +227,24 @@ SAMPLERS: dict[str, Sampler] = {s.name: s for s in (
     Sampler("eta", "p > min(eps, sqrt(eps) exp(-H)) (Hewitt et al., 2022)",
             (replace(EPSILON, default=0.0009),),
             lambda b, p: b.eta(p["eps"])),
+    Sampler("p-less", "keep p >= sum of p^2, the chance two draws agree; no parameter "
+            "(Tan et al., ICLR 2026)", (), lambda b, p: b.p_less()),
     Sampler("adaptive", "adaptive decoding (Zhu et al., 2024); mode=uniform samples "
             "uniformly in the kept set",
             (EPSILON, Param("mode", str, "multinomial", "sampling inside the kept set",
                             choices=("multinomial", "uniform"))),
             lambda b, p: b.adaptive(p["eps"], p["mode"] == "uniform"), chooses_token=True,
             in_graph=True),
+    # llama.cpp's own (PR 17927), not adaptive decoding: it reshapes the distribution
+    # towards tokens near a target probability and chooses. llama.cpp's default target (-1)
+    # leaves it off; a sampler of its own needs one, and 0.5 is the middle of its range.
+    Sampler("adaptive-p", "llama.cpp's adaptive-p (PR 17927, not adaptive decoding): "
+            "favours tokens near a target probability, steered by a moving average",
+            (Param("target", float, 0.5, "probability the chosen tokens average", low=0.0,
+                   high=1.0),
+             Param("decay", float, 0.9, "moving average's decay; history ~ 1/(1-decay) "
+                   "tokens", low=0.0, high=0.99)),
+            lambda b, p: b.adaptive_p(p["target"], p["decay"]), chooses_token=True),
     Sampler("dist", "the whole distribution, no truncation", (), lambda b, p: None,
             in_graph=True),
     _modifier("penalties", "repetition (divides), frequency and presence (subtract) "
@@ -292,8 +308,9 @@ def table() -> str:
     lines = []
     for title, modifiers in (("Samplers (one per spec):", False),
                              ("Modifiers (joined with +, e.g. adaptive+penalties:repeat=1.1; "
-                              "order: penalties, dry, top-n-sigma, temp, the sampler, xtc):",
-                              True)):
+                              "order: penalties, dry, top-n-sigma, temp, the sampler, xtc; "
+                              "alone, they are followed by dist and take temp=, as in "
+                              "top-n-sigma:n=1,temp=1.5):", True)):
         lines.append(title)
         for s in SAMPLERS.values():
             if s.is_modifier != modifiers:
@@ -396,28 +413,57 @@ def parse_spec(text: str) -> SamplerSpec:
     if not isinstance(text, str):
         raise SpecError(f"a sampler spec has to be text such as 'adaptive:eps=0.0005', "
                         f"but is {text!r}")
-    entries = [_parse_entry(part) for part in _JOIN.split(text)]
+    parts = _JOIN.split(text)
+    if not any(_entry_name(part) in SAMPLERS and not SAMPLERS[_entry_name(part)].is_modifier
+               for part in parts):
+        return _modifiers_then_dist(text, parts)
+    entries = [_parse_entry(part) for part in parts]
     samplers = [e for e in entries if not e.sampler.is_modifier]
     modifiers = [e for e in entries if e.sampler.is_modifier]
     if len(samplers) != 1:
         names = " and ".join(e.name for e in samplers) or "none"
         raise SpecError(f"a spec has one sampler, but {text.strip()!r} has {names}; "
                         "modifiers join it with +, as in adaptive+penalties:repeat=1.1")
-    names = [m.name for m in modifiers]
-    twice = next((n for n in names if names.count(n) > 1), None)
-    if twice:
-        raise SpecError(f"`{twice}` is given twice in {text.strip()!r}")
+    _check_once([m.name for m in modifiers], text)
     return _joined(samplers[0], modifiers)
 
 
-def _parse_entry(text: str) -> SamplerSpec:
-    """One ``NAME[:key=value,...]`` of a spec, its values validated."""
-    name, _, rest = text.strip().partition(":")
-    name = name.strip().lower()
+def _check_once(names: list[str], text: str) -> None:
+    twice = next((n for n in names if names.count(n) > 1), None)
+    if twice:
+        raise SpecError(f"`{twice}` is given twice in {text.strip()!r}")
+
+
+def _entry_name(text: str) -> str:
+    return text.strip().partition(":")[0].strip().lower()
+
+
+def _modifiers_then_dist(text: str, parts: list[str]) -> SamplerSpec:
+    """A spec of modifiers alone, such as ``top-n-sigma:n=1,temp=1.5`` (top-n-sigma as a
+    method, Tang et al., 2024): the modifiers, then the temperature (given in any of them)
+    and ``dist`` over what they leave."""
+    entries = [_parse_entry(part, with_temp=True) for part in parts]
+    _check_once([e.name for e in entries], text)
+    temps = [e.temp for e in entries if e.temp is not None]
+    if len(temps) > 1:
+        raise SpecError(f"`temp` is given twice in {text.strip()!r}")
+    dist = SamplerSpec(name="dist", temp=temps[0] if temps else TEMP.default)
+    return _joined(dist, [replace(e, temp=TEMP.default) for e in entries])
+
+
+def _parse_entry(text: str, with_temp: bool = False) -> SamplerSpec:
+    """One ``NAME[:key=value,...]`` of a spec, its values validated. ``with_temp``: a
+    modifier may take ``temp=`` too (for the dist after modifiers alone); its temp is then
+    None unless given."""
+    name = _entry_name(text)
+    rest = text.strip().partition(":")[2]
     if name not in SAMPLERS:
         raise SpecError(f"unknown sampler {name!r}; valid: {valid_specs()}")
     sampler = SAMPLERS[name]
-    by_name = {p.name: p for p in sampler.all_params()}
+    params = sampler.all_params()
+    if with_temp and not sampler.takes_temp:
+        params += (replace(TEMP, default=None),)
+    by_name = {p.name: p for p in params}
     values = {p.name: p.default for p in by_name.values()}
     seen = set()
     for item in filter(None, (part.strip() for part in rest.split(","))):
@@ -474,10 +520,14 @@ def spec_from_options(default: SamplerSpec, *, sampler: str | None = None,
                       top_k: int | None = None, min_p: float | None = None,
                       epsilon: float | None = None, mirostat: int | None = None,
                       mirostat_tau: float | None = None, mirostat_eta: float | None = None,
+                      adaptive_target: float | None = None,
+                      adaptive_decay: float | None = None,
                       **modifier_options) -> SamplerSpec:
     """The spec a client's options ask for (the OpenAI and Ollama routes, the llm plugin):
     ``sampler`` text (parsed once), else ``mirostat`` 1 or 2 (with ``mirostat_tau`` and
-    ``mirostat_eta``), else the first truncation option that truncates (``min_p`` above 0,
+    ``mirostat_eta``), else llama-server's ``adaptive_target`` (0 to 1; negative: off) with
+    ``adaptive_decay`` for adaptive-p, which runs alone here (a truncation option that would
+    cut before it is refused), else the first truncation option that truncates (``min_p`` above 0,
     ``top_p`` below 1, ``top_k`` above 0: llama.cpp's chain here runs one) at the default
     spec's temperature, else ``default``; then ``epsilon`` on top (a spec without one:
     SpecError), the modifiers' options (:data:`MODIFIER_OPTIONS`, over a modifier the spec
@@ -490,6 +540,7 @@ def spec_from_options(default: SamplerSpec, *, sampler: str | None = None,
     chosen = None
     if sampler is None:
         chosen = (_mirostat(mirostat, mirostat_tau, mirostat_eta)
+                  or _adaptive_p(adaptive_target, adaptive_decay, top_p, top_k, min_p)
                   or _truncation(top_p, top_k, min_p))
     if chosen is not None:
         chosen = chosen.with_param("temp", default.temp) if default.sampler.takes_temp \
@@ -555,6 +606,18 @@ def _mirostat(mode: int | None, tau: float | None, eta: float | None) -> Sampler
         if value is not None:
             spec = spec.with_param(key, value, option)
     return spec
+
+
+def _adaptive_p(target: float | None, decay: float | None, top_p, top_k,
+                min_p) -> SamplerSpec | None:
+    """llama-server's ``adaptive_target`` (negative or absent: off) and ``adaptive_decay``."""
+    if target is None or (isinstance(target, (int, float)) and target < 0):
+        return None
+    if _truncation(top_p, top_k, min_p) is not None:
+        raise SpecError("`adaptive_target`: adaptive-p runs alone here; leave out min_p, "
+                        "top_p below 1 and top_k above 0", "adaptive_target")
+    spec = parse_spec("adaptive-p").with_param("target", target, "adaptive_target")
+    return spec if decay is None else spec.with_param("decay", decay, "adaptive_decay")
 
 
 def _truncation(top_p: float | None, top_k: int | None,

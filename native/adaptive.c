@@ -1,5 +1,6 @@
 /*
- * adaptive-llama native kernels: adaptive decoding and eta-sampling as llama.cpp samplers.
+ * adaptive-llama native kernels: adaptive decoding, eta- and p-less sampling as llama.cpp
+ * samplers.
  *
  * Adaptive decoding: Zhu et al., "Improving Open-Ended Text Generation via Adaptive
  * Decoding", ICML 2024, section 4 and Algorithm 1.  With the next-token probabilities
@@ -19,6 +20,14 @@
  *
  * Eta-sampling: Hewitt et al., "Truncation Sampling as Language Model Desmoothing", 2022:
  * keep the tokens with p > min(eps, sqrt(eps) * exp(-H)), H the entropy in nats.
+ *
+ * p-less sampling: Tan, Wu and Howard, "p-less Sampling: A Robust Hyperparameter-Free
+ * Approach for LLM Decoding", ICLR 2026 (arXiv 2509.23234): keep the tokens with
+ *
+ *   p_v >= L = sum_u p_u^2      (the probability that two draws agree)
+ *
+ * The most likely token always stays: L = sum_u p_u p_u <= p_max sum_u p_u = p_max.  In
+ * weights w = exp(x - max), S = sum w: keep w_v >= (sum_u w_u^2) / S.
  *
  * The passes are plain loops written for GCC's vectoriser: compiled with -O3 -ffast-math,
  * expf/exp become calls to glibc's vector math library (libmvec).  Infinite logits are
@@ -874,39 +883,35 @@ AL_EXPORT const al_stats *al_adaptive_sampler_stats(const struct llama_sampler *
     return &((const al_adaptive_ctx *)smpl->ctx)->last;
 }
 
-/* Eta-sampling (truncation only; a dist sampler after it samples). */
+/* Eta-sampling and p-less sampling: truncation only; a dist sampler after them samples. */
 
 typedef struct {
     double eps;
     al_workspace *ws;
-} al_eta_ctx;
+} al_truncation_ctx;
 
 static const char *eta_name(const struct llama_sampler *smpl) {
     (void)smpl;
     return "eta";
 }
 
-static void eta_apply(struct llama_sampler *smpl, al_token_data_array *cur) {
-    al_eta_ctx *c = smpl->ctx;
-    al_workspace *ws = c->ws;
-    size_t n = cur->size;
-    const float *x = gather_logits(ws, cur);
-    if (n < 2 || !x || !reserve(ws, n)) return;
-    float m = max_f32(x, n);
-    double wd;
-    double S = weights_entropy_f32(x, n, m, ws, &wd);
-    double H = log(S) - wd / S;
-    double cut = fmin(c->eps, sqrt(c->eps) * exp(-H)); /* keep p > min(eps, sqrt(eps) e^-H) */
-    float threshold = (float)(cut * S);
+/*
+ * Keep the tokens whose weight passes the threshold (w > threshold; w >= it when inclusive)
+ * at the front of cur, a permutation as llama.cpp's truncating samplers make; the most
+ * likely token alone where rounding let none pass.
+ */
+static void keep_passing(al_token_data_array *cur, const al_workspace *ws, const float *x,
+                         size_t n, float m, float threshold, int inclusive) {
     size_t kept = 0;
     for (size_t i = 0; i < n; i++) {
-        if (ws->w[i] > threshold) { /* swap into the kept prefix: a permutation */
+        float w = ws->w[i];
+        if (w > threshold || (inclusive && w == threshold)) {
             al_token_data t = cur->data[i];
             cur->data[i] = cur->data[kept];
             cur->data[kept++] = t;
         }
     }
-    if (kept == 0) { /* every p <= cut: keep the most likely token, as transformers does */
+    if (kept == 0) { /* keep the most likely token, as transformers does */
         size_t i = index_of_max_f32(x, n, m, first_group_at_one(ws, n));
         al_token_data t = cur->data[i];
         cur->data[i] = cur->data[0];
@@ -917,8 +922,22 @@ static void eta_apply(struct llama_sampler *smpl, al_token_data_array *cur) {
     cur->sorted = false;
 }
 
-static void eta_free(struct llama_sampler *smpl) {
-    al_eta_ctx *c = smpl->ctx;
+static void eta_apply(struct llama_sampler *smpl, al_token_data_array *cur) {
+    al_truncation_ctx *c = smpl->ctx;
+    al_workspace *ws = c->ws;
+    size_t n = cur->size;
+    const float *x = gather_logits(ws, cur);
+    if (n < 2 || !x || !reserve(ws, n)) return;
+    float m = max_f32(x, n);
+    double wd;
+    double S = weights_entropy_f32(x, n, m, ws, &wd);
+    double H = log(S) - wd / S;
+    double cut = fmin(c->eps, sqrt(c->eps) * exp(-H)); /* keep p > min(eps, sqrt(eps) e^-H) */
+    keep_passing(cur, ws, x, n, m, (float)(cut * S), 0);
+}
+
+static void truncation_free(struct llama_sampler *smpl) {
+    al_truncation_ctx *c = smpl->ctx;
     if (!c) return;
     al_workspace_free(c->ws);
     free(c);
@@ -932,17 +951,18 @@ static const al_sampler_iface eta_iface = {
     .apply = eta_apply,
     .reset = NULL,
     .clone = eta_clone,
-    .free = eta_free,
+    .free = truncation_free,
 };
 
-AL_EXPORT struct llama_sampler *al_eta_sampler_new(double eps) {
+/* A truncating sampler of ours (eta, p-less): its parameter and workspace. */
+static struct llama_sampler *truncation_sampler_new(const al_sampler_iface *iface, double eps) {
     if (!sampler_init) return NULL;
-    al_eta_ctx *c = calloc(1, sizeof(al_eta_ctx));
+    al_truncation_ctx *c = calloc(1, sizeof(al_truncation_ctx));
     if (!c) return NULL;
     c->eps = eps;
     c->ws = al_workspace_new();
     if (!c->ws) { free(c); return NULL; }
-    struct llama_sampler *smpl = sampler_init(&eta_iface, c);
+    struct llama_sampler *smpl = sampler_init(iface, c);
     if (!smpl) {
         al_workspace_free(c->ws);
         free(c);
@@ -950,8 +970,62 @@ AL_EXPORT struct llama_sampler *al_eta_sampler_new(double eps) {
     return smpl;
 }
 
+AL_EXPORT struct llama_sampler *al_eta_sampler_new(double eps) {
+    return truncation_sampler_new(&eta_iface, eps);
+}
+
 static struct llama_sampler *eta_clone(const struct llama_sampler *smpl) {
-    return al_eta_sampler_new(((const al_eta_ctx *)smpl->ctx)->eps);
+    return al_eta_sampler_new(((const al_truncation_ctx *)smpl->ctx)->eps);
+}
+
+/* p-less sampling (truncation only; a dist sampler after it samples). */
+
+static const char *pless_name(const struct llama_sampler *smpl) {
+    (void)smpl;
+    return "p-less";
+}
+
+/* sum of w_i^2: float32 within a GROUP, float64 across groups, as S is summed. */
+static double sum_squares(const float *w, size_t n) {
+    double q = 0.0;
+    for (size_t b = 0; b < n; b += GROUP) {
+        const size_t end = b + GROUP < n ? b + GROUP : n;
+        float group = 0.0f;
+        for (size_t i = b; i < end; i++) group += w[i] * w[i];
+        q += (double)group;
+    }
+    return q;
+}
+
+static void pless_apply(struct llama_sampler *smpl, al_token_data_array *cur) {
+    al_workspace *ws = ((al_truncation_ctx *)smpl->ctx)->ws;
+    size_t n = cur->size;
+    const float *x = gather_logits(ws, cur);
+    if (n < 2 || !x || !reserve(ws, n)) return;
+    float m = max_f32(x, n);
+    double S = weights_f32(x, n, m, ws);
+    /* p_v >= sum_u p_u^2  <=>  w_v >= sum_u w_u^2 / S */
+    keep_passing(cur, ws, x, n, m, (float)(sum_squares(ws->w, n) / S), 1);
+}
+
+static struct llama_sampler *pless_clone(const struct llama_sampler *smpl);
+
+static const al_sampler_iface pless_iface = {
+    .name = pless_name,
+    .accept = NULL,
+    .apply = pless_apply,
+    .reset = NULL,
+    .clone = pless_clone,
+    .free = truncation_free,
+};
+
+AL_EXPORT struct llama_sampler *al_pless_sampler_new(void) {
+    return truncation_sampler_new(&pless_iface, 0.0);
+}
+
+static struct llama_sampler *pless_clone(const struct llama_sampler *smpl) {
+    (void)smpl;
+    return al_pless_sampler_new();
 }
 
 /* Layout facts Python compares with llama-cpp-python's ctypes structs at import. */

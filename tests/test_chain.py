@@ -55,6 +55,8 @@ def apply_to(chain, logits):
     ("min-p:p=0.05", ["min-p", "dist"]),
     ("mirostat:tau=5,eta=0.1", ["mirostat-v2"]),
     ("mirostat1", ["mirostat"]),
+    ("adaptive-p:target=0.3,temp=0.8", ["temp", "adaptive-p"]),
+    ("top-n-sigma:n=1,temp=1.5", ["top-n-sigma", "temp", "dist"]),
     ("eta:eps=0.0009", ["eta", "dist"]),
     ("adaptive:eps=0.0005", ["adaptive"]),
     ("adaptive:eps=0.0005,temp=0.8", ["temp", "adaptive"]),
@@ -204,6 +206,7 @@ def assert_same_record(mine, theirs, backend):
 @pytest.mark.parametrize("spec", [
     "greedy", "top-k:k=40", "top-p:p=0.95,temp=1.5", "typical:p=0.5", "min-p:p=0.05",
     "mirostat:tau=3,eta=0.1", "mirostat1:tau=5,eta=0.1", "eta:eps=0.0009,temp=0.7",
+    "adaptive-p:target=0.2,decay=0.5", "top-n-sigma:n=1.5,temp=1.3",
     "adaptive:eps=0.0005", "adaptive:eps=0.001,mode=uniform,temp=2",
     "adaptive:eps=0.0005,temp=0.7", "adaptive:eps=0.005,temp=0.37",
     "top-k:k=40+penalties:repeat=1.3+xtc:probability=0.5,threshold=0.05",
@@ -217,7 +220,8 @@ def test_every_way_of_sampling_chooses_as_llama_sampler_sample(engine, backend, 
     chains = [SamplerChain(spec, seed=5, n_vocab=engine.n_vocab, record_stats=True)
               for _ in range(3)]
     llama, by_context, by_rows = chains
-    assert by_context.from_row == (spec.startswith(("greedy", "adaptive")) and "+" not in spec)
+    assert by_context.from_row == (spec.split(":")[0] in ("greedy", "adaptive")
+                                   and "+" not in spec)
     tokens = engine.tokenize("The old lighthouse keeper climbed the stairs and")
     chosen = []
     try:
@@ -243,7 +247,8 @@ def test_every_way_of_sampling_chooses_as_llama_sampler_sample(engine, backend, 
 @pytest.mark.parametrize("spec,from_row", [
     ("adaptive", True), ("adaptive:eps=0.001,mode=uniform,temp=1.7", True), ("greedy", True),
     ("adaptive+penalties", False), ("penalties+greedy", False), ("adaptive+xtc", False),
-    ("top-k", False), ("min-p", False), ("eta", False), ("dist", False)])
+    ("top-k", False), ("min-p", False), ("eta", False), ("dist", False),
+    ("adaptive-p", False), ("top-n-sigma", False)])
 def test_only_chains_that_need_no_candidate_array_choose_from_the_row(spec, from_row):
     with SamplerChain(spec, seed=1, n_vocab=100) as chain:
         assert chain.from_row == from_row
@@ -503,7 +508,8 @@ def test_numba_sampler_without_room_keeps_the_arg_max_and_counts_it(monkeypatch)
 
 
 @pytest.mark.parametrize("spec", ["adaptive:eps=0.0005", "adaptive:eps=0.001,mode=uniform",
-                                  "adaptive:eps=0.0003,temp=1.5", "eta:eps=0.0009"])
+                                  "adaptive:eps=0.0003,temp=1.5", "eta:eps=0.0009",
+                                  "p-less", "p-less:temp=1.5"])
 def test_same_seed_same_text_under_both_backends(engine, monkeypatch, spec):
     texts = {}
     for name in ("c", "numba"):

@@ -97,6 +97,10 @@ def test_generate_counts_on_greedily_and_stops_where_asked(client):
     ({"repeat_penalty": 1.2, "repeat_last_n": 0}, "adaptive:eps=0.005,mode=multinomial"),
     ({"mirostat": 2, "mirostat_tau": 3.0, "top_k": 40}, "mirostat:tau=3,eta=0.1"),
     ({"mirostat": 1, "mirostat_eta": 0.2}, "mirostat1:tau=5,eta=0.2,m=100"),
+    ({"adaptive_target": 0.3, "adaptive_decay": 0.5}, "adaptive-p:target=0.3,decay=0.5"),
+    ({"adaptive_target": -1, "min_p": 0.1}, "min-p:p=0.1"),
+    ({"sampler": "p-less:temp=1.2"}, "p-less:temp=1.2"),
+    ({"sampler": "top-n-sigma:n=1,temp=1.5"}, "dist:temp=1.5+top-n-sigma:n=1"),
 ])
 def test_options_choose_the_sampler(server, options, sampler):  # noqa: F811
     status, _, body = raw("POST", server, "/api/generate", {
@@ -136,6 +140,11 @@ def test_a_client_that_streams_gets_ndjson(server):  # noqa: F811
      400, "options.repeat_penalty: `repeat_penalty` has to be in (0, 10]"),
     ("/api/generate", {"model": MODEL, "prompt": "x", "options": {"mirostat": 3}},
      400, "options.mirostat"),
+    ("/api/generate", {"model": MODEL, "prompt": "x",
+                       "options": {"adaptive_target": 0.3, "min_p": 0.05}},
+     400, "options.adaptive_target: `adaptive_target`: adaptive-p runs alone here"),
+    ("/api/generate", {"model": MODEL, "prompt": "x", "options": {"adaptive_target": 2}},
+     400, "options.adaptive_target: `adaptive_target` has to be in [0, 1]"),
     ("/api/generate", {"model": MODEL, "prompt": "word " * 20, "raw": True,
                        "options": {"num_ctx": 10}}, 400, "`options.num_ctx` is 10"),
     ("/api/show", {}, 400, "`model`"),

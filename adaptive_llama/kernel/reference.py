@@ -53,3 +53,12 @@ def adaptive_k_reference(logits, epsilon: float) -> int:
     if x.shape[0] == 1:
         return 1
     return k_from_dconf(dconf_reference(x), epsilon)
+
+
+def p_less_reference(logits) -> np.ndarray:
+    """The tokens p-less sampling keeps (Tan, Wu and Howard, ICLR 2026; native/adaptive.c
+    says more), in float64: p_v >= L = sum_u p_u^2, the probability that two draws agree."""
+    x = np.asarray(logits, dtype=np.float64)
+    p = np.exp(x - x.max())
+    p /= p.sum()
+    return np.flatnonzero(p >= np.sum(p * p))

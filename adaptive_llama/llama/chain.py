@@ -118,6 +118,9 @@ class _CSamplers:
     def eta(self, eps, n_vocab) -> int:
         return self.lib.al_eta_sampler_new(eps)
 
+    def p_less(self, n_vocab) -> int:
+        return self.lib.al_pless_sampler_new()
+
     @property
     def adaptive_row(self):
         return self.lib.al_adaptive_sample_row
@@ -138,13 +141,14 @@ class _NumbaSamplers:
         self.adaptive = numba_samplers.adaptive_sampler_new
         self.stats = numba_samplers.adaptive_sampler_stats
         self.eta = numba_samplers.eta_sampler_new
+        self.p_less = numba_samplers.pless_sampler_new
         self.adaptive_row = numba_samplers.adaptive_sample_row
         self.greedy_row = numba_samplers.greedy_row
 
 
 @functools.cache
 def in_chain_samplers():
-    """The adaptive and eta sampler makers of :data:`kernel.BACKEND`."""
+    """The adaptive, eta and p-less sampler makers of :data:`kernel.BACKEND`."""
     return _CSamplers() if kernel.BACKEND == "c" else _NumbaSamplers()
 
 
@@ -278,6 +282,9 @@ class SamplerChain:
     def eta(self, epsilon: float) -> None:
         self._add_native(in_chain_samplers().eta(epsilon, self._n_vocab))
 
+    def p_less(self) -> None:
+        self._add_native(in_chain_samplers().p_less(self._n_vocab))
+
     def adaptive(self, epsilon: float, uniform: bool) -> None:
         samplers = in_chain_samplers()
         self._adaptive = self._add_native(samplers.adaptive(
@@ -287,6 +294,10 @@ class SamplerChain:
         if self.in_graph:  # in the graph it only cuts: llama.cpp's dist chooses
             graph.enable(self._adaptive, epsilon, uniform, self.spec.temp)
             self._chain.add_dist(self.seed)
+
+    def adaptive_p(self, target: float, decay: float) -> None:
+        llama_cpp.llama_sampler_chain_add(self._chain.sampler, llama_cpp.
+                                          llama_sampler_init_adaptive_p(target, decay, self.seed))
 
     def penalties(self, last_n: int, repeat: float, freq: float, present: float) -> None:
         self._add_looking_back(llama_cpp.llama_sampler_init_penalties(

@@ -1,4 +1,5 @@
-"""The adaptive and eta samplers for llama.cpp's chain, in numba: the fallback of the C ones.
+"""The adaptive, eta and p-less samplers for llama.cpp's chain, in numba: the fallback of the
+C ones.
 
 When the C library is missing (a prebuilt llama-cpp-python wheel on a machine without a C
 compiler) or ``ADAPTIVE_LLAMA_IMPL=numba`` asks for it, these are the samplers
@@ -282,30 +283,20 @@ def _adaptive_reset(smpl):
     s.n_fallbacks = 0
 
 
-@cfunc(types.void(types.voidptr, types.voidptr), cache=True, error_model="numpy")
-def _eta_apply(smpl, cur_p):
-    """Keep p > min(eps, sqrt(eps) e^-H), as native/adaptive.c eta_apply."""
-    s = _state_of(smpl)[0]
+@njit(cache=True, error_model="numpy")
+def _keep_passing(cur_p, rows, x, m, w, threshold, inclusive):
+    """Keep the tokens with w > threshold (>= when inclusive) at the front, a permutation;
+    the most likely token alone where rounding let none pass (native/adaptive.c
+    keep_passing)."""
     cur = carray(cur_p, 3, np.int64)
     n = cur[1]
-    if n < 2 or n > s.cap:  # out of room: no truncation, the chain samples from every token
-        return
-    rows = carray(_pointer(cur[0]), (n, 3), np.int32)
-    logits = carray(_pointer(cur[0]), (n, 3), np.float32)
-    x = carray(_pointer(s.x), n, np.float32)
-    m = _gather(logits, x)
-    w = carray(_pointer(s.w), n, np.float32)
-    S, wd = weights(x, m, w, True)
-    H = math.log(S) - wd / S
-    cut = min(s.eps, math.sqrt(s.eps) * math.exp(-H))
-    threshold = np.float32(cut * S)
     kept = 0
     for i in range(n):
-        if w[i] > threshold:  # swap into the kept prefix: a permutation
+        if w[i] > threshold or (inclusive and w[i] == threshold):
             for f in range(3):
                 rows[i, f], rows[kept, f] = rows[kept, f], rows[i, f]
             kept += 1
-    if kept == 0:  # every p <= cut: the most likely token, as transformers does
+    if kept == 0:  # the most likely token, as transformers does
         best = 0
         for i in range(n):
             if x[i] == m:
@@ -316,6 +307,56 @@ def _eta_apply(smpl, cur_p):
         kept = 1
     cur[1] = kept
     carray(cur_p, 32, np.uint8)[_SORTED_OFFSET] = 0
+
+
+@njit(inline="always", error_model="numpy")
+def _row_weights(smpl, cur_p, want_entropy):
+    """The row's token rows, logits x, max m, weights w, S and sum w (x - m); n = 0 when
+    there is nothing to cut (fewer than 2 tokens, or more than the buffers hold: the chain
+    then samples from every token)."""
+    s = _state_of(smpl)[0]
+    n = carray(cur_p, 3, np.int64)[1]
+    if n < 2 or n > s.cap:
+        n = 0
+    rows = carray(_pointer(carray(cur_p, 3, np.int64)[0]), (n, 3), np.int32)
+    logits = carray(_pointer(carray(cur_p, 3, np.int64)[0]), (n, 3), np.float32)
+    x = carray(_pointer(s.x), n, np.float32)
+    w = carray(_pointer(s.w), n, np.float32)
+    if n == 0:
+        return rows, x, np.float32(0.0), w, 1.0, 0.0
+    m = _gather(logits, x)
+    S, wd = weights(x, m, w, want_entropy)
+    return rows, x, m, w, S, wd
+
+
+@cfunc(types.void(types.voidptr, types.voidptr), cache=True, error_model="numpy")
+def _eta_apply(smpl, cur_p):
+    """Keep p > min(eps, sqrt(eps) e^-H), as native/adaptive.c eta_apply."""
+    rows, x, m, w, S, wd = _row_weights(smpl, cur_p, True)
+    if x.shape[0] == 0:
+        return
+    eps = _state_of(smpl)[0].eps
+    H = math.log(S) - wd / S
+    cut = min(eps, math.sqrt(eps) * math.exp(-H))
+    _keep_passing(cur_p, rows, x, m, w, np.float32(cut * S), False)
+
+
+@njit(cache=True, fastmath=True, error_model="numpy")
+def _sum_squares(w):
+    q = 0.0
+    for i in range(w.shape[0]):
+        q += np.float64(w[i] * w[i])
+    return q
+
+
+@cfunc(types.void(types.voidptr, types.voidptr), cache=True, error_model="numpy")
+def _pless_apply(smpl, cur_p):
+    """Keep p_v >= sum_u p_u^2 (p-less, Tan et al., ICLR 2026), as native/adaptive.c
+    pless_apply: w_v >= sum_u w_u^2 / S."""
+    rows, x, m, w, S, _ = _row_weights(smpl, cur_p, True)  # S in float64, as C's is nearly
+    if x.shape[0] == 0:
+        return
+    _keep_passing(cur_p, rows, x, m, w, np.float32(_sum_squares(w) / S), True)
 
 
 # ---- creation, clone, free: rare, in Python ----
@@ -415,6 +456,7 @@ def _kind(name: str) -> _Kind:
                 raise RuntimeError("llama_sampler_i's layout differs from the numba samplers'")
             _kinds["adaptive"] = _Kind(b"adaptive", _adaptive_apply, _adaptive_reset)
             _kinds["eta"] = _Kind(b"eta", _eta_apply)
+            _kinds["p-less"] = _Kind(b"p-less", _pless_apply)
         return _kinds[name]
 
 
@@ -433,6 +475,10 @@ def adaptive_sampler_stats(smpl: int) -> native.Stats:
 
 def eta_sampler_new(eps: float, n_vocab: int) -> int:
     return _kind("eta").create(_new_state(n_vocab, eps=eps))
+
+
+def pless_sampler_new(n_vocab: int) -> int:
+    return _kind("p-less").create(_new_state(n_vocab))
 
 
 # The row samplers as ctypes calls, which let go of the GIL as the C library's do.

@@ -230,6 +230,8 @@ class SamplingFields(BaseModel):
     mirostat: int | None = None
     mirostat_tau: float | None = None
     mirostat_eta: float | None = None
+    adaptive_target: float | None = None
+    adaptive_decay: float | None = None
     repeat_penalty: float | None = None
     frequency_penalty: float | None = None
     presence_penalty: float | None = None
