@@ -1,6 +1,6 @@
 /*
- * adaptive-llama native kernels: adaptive decoding, eta- and p-less sampling as llama.cpp
- * samplers.
+ * adaptive-llama native kernels: adaptive decoding, eta-, p-less and top-H sampling as
+ * llama.cpp samplers.
  *
  * Adaptive decoding: Zhu et al., "Improving Open-Ended Text Generation via Adaptive
  * Decoding", ICML 2024, section 4 and Algorithm 1.  With the next-token probabilities
@@ -28,6 +28,15 @@
  *
  * The most likely token always stays: L = sum_u p_u p_u <= p_max sum_u p_u = p_max.  In
  * weights w = exp(x - max), S = sum w: keep w_v >= (sum_u w_u^2) / S.
+ *
+ * Top-H decoding: Potraghloo, Baghaei et al., "Top-H Decoding: Adapting the Creativity and
+ * Coherence with Bounded Entropy in Text Generation", 2025 (arXiv 2509.02510), as its
+ * authors' code runs it: with p_1 >= ... >= p_N the N = min(top_n, V) likeliest tokens and
+ * E_k = - sum_{i <= k} p_i ln p_i (the base cancels),
+ *
+ *   k* = max(1, the largest k <= N with E_k <= alpha E_N)
+ *
+ * E_k grows with k (each term is >= 0), so the tokens kept are a prefix of the N.
  *
  * The passes are plain loops written for GCC's vectoriser: compiled with -O3 -ffast-math,
  * expf/exp become calls to glibc's vector math library (libmvec).  Infinite logits are
@@ -886,7 +895,8 @@ AL_EXPORT const al_stats *al_adaptive_sampler_stats(const struct llama_sampler *
 /* Eta-sampling and p-less sampling: truncation only; a dist sampler after them samples. */
 
 typedef struct {
-    double eps;
+    double eps;    /* eta's epsilon, top-H's alpha */
+    size_t top_n;  /* top-H's */
     al_workspace *ws;
 } al_truncation_ctx;
 
@@ -954,12 +964,14 @@ static const al_sampler_iface eta_iface = {
     .free = truncation_free,
 };
 
-/* A truncating sampler of ours (eta, p-less): its parameter and workspace. */
-static struct llama_sampler *truncation_sampler_new(const al_sampler_iface *iface, double eps) {
+/* A truncating sampler of ours (eta, p-less, top-H): its parameters and workspace. */
+static struct llama_sampler *truncation_sampler_new(const al_sampler_iface *iface, double eps,
+                                                    size_t top_n) {
     if (!sampler_init) return NULL;
     al_truncation_ctx *c = calloc(1, sizeof(al_truncation_ctx));
     if (!c) return NULL;
     c->eps = eps;
+    c->top_n = top_n;
     c->ws = al_workspace_new();
     if (!c->ws) { free(c); return NULL; }
     struct llama_sampler *smpl = sampler_init(iface, c);
@@ -971,7 +983,7 @@ static struct llama_sampler *truncation_sampler_new(const al_sampler_iface *ifac
 }
 
 AL_EXPORT struct llama_sampler *al_eta_sampler_new(double eps) {
-    return truncation_sampler_new(&eta_iface, eps);
+    return truncation_sampler_new(&eta_iface, eps, 0);
 }
 
 static struct llama_sampler *eta_clone(const struct llama_sampler *smpl) {
@@ -1020,12 +1032,108 @@ static const al_sampler_iface pless_iface = {
 };
 
 AL_EXPORT struct llama_sampler *al_pless_sampler_new(void) {
-    return truncation_sampler_new(&pless_iface, 0.0);
+    return truncation_sampler_new(&pless_iface, 0.0, 0);
 }
 
 static struct llama_sampler *pless_clone(const struct llama_sampler *smpl) {
     (void)smpl;
     return al_pless_sampler_new();
+}
+
+/* Top-H decoding (truncation only; a dist sampler after it samples). */
+
+static const char *toph_name(const struct llama_sampler *smpl) {
+    (void)smpl;
+    return "top-h";
+}
+
+/* a before b: the larger weight, and of equal weights the smaller token position */
+static int cand_before(al_cand a, al_cand b) {
+    return a.w > b.w || (a.w == b.w && a.idx < b.idx);
+}
+
+/* Restore the heap below position i of the min-heap h[0..n) (its root the last in order). */
+static void sift_down(al_cand *h, size_t n, size_t i) {
+    for (;;) {
+        size_t l = 2 * i + 1, r = l + 1, last = i;
+        if (l < n && cand_before(h[last], h[l])) last = l;
+        if (r < n && cand_before(h[last], h[r])) last = r;
+        if (last == i) return;
+        al_cand t = h[i]; h[i] = h[last]; h[last] = t;
+        i = last;
+    }
+}
+
+/* The want likeliest positions of the row (float32 weights ws->w), in ws->cand, in order:
+ * a heap of the best so far, which most tokens leave after one comparison with its root. */
+static size_t likeliest(al_workspace *ws, size_t n, size_t want) {
+    al_cand *h = ws->cand;
+    size_t size = 0;
+    for (size_t i = 0; i < n; i++) {
+        al_cand c = {ws->w[i], (int32_t)i};
+        if (size < want) {
+            h[size++] = c;
+            if (size == want)
+                for (size_t j = want / 2; j-- > 0;) sift_down(h, want, j);
+        } else if (cand_before(c, h[0])) {
+            h[0] = c;
+            sift_down(h, want, 0);
+        }
+    }
+    if (size < want)
+        for (size_t j = size / 2; j-- > 0;) sift_down(h, size, j);
+    for (size_t end = size; end > 1; end--) { /* heap sort: the last in order to the end */
+        al_cand t = h[0]; h[0] = h[end - 1]; h[end - 1] = t;
+        sift_down(h, end - 1, 0);
+    }
+    return size;
+}
+
+static void toph_apply(struct llama_sampler *smpl, al_token_data_array *cur) {
+    al_truncation_ctx *c = smpl->ctx;
+    al_workspace *ws = c->ws;
+    size_t n = cur->size;
+    const float *x = gather_logits(ws, cur);
+    size_t want = c->top_n < n ? c->top_n : n;
+    if (n < 2 || !x || !reserve(ws, n) || !reserve_candidates(ws, want) ||
+        !grow((void **)&ws->tail, &ws->cap_t, want + 1, sizeof(double)))
+        return;
+    float m = max_f32(x, n);
+    double S = weights_f32(x, n, m, ws);
+    size_t N = likeliest(ws, n, want);
+    double *E = ws->tail; /* E[k] = E_{k+1}, from the exact weights */
+    double e = 0.0;
+    for (size_t i = 0; i < N; i++) {
+        double p = exp((double)x[ws->cand[i].idx] - (double)m) / S;
+        e += p > 0.0 ? -p * log(p) : 0.0;
+        E[i] = e;
+    }
+    double bound = c->eps * E[N - 1]; /* alpha E_N */
+    size_t k = 1;
+    while (k < N && E[k] <= bound) k++; /* E grows: the kept tokens are a prefix */
+    if (!move_to_front(ws, cur->data, ws->cand, k)) return;
+    cur->size = k;
+    cur->sorted = false;
+}
+
+static struct llama_sampler *toph_clone(const struct llama_sampler *smpl);
+
+static const al_sampler_iface toph_iface = {
+    .name = toph_name,
+    .accept = NULL,
+    .apply = toph_apply,
+    .reset = NULL,
+    .clone = toph_clone,
+    .free = truncation_free,
+};
+
+AL_EXPORT struct llama_sampler *al_toph_sampler_new(double alpha, size_t top_n) {
+    return truncation_sampler_new(&toph_iface, alpha, top_n);
+}
+
+static struct llama_sampler *toph_clone(const struct llama_sampler *smpl) {
+    const al_truncation_ctx *c = smpl->ctx;
+    return al_toph_sampler_new(c->eps, c->top_n);
 }
 
 /* Layout facts Python compares with llama-cpp-python's ctypes structs at import. */

@@ -509,7 +509,8 @@ def test_numba_sampler_without_room_keeps_the_arg_max_and_counts_it(monkeypatch)
 
 @pytest.mark.parametrize("spec", ["adaptive:eps=0.0005", "adaptive:eps=0.001,mode=uniform",
                                   "adaptive:eps=0.0003,temp=1.5", "eta:eps=0.0009",
-                                  "p-less", "p-less:temp=1.5"])
+                                  "p-less", "p-less:temp=1.5", "top-h",
+                                  "top-h:alpha=0.6,top_n=300,temp=1.4"])
 def test_same_seed_same_text_under_both_backends(engine, monkeypatch, spec):
     texts = {}
     for name in ("c", "numba"):

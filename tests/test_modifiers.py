@@ -28,12 +28,20 @@ def test_modifiers_run_in_chain_order_whatever_order_they_are_written_in():
     assert not spec.in_graph and parse_spec("top-k").in_graph
 
 
+def test_modifiers_alone_are_followed_by_dist_at_the_temperature_one_of_them_gives():
+    spec = parse_spec("penalties:repeat=1.2+top-n-sigma:n=2,temp=0.9")
+    assert spec.name == "dist" and spec.temp == 0.9
+    assert [m.name for m in spec.modifiers] == ["penalties", "top-n-sigma"]
+    assert parse_spec("xtc").name == "dist" and parse_spec("xtc").temp == 1.0
+
+
 def test_a_plus_inside_a_number_does_not_join():
     assert parse_spec("dist:temp=1e+0").temp == 1.0
 
 
 @pytest.mark.parametrize("text,message", [
-    ("penalties:repeat=1.1", "a spec has one sampler, but 'penalties:repeat=1.1' has none"),
+    ("penalties+dry+penalties", "`penalties` is given twice"),
+    ("top-n-sigma+nucleus", "unknown sampler 'nucleus'"),
     ("adaptive+top-k", "has adaptive and top-k; modifiers join it with +"),
     ("adaptive+dry+dry", "`dry` is given twice"),
     ("adaptive+penalties:temp=0.5", "penalties takes repeat=, freq=, present=, last_n="),

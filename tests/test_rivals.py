@@ -1,5 +1,5 @@
-"""The rivals of adaptive decoding beside it: p-less (our kernels, against the float64
-formula), llama.cpp's adaptive-p and top-n-sigma as a method of its own."""
+"""The rivals of adaptive decoding beside it: p-less and top-H (our kernels, against the
+float64 formulas), llama.cpp's adaptive-p and top-n-sigma as a method of its own."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from adaptive_llama import kernel
-from adaptive_llama.kernel.reference import p_less_reference
+from adaptive_llama.kernel.reference import p_less_reference, top_h_reference
 from adaptive_llama.llama import chain as chain_module
 from adaptive_llama.llama.chain import SamplerChain
 from adaptive_llama.samplers import SpecError, parse_spec
@@ -65,19 +65,26 @@ def test_p_less_matches_the_float64_formula_on_random_rows(scale, n, backend):
         assert ids == expected and chosen in expected
 
 
-def test_p_less_matches_the_float64_formula_on_real_logits(engine, backend):
-    tokens = engine.tokenize("The history of the river Thames begins")
+def kept_sizes_on_real_rows(engine, prompt: str, spec: str, reference) -> set[int]:
+    """Six rows of real logits, each after the chain's own choice: the kept set equals the
+    float64 reference's on each. Returns the sizes of the kept sets seen."""
+    tokens = engine.tokenize(prompt)
     sizes = set()
     for _ in range(6):
         engine.prefill(tokens)
         row = np.ctypeslib.as_array(llama_cpp.llama_get_logits_ith(engine.ctx, -1),
                                     shape=(engine.n_vocab,)).copy()
-        expected = p_less_reference(row).tolist()
-        ids, chosen = kept_by("p-less", row)
-        assert ids == expected
+        ids, chosen = kept_by(spec, row)
+        assert ids == reference(row).tolist()
         sizes.add(len(ids))
         tokens = tokens + [chosen]
-    assert len(sizes) > 1 or sizes != {1}  # not only rows where one token is kept
+    return sizes
+
+
+def test_p_less_matches_the_float64_formula_on_real_logits(engine, backend):
+    sizes = kept_sizes_on_real_rows(engine, "The history of the river Thames begins",
+                                    "p-less", p_less_reference)
+    assert max(sizes) > 1
 
 
 def test_p_less_follows_the_temperature(backend):
@@ -94,6 +101,54 @@ def test_p_less_takes_no_parameter_but_temp():
     assert str(parse_spec("p-less:temp=0.8")) == "p-less:temp=0.8"
     with pytest.raises(SpecError, match="p-less takes temp="):
         parse_spec("p-less:eps=0.1")
+
+
+# ---- top-H: the longest prefix of the top_n with E_k <= alpha E_N ----
+
+# p = [0.5, 0.3, 0.2]: -p ln p = 0.3466, 0.3612, 0.3219; E = 0.3466, 0.7078, 1.0297
+@pytest.mark.parametrize("spec,kept", [
+    ("top-h:alpha=0.4", [0]),               # bound 0.412: E_2 is above
+    ("top-h:alpha=0.68", [0]),              # bound 0.7002 < E_2 = 0.7078
+    ("top-h:alpha=0.69", [0, 1]),           # bound 0.7105 >= E_2
+    ("top-h:alpha=1", [0, 1, 2]),           # E_N <= E_N: the whole top_n
+    ("top-h:alpha=1,top_n=2", [0, 1]),      # only the top_n are considered
+    ("top-h:alpha=0.5,top_n=2", [0]),       # E_N = E_2: bound 0.3539 >= E_1 only
+])
+def test_top_h_keeps_the_prefix_whose_entropy_sum_stays_under_the_bound(spec, kept, backend):
+    logits = np.log([0.2, 0.5, 0.3])[[1, 2, 0]]  # built in order: token 0 is the likeliest
+    alpha = parse_spec(spec).params["alpha"]
+    top_n = parse_spec(spec).params["top_n"]
+    assert top_h_reference(logits, alpha, top_n).tolist() == kept
+    ids, chosen = kept_by(spec, logits)
+    assert ids == kept and chosen in kept
+
+
+@pytest.mark.parametrize("scale,n,alpha,top_n", [
+    (0.5, 3000, 0.4, 100), (2.0, 3000, 0.4, 100), (3.0, 49152, 0.6, 100),
+    (1.0, 262144, 0.4, 100), (2.0, 5000, 0.3, 2000), (4.0, 50, 0.9, 100)])
+def test_top_h_matches_the_float64_formula_on_random_rows(scale, n, alpha, top_n, backend):
+    rng = np.random.default_rng(n + top_n)
+    sizes = set()
+    for _ in range(3):
+        logits = rng.normal(0, scale, n)
+        expected = top_h_reference(logits, alpha, top_n).tolist()
+        ids, chosen = kept_by(f"top-h:alpha={alpha},top_n={top_n}", logits)
+        assert ids == expected and chosen in expected
+        sizes.add(len(ids))
+    assert max(sizes) > 1
+
+
+def test_top_h_matches_the_float64_formula_on_real_logits(engine, backend):
+    sizes = kept_sizes_on_real_rows(engine, "The three laws of thermodynamics say that",
+                                    "top-h", lambda row: top_h_reference(row, 0.4, 100))
+    assert max(sizes) > 1
+
+
+def test_top_h_checks_its_range():
+    with pytest.raises(SpecError, match=r"`alpha` has to be in \(0, 1\], but is 0"):
+        parse_spec("top-h:alpha=0")
+    with pytest.raises(SpecError, match=r"`top_n` has to be an integer in \[1, "):
+        parse_spec("top-h:top_n=0")
 
 
 # ---- adaptive-p: llama.cpp's own ----
@@ -158,8 +213,8 @@ def test_top_n_sigma_keeps_the_logits_within_n_deviations_of_the_top():
 
 # ---- end to end ----
 
-@pytest.mark.parametrize("spec", ["p-less:temp=1.2", "adaptive-p:target=0.3",
-                                  "top-n-sigma:n=1,temp=1.5"])
+@pytest.mark.parametrize("spec", ["p-less:temp=1.2", "top-h:alpha=0.5,temp=1.3",
+                                  "adaptive-p:target=0.3", "top-n-sigma:n=1,temp=1.5"])
 def test_each_rival_generates_and_repeats_its_text_for_a_seed(engine, spec):
     first = engine.generate("Once upon a time", sampler=spec, max_tokens=24, seed=4)
     again = engine.generate("Once upon a time", sampler=spec, max_tokens=24, seed=4)

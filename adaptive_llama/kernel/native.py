@@ -69,6 +69,8 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.al_eta_sampler_new.argtypes = [dbl]
     lib.al_pless_sampler_new.restype = vp
     lib.al_pless_sampler_new.argtypes = []
+    lib.al_toph_sampler_new.restype = vp
+    lib.al_toph_sampler_new.argtypes = [dbl, ctypes.c_size_t]
     lib.al_adaptive_sample_row.restype = ctypes.c_int32
     lib.al_adaptive_sample_row.argtypes = [vp, vp, sz, ctypes.c_float]
     lib.al_greedy_row.restype = ctypes.c_int32

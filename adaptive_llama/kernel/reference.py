@@ -62,3 +62,18 @@ def p_less_reference(logits) -> np.ndarray:
     p = np.exp(x - x.max())
     p /= p.sum()
     return np.flatnonzero(p >= np.sum(p * p))
+
+
+def top_h_reference(logits, alpha: float, top_n: int) -> np.ndarray:
+    """The tokens top-H keeps (Potraghloo et al., 2025; native/adaptive.c says more), in
+    float64: of the N = min(top_n, V) likeliest (ties: the earlier token first), the longest
+    prefix, at least one token, with E_k = -sum_{i<=k} p_i ln p_i <= alpha E_N."""
+    x = np.asarray(logits, dtype=np.float64)
+    p = np.exp(x - x.max())
+    p /= p.sum()
+    order = np.argsort(-p, kind="stable")[:min(top_n, p.shape[0])]
+    head = p[order]
+    with np.errstate(divide="ignore", invalid="ignore"):
+        E = np.cumsum(np.where(head > 0, -head * np.log(head), 0.0))
+    k = max(1, int(np.count_nonzero(E <= alpha * E[-1])))
+    return np.sort(order[:k])

@@ -121,6 +121,9 @@ class _CSamplers:
     def p_less(self, n_vocab) -> int:
         return self.lib.al_pless_sampler_new()
 
+    def top_h(self, alpha, top_n, n_vocab) -> int:
+        return self.lib.al_toph_sampler_new(alpha, top_n)
+
     @property
     def adaptive_row(self):
         return self.lib.al_adaptive_sample_row
@@ -142,13 +145,14 @@ class _NumbaSamplers:
         self.stats = numba_samplers.adaptive_sampler_stats
         self.eta = numba_samplers.eta_sampler_new
         self.p_less = numba_samplers.pless_sampler_new
+        self.top_h = numba_samplers.toph_sampler_new
         self.adaptive_row = numba_samplers.adaptive_sample_row
         self.greedy_row = numba_samplers.greedy_row
 
 
 @functools.cache
 def in_chain_samplers():
-    """The adaptive, eta and p-less sampler makers of :data:`kernel.BACKEND`."""
+    """The adaptive, eta, p-less and top-H sampler makers of :data:`kernel.BACKEND`."""
     return _CSamplers() if kernel.BACKEND == "c" else _NumbaSamplers()
 
 
@@ -284,6 +288,9 @@ class SamplerChain:
 
     def p_less(self) -> None:
         self._add_native(in_chain_samplers().p_less(self._n_vocab))
+
+    def top_h(self, alpha: float, top_n: int) -> None:
+        self._add_native(in_chain_samplers().top_h(alpha, top_n, self._n_vocab))
 
     def adaptive(self, epsilon: float, uniform: bool) -> None:
         samplers = in_chain_samplers()

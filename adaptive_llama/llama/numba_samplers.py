@@ -1,5 +1,5 @@
-"""The adaptive, eta and p-less samplers for llama.cpp's chain, in numba: the fallback of the
-C ones.
+"""The adaptive, eta, p-less and top-H samplers for llama.cpp's chain, in numba: the fallback
+of the C ones.
 
 When the C library is missing (a prebuilt llama-cpp-python wheel on a machine without a C
 compiler) or ``ADAPTIVE_LLAMA_IMPL=numba`` asks for it, these are the samplers
@@ -36,7 +36,7 @@ STATE = np.dtype([
     ("conf", np.float64), ("p_chosen", np.float64), ("n_tokens", np.int64),
     ("n_fallbacks", np.int64),
     ("eps", np.float64), ("uniform", np.int64), ("seed", np.uint64), ("rng", np.uint64),
-    ("record", np.int64), ("cap", np.int64),
+    ("record", np.int64), ("cap", np.int64), ("top_n", np.int64),
     # buffer addresses (numpy arrays this module keeps alive)
     ("x", np.int64), ("w", np.int64), ("cand", np.int64), ("exact", np.int64),
     ("tail", np.int64), ("flags", np.int64), ("kept", np.int64),
@@ -359,6 +359,81 @@ def _pless_apply(smpl, cur_p):
     _keep_passing(cur_p, rows, x, m, w, np.float32(_sum_squares(w) / S), True)
 
 
+@njit(inline="always", error_model="numpy")
+def _before(wa, ia, wb, ib):
+    """a before b: the larger weight, of equal weights the smaller position."""
+    return wa > wb or (wa == wb and ia < ib)
+
+
+@njit(cache=True, error_model="numpy")
+def _sift_down(hw, hi, n, i):
+    while True:
+        left, right, last = 2 * i + 1, 2 * i + 2, i
+        if left < n and _before(hw[last], hi[last], hw[left], hi[left]):
+            last = left
+        if right < n and _before(hw[last], hi[last], hw[right], hi[right]):
+            last = right
+        if last == i:
+            return
+        hw[i], hw[last] = hw[last], hw[i]
+        hi[i], hi[last] = hi[last], hi[i]
+        i = last
+
+
+@njit(cache=True, error_model="numpy")
+def _likeliest(w, want, hw, hi):
+    """The ``want`` likeliest positions of w, in order, into hi (their weights in hw): a
+    heap of the best so far (native/adaptive.c likeliest). Returns how many."""
+    size = 0
+    for i in range(w.shape[0]):
+        v = np.float64(w[i])
+        if size < want:
+            hw[size], hi[size] = v, i
+            size += 1
+            if size == want:
+                for j in range(want // 2 - 1, -1, -1):
+                    _sift_down(hw, hi, want, j)
+        elif _before(v, i, hw[0], hi[0]):
+            hw[0], hi[0] = v, i
+            _sift_down(hw, hi, want, 0)
+    if size < want:
+        for j in range(size // 2 - 1, -1, -1):
+            _sift_down(hw, hi, size, j)
+    for end in range(size, 1, -1):
+        hw[0], hw[end - 1] = hw[end - 1], hw[0]
+        hi[0], hi[end - 1] = hi[end - 1], hi[0]
+        _sift_down(hw, hi, end - 1, 0)
+    return size
+
+
+@cfunc(types.void(types.voidptr, types.voidptr), cache=True, error_model="numpy")
+def _toph_apply(smpl, cur_p):
+    """Top-H (Potraghloo et al., 2025), as native/adaptive.c toph_apply: of the top_n
+    likeliest, keep the longest prefix with E_k <= alpha E_N, E_k = -sum_{i<=k} p_i ln p_i."""
+    rows, x, m, w, S, _ = _row_weights(smpl, cur_p, True)
+    if x.shape[0] == 0:
+        return
+    s = _state_of(smpl)[0]
+    n = x.shape[0]
+    hw = carray(_pointer(s.exact), n, np.float64)
+    hi = carray(_pointer(s.cand), n, np.int64)
+    N = _likeliest(w, min(s.top_n, n), hw, hi)
+    E = carray(_pointer(s.tail), n + 1, np.float64)
+    e = 0.0
+    for i in range(N):
+        p = math.exp(np.float64(x[hi[i]]) - np.float64(m)) / S
+        e += -p * math.log(p) if p > 0.0 else 0.0
+        E[i] = e
+    bound = s.eps * E[N - 1]
+    k = 1
+    while k < N and E[k] <= bound:
+        k += 1
+    _move_to_front(rows, hi, k, carray(_pointer(s.kept), (n, 3), np.int32),
+                   carray(_pointer(s.flags), n, np.uint8))
+    carray(cur_p, 3, np.int64)[1] = k
+    carray(cur_p, 32, np.uint8)[_SORTED_OFFSET] = 0
+
+
 # ---- creation, clone, free: rare, in Python ----
 
 _NAME_HOOK = ctypes.CFUNCTYPE(ctypes.c_void_p, ctypes.c_void_p)
@@ -457,6 +532,7 @@ def _kind(name: str) -> _Kind:
             _kinds["adaptive"] = _Kind(b"adaptive", _adaptive_apply, _adaptive_reset)
             _kinds["eta"] = _Kind(b"eta", _eta_apply)
             _kinds["p-less"] = _Kind(b"p-less", _pless_apply)
+            _kinds["top-h"] = _Kind(b"top-h", _toph_apply)
         return _kinds[name]
 
 
@@ -479,6 +555,11 @@ def eta_sampler_new(eps: float, n_vocab: int) -> int:
 
 def pless_sampler_new(n_vocab: int) -> int:
     return _kind("p-less").create(_new_state(n_vocab))
+
+
+def toph_sampler_new(alpha: float, top_n: int, n_vocab: int) -> int:
+    """Top-H: its alpha is kept where the others keep epsilon."""
+    return _kind("top-h").create(_new_state(n_vocab, eps=alpha, top_n=top_n))
 
 
 # The row samplers as ctypes calls, which let go of the GIL as the C library's do.
