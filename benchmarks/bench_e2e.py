@@ -37,7 +37,8 @@ from adaptive_llama.kernel import adaptive_k_reference
 from adaptive_llama.llama.chain import SamplerChain
 from adaptive_llama.runtime.threads import default_threads
 
-SAMPLERS = ["greedy", "adaptive:eps=0.0005", "min-p:p=0.05", "top-p:p=0.95", "eta:eps=0.0009"]
+SAMPLERS = ["greedy", "adaptive:eps=0.0005", "min-p:p=0.05", "top-p:p=0.95", "eta:eps=0.0009",
+            "p-less", "top-h:alpha=0.4", "adaptive-p:target=0.5", "top-n-sigma:n=1"]
 NAIVE = "naive_python_adaptive:eps=0.0005"
 BARE = "bare_llama_decode_loop_argmax"
 # create_completion keyword arguments for each llama-cpp-python configuration.

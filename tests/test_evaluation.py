@@ -430,7 +430,9 @@ def test_gsm8k_loads_numeric_answers():
 
 def test_gsm8k_runs_greedy_once_and_each_sampling_method_at_each_temperature():
     specs = tasks.gsm8k_specs()
-    assert specs.count("greedy") == 1 and len(specs) == 1 + 3 * len(tasks.GSM8K_TEMPERATURES)
+    sampling = len(tasks.GSM8K_SPECS) - 1
+    assert specs.count("greedy") == 1
+    assert len(specs) == 1 + sampling * len(tasks.GSM8K_TEMPERATURES)
     assert "min-p:p=0.1,temp=1.5" in specs and "top-p:p=0.95,temp=0.7" in specs
     # The report: one row per method, one column per temperature, greedy only at T = 1.
     results = {"prompt": "", "n": 4, "max_tokens": 8}
@@ -438,7 +440,8 @@ def test_gsm8k_runs_greedy_once_and_each_sampling_method_at_each_temperature():
         results[spec] = {"accuracy": (i / 100, 0.01), "cut_off": i / 10,
                          "temperature": parse_spec(spec).temp}
     table = report.gsm8k_table(results)
-    assert table[0] == "| sampler | T = 0.7 | T = 1 | T = 1.5 |" and len(table) == 2 + 4
+    assert table[0] == "| sampler | T = 0.7 | T = 1 | T = 1.5 |"
+    assert len(table) == 2 + len(tasks.GSM8K_SPECS)
     assert table[3] == ("| `top-p:p=0.95` | 1.0 ± 1.0 % (10 % cut off) | 2.0 ± 1.0 % "
                         "(20 % cut off) | 3.0 ± 1.0 % (30 % cut off) |")
 
@@ -600,8 +603,9 @@ def test_gsm8k_runs_extra_samplers_and_pairs_them_with_the_usual_adaptive():
     extra = ("adaptive:eps=0.005,temp=1.5", "adaptive:temp=1.5,eps=0.001",
              "min-p:p=0.1,temp=1.5")  # the last is one of GSM8K's own: not run twice
     specs = tasks.gsm8k_specs(extra)
-    assert specs[:10] == tasks.gsm8k_specs()
-    assert specs[10:] == ["adaptive:eps=0.005,mode=multinomial,temp=1.5",
+    usual = len(tasks.gsm8k_specs())
+    assert specs[:usual] == tasks.gsm8k_specs()
+    assert specs[usual:] == ["adaptive:eps=0.005,mode=multinomial,temp=1.5",
                           "adaptive:eps=0.001,mode=multinomial,temp=1.5"]
     n = 40
     correct_of = {
@@ -700,7 +704,7 @@ def test_eval_end_to_end_on_the_bundled_model_and_resume(tmp_path, smollm2_path)
         assert (out / name).stat().st_size > 0
     assert report["texts_per_s"] > 0 and report["generated_texts"] > 0
     assert report["pending"] == [] and "Interim report" not in (out / "results.md").read_text()
-    # Adaptive against the 7 others, every metric, Holm across methods, a verdict each.
+    # Adaptive against every other method, every metric, Holm across them, a verdict each.
     paired = report["open_ended"]["file"]["paired"]
     assert set(paired["against"]) == set(tasks.GRIDS) - {"adaptive"}
     for row in paired["against"].values():
@@ -709,10 +713,13 @@ def test_eval_end_to_end_on_the_bundled_model_and_resume(tmp_path, smollm2_path)
             assert cell["ci"][0] <= cell["diff"] <= cell["ci"][1] and cell["p"] <= cell["p_holm"]
             assert cell["verdict"] in ("better", "worse", "not distinguishable")
     markdown = (out / "results.md").read_text()
-    # 7 sentences at T = 1, 3 at each of the 3 temperatures
-    assert markdown.count("Against ") == 7 + 3 * 3 and "adaptive is" in markdown
+    # a sentence for each other method at T = 1, one for each other temperature method at
+    # each of the 3 temperatures
+    others = len(tasks.GRIDS) - 1
+    hot = len(tasks.TEMPERATURE_METHODS) - 1
+    assert markdown.count("Against ") == others + hot * 3 and "adaptive is" in markdown
     study = report["open_ended"]["file"]["temperatures"]
-    assert set(study) == {"top-p", "min-p", "eta", "adaptive"}
+    assert set(study) == set(tasks.TEMPERATURE_METHODS)
     assert set(study["adaptive"]) == {"0.7", "1.0", "1.5"}
     assert "temp=1.5" in study["adaptive"]["1.5"]["spec"]
     assert study["adaptive"]["1.0"]["spec"] == methods["adaptive"]["spec"]
@@ -722,15 +729,16 @@ def test_eval_end_to_end_on_the_bundled_model_and_resume(tmp_path, smollm2_path)
     for temp, at in by_temp.items():
         assert at["adaptive"] == study["adaptive"][temp]["spec"]
         assert {m: row["spec"] for m, row in at["against"].items()} == {
-            m: study[m][temp]["spec"] for m in ("top-p", "min-p", "eta")}
+            m: study[m][temp]["spec"] for m in tasks.TEMPERATURE_METHODS if m != "adaptive"}
         for row in at["against"].values():
             assert set(row) - {"spec"} == set(tasks.PAIRED_METRICS)
     assert markdown.count("At T = ") == 3
-    # 7 sampling methods x 3 prompts x 2 samples + greedy x 3 + ablation 8 x 3
-    # + 4 methods x 2 temperatures x 3 prompts (T = 1 is the tuned texts: none generated)
+    # the sampling methods x 3 prompts x 2 samples + greedy x 3 + ablation 8 x 3 + the
+    # temperature methods x 2 temperatures x 3 prompts (T = 1 is the tuned texts: none made)
     cache = out / "generations.jsonl"
     lines = cache.read_text().splitlines()
-    assert len(lines) == 7 * 3 * 2 + 3 + 8 * 3 + 4 * 2 * 3
+    sampling = len(tasks.GRIDS) - 1
+    assert len(lines) == sampling * 3 * 2 + 3 + 8 * 3 + len(tasks.TEMPERATURE_METHODS) * 2 * 3
 
     scores = (out / "scores.jsonl").read_text()
     assert '"key": "mauve|' in scores and '"key": "paired_mauve_permutation|' in scores

@@ -21,6 +21,14 @@ GRIDS = {
     "eta": ["eta:eps=0.0009", "eta:eps=0.0003", "eta:eps=0.002", "eta:eps=0.004"],
     "adaptive": ["adaptive:eps=0.0005", "adaptive:eps=0.0001", "adaptive:eps=0.001",
                  "adaptive:eps=0.005"],
+    # Today's rivals: p-less has no parameter to tune (its point), the others four values
+    # around their authors' defaults.
+    "p-less": ["p-less"],
+    "top-h": ["top-h:alpha=0.4", "top-h:alpha=0.2", "top-h:alpha=0.3", "top-h:alpha=0.6"],
+    "top-n-sigma": ["top-n-sigma:n=1", "top-n-sigma:n=0.5", "top-n-sigma:n=1.5",
+                    "top-n-sigma:n=2"],
+    "adaptive-p": ["adaptive-p:target=0.5", "adaptive-p:target=0.3", "adaptive-p:target=0.7",
+                   "adaptive-p:target=0.9"],
 }
 
 TASKS = ("wiki", "stories", "ablation", "penalties", "latency", "gsm8k")

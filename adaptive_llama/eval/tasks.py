@@ -56,10 +56,12 @@ class Runner(Protocol):
 PAIRED_METRICS = {"rep2": False, "rep3": False, "rep4": False, "diversity": True,
                   "coherence": True, "mauve": True}
 # The methods the temperature study runs (the min-p paper's claim is about these).
-TEMPERATURE_METHODS = ("top-p", "min-p", "eta", "adaptive")
+TEMPERATURE_METHODS = ("top-p", "min-p", "eta", "adaptive", "p-less", "top-h", "top-n-sigma",
+                       "adaptive-p")
 ABLATION_EPS = (0.001, 0.005, 0.01, 0.02)
 # GSM8K: greedy once (temperature does not change it), the sampling methods at each temperature.
-GSM8K_SPECS = ("greedy", "top-p:p=0.95", "min-p:p=0.1", "adaptive:eps=0.0005")
+GSM8K_SPECS = ("greedy", "top-p:p=0.95", "min-p:p=0.1", "adaptive:eps=0.0005", "p-less",
+               "top-h:alpha=0.4", "top-n-sigma:n=1", "adaptive-p:target=0.5")
 GSM8K_TEMPERATURES = (0.7, 1.0, 1.5)
 
 
