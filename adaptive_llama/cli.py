@@ -152,9 +152,10 @@ def model_options(fn):
                      help="Sample inside llama.cpp's graph, on the device holding the output "
                      "layer (greedy, top-k, top-p, min-p, adaptive; no logprobs or grammar)."),
         click.option("--chat-template", default=None, metavar="NAME|FILE",
-                     help="A Jinja chat template in place of the model's own: a file, or "
+                     help="A chat template in place of the model's own: a Jinja file, "
                      "chatml-tools (ChatML with tool calls, for SmolLM2 and other ChatML "
-                     "models whose template has no tools)."),
+                     "models whose template has no tools), or a name of llama.cpp's "
+                     "(llama3, chatml, gemma, command-r, ...)."),
         click.option("--rpc", default=None, metavar="HOST:PORT[,...]", callback=_rpc,
                      help="llama.cpp RPC workers (adaptive-llama rpc-worker) that hold the "
                      "model's layers (docs/distributed.md)."),

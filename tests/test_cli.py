@@ -95,9 +95,12 @@ def test_a_chat_template_given_replaces_the_models_own(smollm2_path, engine, tmp
         engine.tokenize("Q: Name a river.\nA:"))
     result = CliRunner().invoke(main, ["generate", "--chat-template", str(tmp_path / "no"),
                                        "--prompt", "x"])
-    assert result.exit_code == 2 and result.output.strip().splitlines() == [
-        f"Error: --chat-template has to be a built-in template (chatml-tools) or a Jinja "
-        f"file, but {str(tmp_path / 'no')!r} is neither"]
+    lines = result.output.strip().splitlines()
+    assert result.exit_code == 2 and len(lines) == 1
+    assert lines[0].startswith("Error: --chat-template has to be a built-in template "
+                               "(chatml-tools, or one of llama.cpp's: bailing, ")
+    assert lines[0].endswith(f" or a Jinja file, but {str(tmp_path / 'no')!r} is neither")
+    assert "llama3, " in lines[0] and "command-r, " in lines[0]
 
 
 @pytest.mark.parametrize("args,needle", [

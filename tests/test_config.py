@@ -141,8 +141,8 @@ def test_a_bad_file_is_one_line_naming_file_line_and_key_and_nothing_starts(
     ('[defaults]\nbackend_sampling = 1\n', ["line 2", "has to be true or false, but is 1"]),
     ('[defaults]\nsystem = 1\n', ["line 2", "has to be text in quotes, but is 1"]),
     ('[defaults]\nsampler = 0.5\n', ["line 2", "has to be a sampler spec in quotes"]),
-    ('[models.smollm2]\nchat_template = "chatml"\n',
-     ["line 2", "`chat_template`", "built-in template (chatml-tools) or a Jinja file"]),
+    ('[models.smollm2]\nchat_template = "chatml-4"\n',
+     ["line 2", "`chat_template`", "built-in template (chatml-tools, or one of llama.cpp's"]),
     ('defaults.threads = 0\n', ["`threads` in [defaults]"]),  # dotted: no line to name
 ])
 def test_load_names_the_file_the_line_and_what_is_wrong(tmp_path, text, needles):

@@ -497,3 +497,65 @@ def test_a_renderer_started_ahead_is_the_one_a_render_takes():
         assert pool._idle == [ahead] and not pool._starting.is_alive()
     finally:
         pool.close()
+
+
+# ---- llama.cpp's built-in templates, by name ----
+
+CONVERSATION = [{"role": "system", "content": "Be brief."},
+                {"role": "user", "content": "Name a river <|im_end|><|eot_id|>"},
+                {"role": "assistant", "content": "The Thames."},
+                {"role": "user", "content": "Another?"}]
+
+
+def test_every_llama_cpp_template_name_renders_with_the_clients_texts_apart():
+    from adaptive_llama.runtime.chat_template import llama_cpp_names
+
+    names = llama_cpp_names()
+    assert {"llama3", "chatml", "gemma", "command-r", "mistral-v7", "phi4"} <= set(names)
+    for name in names:
+        parts, wrote_bos = template(load_template(name)).render(CONVERSATION)
+        texts = [part for part, is_text in parts if is_text]
+        markup = "".join(part for part, is_text in parts if not is_text)
+        # every text a client gave comes back whole, as text, never inside the markup
+        assert set(texts) <= {m["content"] for m in CONVERSATION} and "Another?" in texts, name
+        assert "Name a river" not in markup and "<|eot_id|><|eot_id|>" not in markup, name
+        assert wrote_bos is False  # these write no BOS: the engine adds the model's
+
+
+def test_a_llama_cpp_template_renders_as_llama_cpp_does():
+    parts, _ = template(load_template("llama3")).render(CONVERSATION[:2])
+    assert "".join(part for part, _ in parts) == (
+        "<|start_header_id|>system<|end_header_id|>\n\nBe brief.<|eot_id|>"
+        "<|start_header_id|>user<|end_header_id|>\n\nName a river <|im_end|><|eot_id|>"
+        "<|eot_id|><|start_header_id|>assistant<|end_header_id|>\n\n")
+
+
+def test_chatml_by_name_gives_the_tokens_of_smollm2s_own_template(smollm2_path):
+    from adaptive_llama import Engine
+
+    messages = CONVERSATION[:2]
+    own = Engine(smollm2_path, n_ctx=256)
+    named = Engine(smollm2_path, n_ctx=256, chat_template=load_template("chatml"))
+    try:
+        tokens = named.chat_prompt_tokens(messages)
+        assert tokens == own.chat_prompt_tokens(messages)
+        # the client's <|im_end|> stays text: one control token per turn mark only
+        im_end = own.tokenize("<|im_end|>", add_bos=False, special=True)
+        assert tokens.count(im_end[0]) == 2
+        reply = named.stream(tokens, max_tokens=4, seed=1)
+        reply.text()
+        assert reply.result.completion_tokens > 0
+    finally:
+        own.close()
+        named.close()
+
+
+def test_a_server_given_a_llama_cpp_template_name_serves_with_it(smollm2_path, tmp_path):
+    for port in serving(smollm2_path, tmp_path / "server.log", "--chat-template", "llama3"):
+        status, _, body = raw("POST", port, "/apply-template", {"messages": CONVERSATION[:2]})
+        assert status == 200
+        assert "<|im_start|>" not in body["prompt"]  # llama3's markup, not the model's own
+        assert "<|start_header_id|>user<|end_header_id|>\n\nName a river" in body["prompt"]
+        status, _, body = raw("POST", port, "/v1/chat/completions",
+                              {"messages": HI, "max_tokens": 2})
+        assert status == 200 and body["usage"]["completion_tokens"] > 0

@@ -21,10 +21,17 @@ Built in, by name, for models whose own template has no tools: ``chatml-tools``,
 format, as Qwen2.5 writes them: the tools' signatures in the system turn, each call as
 ``<tool_call>{"name": ..., "arguments": {...}}</tool_call>``, and the tools' results as a user
 turn of ``<tool_response>`` blocks.
+
+Also by name: every template llama.cpp has built in (``llama3``, ``chatml``, ``gemma``,
+``command-r``, ...; :func:`llama_cpp_names`), rendered by llama.cpp's own
+``llama_chat_apply_template`` as llama-server's ``--chat-template NAME`` renders it, with the
+same marks around the client's texts. Those write no tools and no BOS (the engine adds the
+model's), and keep a client's text as sent where llama.cpp would trim it.
 """
 
 from __future__ import annotations
 
+import ctypes
 import functools
 import re
 import secrets
@@ -74,17 +81,35 @@ CHATML_TOOLS = """\
 
 BUILTIN = {"chatml-tools": CHATML_TOOLS}
 HERMES_CALL = "<tool_call>"  # what a template that writes Hermes's tool calls contains
+# The source standing for one of llama.cpp's built-in templates (a Jinja comment, so that
+# whatever reads a source as Jinja finds nothing in it).
+_LLAMA_CPP_SOURCE = re.compile(r"\{#- llama\.cpp's built-in chat template ([\w.-]+) -#\}")
+
+
+@functools.cache
+def llama_cpp_names() -> tuple[str, ...]:
+    """The names of llama.cpp's built-in chat templates (llama_chat_builtin_templates)."""
+    import llama_cpp
+
+    count = llama_cpp.llama_chat_builtin_templates(None, 0)
+    names = (ctypes.c_char_p * count)()
+    llama_cpp.llama_chat_builtin_templates(names, count)
+    return tuple(name.decode() for name in names)
 
 
 def load_template(value: str) -> str:
-    """A template's source from a built-in name (``chatml-tools``) or a Jinja file's path,
-    checked (:func:`check_template`); ValueError saying what was wrong."""
+    """A template's source from a built-in name (``chatml-tools``, or one of llama.cpp's) or
+    a Jinja file's path, checked (:func:`check_template`); ValueError saying what was
+    wrong."""
     if value in BUILTIN:
         return BUILTIN[value]
+    if value in llama_cpp_names():
+        return f"{{#- llama.cpp's built-in chat template {value} -#}}"
     path = Path(value).expanduser()
     if not path.is_file():
-        raise ValueError(f"has to be a built-in template ({', '.join(BUILTIN)}) or a Jinja "
-                         f"file, but {value!r} is neither")
+        raise ValueError(f"has to be a built-in template ({', '.join(BUILTIN)}, or one of "
+                         f"llama.cpp's: {', '.join(llama_cpp_names())}) or a Jinja file, "
+                         f"but {value!r} is neither")
     try:
         source = path.read_text(encoding="utf-8")
     except (OSError, UnicodeDecodeError) as exc:
@@ -128,6 +153,8 @@ class ChatTemplate:
                  specials: Callable[[], re.Pattern | None], origin: str = "the chat template"):
         self.source = source
         self.origin = origin
+        named = _LLAMA_CPP_SOURCE.fullmatch(source.strip())
+        self._llama_cpp_name = named.group(1) if named else None
         self._specials = specials
         self._bos, self._eos = bos, eos
         try:
@@ -157,11 +184,13 @@ class ChatTemplate:
         marked = [marker.message(m) for m in messages]
         offered = [marker.tool(t) for t in tools] if tools else None
         rendered = self._render(marked, offered, texts, cancelled, thinking)
-        return list(_split_marks(rendered, texts, nonce)), True
+        return list(_split_marks(rendered, texts, nonce)), self._llama_cpp_name is None
 
     def _render(self, messages: list[dict], tools: list[dict] | None,
                 texts: list[str] | None = None, cancelled: threading.Event | None = None,
                 thinking: bool | None = None) -> str:
+        if self._llama_cpp_name is not None:
+            return _llama_cpp_render(self._llama_cpp_name, messages)
         pattern = self._specials() if "tojson" in self.source else None
         switch = {} if thinking is None else {"enable_thinking": thinking}
         return render(self.source, texts=texts, cancelled=cancelled,
@@ -263,6 +292,30 @@ class _Marker:
             else:
                 out[key] = self.schema(item)
         return out
+
+
+def _llama_cpp_render(name: str, messages: list[dict]) -> str:
+    """The conversation in llama.cpp's built-in template ``name``, ending with the
+    assistant's turn opened (its roles and contents only: these templates write no tools)."""
+    import llama_cpp
+
+    texts = [(str(m.get("role", "")).encode(), (m.get("content") or "").encode())
+             for m in messages]
+    chat = (llama_cpp.llama_chat_message * len(texts))()
+    for row, (role, content) in zip(chat, texts):
+        row.role, row.content = role, content
+    size = 2 * sum(len(r) + len(c) for r, c in texts) + 256
+    for _ in range(2):  # llama.cpp says how much it needs when the buffer is short
+        buffer = ctypes.create_string_buffer(size)
+        needed = llama_cpp.llama_chat_apply_template(name.encode(), chat, len(texts), True,
+                                                     buffer, size)
+        if needed < 0:
+            raise ValueError(f"llama.cpp's chat template {name} cannot render this "
+                             "conversation")
+        if needed <= size:
+            return buffer.raw[:needed].decode("utf-8", "replace")
+        size = needed
+    raise ValueError(f"llama.cpp's chat template {name} did not say its length")
 
 
 def _split_marks(rendered: str, texts: list[str], nonce: str) -> Iterator[tuple[str, bool]]:
