@@ -99,6 +99,8 @@ def slim_wheel(wheel: Path, out: Path) -> Path:
     times (two folders, three names; a 60 MB libggml-cuda for one GPU generation), plus
     headers and libmtmd. RECORD is written anew."""
     target = out / wheel.name
+    if target.resolve() == wheel.resolve():
+        raise ValueError(f"{wheel}: the slimmed wheel would overwrite it; give another folder")
     kept = []
     with zipfile.ZipFile(wheel) as src, zipfile.ZipFile(target, "w", zipfile.ZIP_DEFLATED) as dst:
         record = next(n for n in src.namelist() if n.endswith(".dist-info/RECORD"))
@@ -134,6 +136,7 @@ def build_wheel(out: Path) -> Path:
     version = _llama_version()
     env = dict(os.environ, CMAKE_ARGS=CUDA_CMAKE_ARGS,
                CMAKE_BUILD_PARALLEL_LEVEL=str(os.cpu_count() or 2))
+    out.mkdir(parents=True, exist_ok=True)
     subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-cache-dir",
                     "-w", str(out), f"llama-cpp-python=={version}"], env=env, check=True)
     return next(out.glob(f"llama_cpp_python-{version}-*.whl"))
@@ -241,7 +244,9 @@ def main(argv=None):
     staging.mkdir(parents=True)
     items: list[tuple[str, Path]] = []
     if args.wheel or args.build_wheel:
-        items.append(("llama-wheel", slim_wheel(args.wheel or build_wheel(staging), staging)))
+        # built into a folder of its own: the slimmed wheel has the same name
+        items.append(("llama-wheel", slim_wheel(args.wheel or build_wheel(staging / "built"),
+                                                staging)))
     if args.sdist:
         items.append(("llama-sdist", trimmed_sdist(args.sdist, staging)))
     if not args.dry_run:
