@@ -231,6 +231,25 @@ def test_openai_streams_the_thinking_as_reasoning_content_deltas(openai_client):
     assert order == sorted(order, reverse=True)  # all the thinking first
 
 
+def test_token_details_say_which_phase_each_token_was_in(openai_client, reasoning_server):
+    # whole, and streamed: the same phases, the thinking's tokens first
+    reply = openai_client.chat.completions.create(model=R1, messages=HI,
+                                                  extra_body={"token_details": True})
+    phases = [d["phase"] for d in reply.model_extra["token_details"]]
+    thinking = chain_tokens("<think>", "</think>")
+    assert phases == ["thinking"] * thinking + ["answer"] * (len(phases) - thinking)
+    assert len(phases) == reply.usage.completion_tokens and len(phases) > thinking
+    streamed = []
+    for chunk in openai_client.chat.completions.create(
+            model=R1, messages=HI, stream=True, extra_body={"token_details": True}):
+        streamed += [d["phase"] for d in (chunk.model_extra or {}).get("token_details", [])]
+    assert streamed == phases
+    # not a reasoning model: no phase
+    plain = openai_client.chat.completions.create(
+        model="smollm2", messages=HI, max_tokens=3, extra_body={"token_details": True})
+    assert {d["phase"] for d in plain.model_extra["token_details"]} == {None}
+
+
 def test_reasoning_format_none_keeps_the_reply_as_one_text(openai_client):
     reply = openai_client.chat.completions.create(
         model=R1, messages=HI, extra_body={"reasoning_format": "none"})

@@ -38,7 +38,7 @@ import statistics
 import time
 from concurrent import futures
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import llama_cpp
 import numpy as np
@@ -80,6 +80,7 @@ class TokenLogprob:
     text: bytes
     logprob: float
     top: tuple[tuple[int, bytes, float], ...] = ()
+    phase: str | None = None  # a reasoning reply's: "thinking" or "answer"; else None
 
 
 @dataclass
@@ -633,8 +634,13 @@ class Decoder:
         generation.seen(token, chain)
         text = generation._utf8.decode(vocab.piece(token))
         if generation.splitter is not None:
+            thought = result.reasoning_tokens
             text = self._split_thinking(generation, text, counts=True)
             generation._check_budget()
+            if request.logprobs is not None:  # the phase the token counted in
+                result.logprobs[-1] = replace(
+                    result.logprobs[-1],
+                    phase="thinking" if result.reasoning_tokens > thought else "answer")
         generation._held += text
         emit, generation._held, hit = split_stop(generation._held, request.stop)
         if emit:

@@ -12,7 +12,8 @@ Sampling: the body field ``sampler`` takes a spec (``adaptive:eps=0.001``, ``min
 Every response carries ``sampler_stats`` (the spec, and for adaptive the mean and spread of k).
 With ``token_details: true`` (an extension, which OpenAI clients ignore; the browser page asks
 for it) each chunk also carries ``token_details``: per token its text, log-probability, the
-likeliest candidates, and for adaptive its k, kept mass and entropy (:class:`TokenDetails`).
+likeliest candidates, for adaptive its k, kept mass and entropy, and for a reasoning model
+the phase it was in (:class:`TokenDetails`).
 
 Structured output: ``response_format`` ``{"type": "json_object"}`` (any JSON object) or
 ``{"type": "json_schema", "json_schema": {"name": ..., "schema": {...}}}`` constrains the reply
@@ -420,9 +421,10 @@ class _Shown:
 class TokenDetails:
     """The ``token_details`` of one reply, chunk by chunk: for each token ``text`` (the
     characters it completes, as the completions route's logprobs), ``logprob``, ``top`` (the
-    likeliest candidates in the model's distribution, ``[{"text", "p"}]``), and ``k``,
+    likeliest candidates in the model's distribution, ``[{"text", "p"}]``), ``k``,
     ``mass`` (the kept set's probability) and ``entropy`` (nats) of the adaptive choice,
-    null under other samplers and where a figure was not computed."""
+    null under other samplers and where a figure was not computed, and ``phase``
+    ("thinking" or "answer") in a reasoning model's reply, else null."""
 
     def __init__(self):
         self._decoder = codecs.getincrementaldecoder("utf-8")("replace")
@@ -437,7 +439,7 @@ class TokenDetails:
                         for _, text, lp in entry.top[:DETAIL_CANDIDATES]],
                 "k": stats.k if stats else None,
                 "mass": _number(stats.kept_mass) if stats else None,
-                "entropy": _number(stats.entropy) if stats else None}
+                "entropy": _number(stats.entropy) if stats else None, "phase": entry.phase}
 
 
 def _number(x: float) -> float | None:
