@@ -203,6 +203,42 @@ def test_a_reply_streams_in_and_the_chat_survives_a_reload(page):
     assert page.errors == []
 
 
+def test_the_question_shows_above_its_reply_while_it_streams(page):
+    page.open()
+    page.settings(max_tokens=200, sampler="greedy")
+    page.tab.fill("#input", "Write a story about a lighthouse keeper.")
+    page.tab.press("#input", "Enter")
+    wait_until(page.tab, "document.querySelector('.content.streaming')?.textContent.length > 20",
+               timeout_s=REPLY_S / 1000)
+    assert page.tab.inner_text(".message.user .content") == \
+        "Write a story about a lighthouse keeper."
+    roles = page.tab.eval_on_selector_all(".message", "ms => ms.map(m => m.className)")
+    assert roles == ["message user", "message assistant"]
+    page.tab.click("#stop")
+    page.wait_reply()
+
+
+def test_the_view_follows_a_reply_that_grows_below_the_fold_on_a_phone(browser, server):
+    context = browser.new_context(viewport={"width": 390, "height": 700}, has_touch=True,
+                                  is_mobile=True)
+    page = Page(context, server).open()
+    page.settings(max_tokens=400, sampler="greedy")
+    page.tab.fill("#input", "Write a long story about a lighthouse keeper and his dog.")
+    page.tab.press("#input", "Enter")
+    overflow = ("(() => { const m = document.getElementById('messages');"
+                " return document.querySelector('.content.streaming')"
+                " && m.scrollHeight > m.clientHeight + 300; })()")
+    wait_until(page.tab, overflow, timeout_s=REPLY_S / 1000)
+    time.sleep(0.3)  # a frame or two: the view follows once a frame
+    bottom_gap = page.tab.evaluate("(() => { const m = document.getElementById('messages');"
+                                   " return m.scrollHeight - m.scrollTop - m.clientHeight; })()")
+    streaming = page.tab.evaluate("Boolean(document.querySelector('.content.streaming'))")
+    page.tab.click("#stop")
+    page.wait_reply()
+    context.close()
+    assert streaming and bottom_gap < 120  # followed while it streamed, not at the end
+
+
 def test_enter_sends_and_shift_enter_makes_a_new_line(page):
     page.open()
     page.tab.click("#input")
@@ -281,6 +317,24 @@ def test_a_bad_setting_shows_the_servers_one_line_error_and_keeps_the_question(p
     stats = page.messages()[-1]["stats"]
     assert stats["sampler"].startswith("adaptive:eps=0.01") and "penalties:repeat=1.3" in \
         stats["sampler"]
+
+
+def test_a_question_sent_after_a_refused_one_takes_its_place(page):
+    page.open()
+    page.settings(**{"adaptive.eps": 2, "max_tokens": 4})
+    for _ in range(2):  # refused twice
+        page.tab.fill("#input", "Say hello.")
+        page.tab.press("#input", "Enter")
+        page.tab.wait_for_selector("#error", state="visible")
+        page.wait_reply()
+    assert [m["role"] for m in page.messages()] == ["user"]
+    page.settings(**{"adaptive.eps": 0.01})
+    page.requests.clear()
+    page.send("Say goodbye.")
+    sent = [json.loads(r.post_data) for r in page.requests
+            if r.url.endswith("/v1/chat/completions")]
+    assert [m["content"] for m in sent[-1]["messages"]] == ["Say goodbye."]
+    assert [m["role"] for m in page.messages()] == ["user", "assistant"]
 
 
 def test_the_model_picker_lists_the_servers_models_and_sends_the_choice(page):

@@ -292,11 +292,15 @@ function send() {
   const text = input.value;
   if (!text.trim() || state.running) return;
   const chat = currentChat();
+  // A question left unanswered (its reply was refused) gives way to the one sent now: the
+  // model never gets two questions in a row.
+  if (chat.messages[chat.messages.length - 1]?.role === "user") chat.messages.pop();
   chat.messages.push({ role: "user", content: text });
   if (chat.title === "New chat") chat.title = titleOf(chat.messages) || chat.title;
   input.value = "";
   autosize();
   renderChatList();
+  renderMessages();  // the question shows at once, above its reply as it streams
   reply();
 }
 

@@ -1,6 +1,6 @@
 // One assistant reply on the page: streamed in (each token's text or coloured span appended,
-// never the whole reply redrawn), then shown whole once it ends (markdown, or the token
-// view), with the plot of k under it.
+// never the whole reply redrawn, the view following it down), then shown whole once it ends
+// (markdown, or the token view), with the plot of k under it.
 //
 // The time spent on each streamed chunk is added to window.adaptiveLlama.render, so that a
 // benchmark (benchmarks/bench_web.py) reads the cost per token in a real browser.
@@ -43,6 +43,24 @@ export class LiveReply {
     content.replaceChildren();
     content.classList.add("streaming");
     content.classList.toggle("token-view", tokenView);
+    this.holder = content.closest("#messages");
+    this.followedHeight = this.holder ? this.holder.scrollHeight : 0;
+    this.scrollPending = false;
+  }
+
+  // Keep the growing reply in view, once a frame, unless the reader scrolled up from the
+  // bottom: the bottom seen now against the height at the last follow.
+  follow() {
+    if (this.scrollPending || !this.holder) return;
+    this.scrollPending = true;
+    requestAnimationFrame(() => {
+      this.scrollPending = false;
+      const holder = this.holder;
+      if (this.followedHeight - (holder.scrollTop + holder.clientHeight) < 48) {
+        holder.scrollTop = holder.scrollHeight;
+      }
+      this.followedHeight = holder.scrollHeight;
+    });
   }
 
   // One chunk of the stream: its text and its tokens' details.
@@ -56,6 +74,7 @@ export class LiveReply {
       if (this.tokenView) renderTokens(this.content, details, first);
     }
     if (text && !this.tokenView) this.content.append(text);
+    this.follow();
     const spent = performance.now() - started;
     renderCost.tokens += details?.length || (text ? 1 : 0);
     renderCost.ms += spent;
