@@ -499,6 +499,27 @@ def test_hostile_text_is_shown_as_text_never_run(page, tmp_path):
     assert page.tab.evaluate("window.pwned === undefined")
 
 
+def test_markdown_renders_while_the_reply_streams(page):
+    # The page's own LiveReply fed a reply in chunks, as the stream feeds it: the code block
+    # and the bold text are drawn before the reply ends, never shown as raw ``` and **.
+    page.open()
+    drawn = page.tab.evaluate(r"""async () => {
+        const { LiveReply } = await import('/web/reply.js');
+        const holder = document.getElementById('messages');
+        const content = holder.appendChild(document.createElement('div'));
+        const message = { role: 'assistant', content: '' };
+        const live = new LiveReply(content, message, false);
+        for (const piece of ['Some **bold', '** text.\n\n```py', 'thon\nx = 1\n', '```\n'])
+            live.add(piece, []);
+        await new Promise((done) => requestAnimationFrame(() => setTimeout(done, 50)));
+        return { streaming: content.classList.contains('streaming'),
+                 strong: content.querySelector('strong')?.textContent,
+                 code: content.querySelector('pre code')?.textContent,
+                 raw: content.textContent.includes('```') || content.textContent.includes('**') };
+    }""")
+    assert drawn == {"streaming": True, "strong": "bold", "code": "x = 1", "raw": False}
+
+
 def test_markdown_renders_lists_tables_and_code_blocks(page, tmp_path):
     page.open()
     text = ("# Title\n\nSome `inline` and **bold** text, see https://example.org.\n\n"

@@ -1,6 +1,6 @@
-// One assistant reply on the page: streamed in (each token's text or coloured span appended,
-// never the whole reply redrawn, the view following it down), then shown whole once it ends
-// (markdown, or the token view), with the plot of k under it.
+// One assistant reply on the page: streamed in (its markdown redrawn once a frame, or in the
+// token view each token's coloured span appended; the view following it down), then shown
+// whole once it ends, with the plot of k under it.
 //
 // The time spent on each streamed chunk is added to window.adaptiveLlama.render, so that a
 // benchmark (benchmarks/bench_web.py) reads the cost per token in a real browser.
@@ -46,6 +46,21 @@ export class LiveReply {
     this.holder = content.closest("#messages");
     this.followedHeight = this.holder ? this.holder.scrollHeight : 0;
     this.scrollPending = false;
+    this.redrawPending = false;
+  }
+
+  // The reply so far as markdown, once a frame (a chunk's text alone would show raw ``` and
+  // ** until the end); its cost goes to renderCost too.
+  redraw() {
+    if (this.redrawPending) return;
+    this.redrawPending = true;
+    requestAnimationFrame(() => {
+      this.redrawPending = false;
+      if (!this.content.classList.contains("streaming")) return;  // finish() drew it whole
+      const started = performance.now();
+      this.content.replaceChildren(renderMarkdown(this.message.content));
+      renderCost.ms += performance.now() - started;
+    });
   }
 
   // Keep the growing reply in view, once a frame, unless the reader scrolled up from the
@@ -73,7 +88,7 @@ export class LiveReply {
       message.details.push(...details);
       if (this.tokenView) renderTokens(this.content, details, first);
     }
-    if (text && !this.tokenView) this.content.append(text);
+    if (text && !this.tokenView) this.redraw();
     this.follow();
     const spent = performance.now() - started;
     renderCost.tokens += details?.length || (text ? 1 : 0);
