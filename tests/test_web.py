@@ -239,6 +239,28 @@ def test_the_view_follows_a_reply_that_grows_below_the_fold_on_a_phone(browser, 
     assert streaming and bottom_gap < 120  # followed while it streamed, not at the end
 
 
+def test_tokens_turned_on_and_off_mid_reply_keep_it_streaming(page):
+    page.open()
+    page.settings(max_tokens=300, sampler="greedy")
+    page.tab.fill("#input", "Write a long story about a lighthouse keeper.")
+    page.tab.press("#input", "Enter")
+    wait_until(page.tab, "document.querySelector('.content.streaming')?.textContent.length > 20",
+               timeout_s=REPLY_S / 1000)
+    page.tab.check("#token-view")
+    count = "document.querySelectorAll('.content.streaming .tok').length"
+    wait_until(page.tab, f"{count} > 0")
+    first = page.tab.evaluate(count)
+    wait_until(page.tab, f"{count} > {first} + 5")  # it goes on growing, as tokens
+    page.tab.uncheck("#token-view")
+    length = "document.querySelector('.content.streaming')?.textContent.length || 0"
+    shown = page.tab.evaluate(length)
+    wait_until(page.tab, f"{length} > {shown} + 20")  # and on, as text
+    assert page.tab.evaluate("document.querySelectorAll('.content.streaming .tok').length") == 0
+    page.tab.click("#stop")
+    page.wait_reply()
+    assert page.errors == []
+
+
 def test_enter_sends_and_shift_enter_makes_a_new_line(page):
     page.open()
     page.tab.click("#input")

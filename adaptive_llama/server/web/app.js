@@ -20,6 +20,7 @@ const state = {
   chat: null,
   table: [],        // the server's samplers and modifiers (/web/samplers.json)
   running: null,    // the AbortController of the reply streaming now
+  live: null,       // the LiveReply streaming now
 };
 
 const api = new Api(askKey);
@@ -244,7 +245,7 @@ function requestBody(messages, specText, seed) {
 
 // Streams one reply into `message` (shown in `content`); returns once it has ended.
 async function stream(body, message, content, controller) {
-  const live = new LiveReply(content, message, state.settings.tokenView);
+  const live = state.live = new LiveReply(content, message, state.settings.tokenView);
   try {
     for await (const chunk of api.chat(body, controller.signal)) {
       const choice = chunk.choices?.[0];
@@ -255,6 +256,7 @@ async function stream(body, message, content, controller) {
     if (error.name !== "AbortError") throw error;
     message.interrupted = true;
   } finally {
+    state.live = null;
     live.finish();
   }
 }
@@ -633,6 +635,10 @@ function wire() {
     state.settings.tokenView = $("token-view").checked;
     persist();
     renderMessages();
+    const live = state.live;  // a reply streaming: on, in its redrawn node
+    const index = live ? state.chat.messages.indexOf(live.message) : -1;
+    const node = $("messages").querySelector(`.message[data-index="${index}"] .content`);
+    if (node) live.moveTo(node, state.settings.tokenView);
   });
   $("theme").addEventListener("click", () => {
     state.settings.theme = document.documentElement.dataset.theme === "dark" ? "light" : "dark";

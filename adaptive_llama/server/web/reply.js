@@ -37,16 +37,24 @@ export function showPlot(holder, message) {
 export class LiveReply {
   // message: the {role: "assistant", content, details} object the chunks fill.
   constructor(content, message, tokenView) {
-    this.content = content;
     this.message = message;
+    this.scrollPending = false;
+    this.redrawPending = false;
+    this.moveTo(content, tokenView);
+  }
+
+  // Stream on into `content` (the page redrew the messages: Tokens turned on or off), with
+  // what came so far drawn there the new way.
+  moveTo(content, tokenView) {
+    this.content = content;
     this.tokenView = tokenView;
     content.replaceChildren();
     content.classList.add("streaming");
     content.classList.toggle("token-view", tokenView);
+    if (tokenView) renderTokens(content, this.message.details || []);
+    else if (this.message.content) this.redraw();
     this.holder = content.closest("#messages");
     this.followedHeight = this.holder ? this.holder.scrollHeight : 0;
-    this.scrollPending = false;
-    this.redrawPending = false;
   }
 
   // The reply so far as markdown, once a frame (a chunk's text alone would show raw ``` and
