@@ -450,6 +450,34 @@ def test_compare_marks_the_first_token_where_two_samplers_part(page):
 
 # ---- conversations in and out ----
 
+def test_a_stopped_reply_keeps_its_seed_and_compares_against_it(page):
+    page.open()
+    page.settings(max_tokens=300, seed="")
+    page.tab.fill("#input", "Write a long story about a lighthouse keeper.")
+    page.tab.press("#input", "Enter")
+    wait_until(page.tab, "document.querySelectorAll('.content.streaming').length && "
+               "document.querySelector('.content.streaming').textContent.length > 60",
+               timeout_s=REPLY_S / 1000)
+    page.tab.click("#stop")
+    page.wait_reply()
+    stopped = page.messages()[-1]
+    assert stopped["interrupted"] and isinstance(stopped["seed"], int)
+    meta = page.tab.inner_text(".message.assistant .meta")
+    assert f"seed {stopped['seed']}" in meta and "tokens" in meta and "adaptive" in meta
+    # the same sampler and seed on the other side: the same text as far as the stop
+    page.tab.click(".message.assistant .compare")
+    page.tab.fill("#compare-spec", stopped["spec"])
+    page.tab.click("#compare-run")
+    wait_until(page.tab, "document.querySelector('.verdict')?.textContent !== 'Comparing…'",
+               timeout_s=REPLY_S / 1000)
+    titles = page.tab.eval_on_selector_all(".column-title", "ts => ts.map(t => t.textContent)")
+    assert all(t.endswith(f"seed {stopped['seed']}") for t in titles) and len(titles) == 2
+    verdict = page.tab.inner_text(".verdict")
+    assert verdict != "They part at token 1."
+    at = int(page.tab.get_attribute(".verdict", "data-at") or -1)
+    assert at == -1 or at >= len(stopped["details"]) - 1  # they part only where it stopped
+
+
 def test_export_writes_the_repls_save_file_and_import_reads_it_back(page, tmp_path):
     page.open()
     page.settings(seed=4, max_tokens=12, system="Answer briefly.")

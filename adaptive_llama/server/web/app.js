@@ -191,16 +191,29 @@ function messageNode(message, index) {
   return node;
 }
 
+// What a reply was made with and what it cost; a stopped reply (no stats came) still says
+// its tokens, sampler and seed, which the page sent.
 function metaLine(message) {
   const s = message.stats || {};
   const parts = [];
+  const tokens = s.completion_tokens ?? message.details?.length;
   if (message.interrupted) parts.push("stopped");
-  if (s.completion_tokens != null) parts.push(`${s.completion_tokens} tokens`);
+  if (tokens != null) parts.push(`${tokens} tokens`);
   if (s.decode_tokens_per_s) parts.push(`${s.decode_tokens_per_s.toFixed(1)} tok/s`);
   if (s.mean_k != null) parts.push(`mean k ${s.mean_k.toFixed(1)}`);
-  if (s.sampler) parts.push(s.sampler);
-  if (s.seed != null) parts.push(`seed ${s.seed}`);
+  if (s.sampler || message.spec) parts.push(s.sampler || message.spec);
+  if (seedOf(message) != null) parts.push(`seed ${seedOf(message)}`);
   return el("div", "meta", parts.join(" · "));
+}
+
+function seedOf(message) {
+  return message.stats?.seed ?? message.seed;
+}
+
+// A seed of the page's own when the settings give none: every reply is sent with one, so
+// that a stopped reply can be compared or made again.
+function freshSeed() {
+  return crypto.getRandomValues(new Uint32Array(1))[0];
 }
 
 function actions(message, index) {
@@ -264,7 +277,9 @@ async function stream(body, message, content, controller) {
 async function reply() {
   const chat = currentChat();
   chat.model = state.settings.model;
-  const message = { role: "assistant", content: "", spec: spec() };
+  const given = state.settings.seed;
+  const seed = given === "" || given == null ? freshSeed() : Number(given);
+  const message = { role: "assistant", content: "", spec: spec(), seed };
   chat.messages.push(message);
   const index = chat.messages.length - 1;
   const node = messageNode(message, index);
@@ -275,7 +290,7 @@ async function reply() {
   setRunning(controller);
   showError("");
   try {
-    await stream(requestBody(chat.messages.slice(0, -1), message.spec, state.settings.seed),
+    await stream(requestBody(chat.messages.slice(0, -1), message.spec, seed),
       message, node.querySelector(".content"), controller);
   } catch (error) {
     showError(error.message);
@@ -360,7 +375,8 @@ async function runCompare() {
   const index = Number(dialog.dataset.index);
   const original = state.chat.messages[index];
   const other = $("compare-spec").value.trim();
-  const seed = original.stats?.seed ?? state.settings.seed;
+  const known = seedOf(original);  // none for a reply imported without one
+  const seed = known ?? freshSeed();
   const history = state.chat.messages.slice(0, index);
   const node = $("messages").querySelector(`.message[data-index="${index}"]`);
   node.querySelector(".comparison")?.remove();
@@ -381,7 +397,7 @@ async function runCompare() {
   state.settings.tokenView = true;  // both sides as tokens, for the mark where they part
   try {
     let a = original;
-    if (!original.details) {  // an imported reply: made again, same sampler, same seed
+    if (!original.details || known == null) {  // made again, same sampler, this seed
       a = { role: "assistant", content: "", details: [] };
       left.details = a.details;
       await stream(requestBody(history, original.spec || spec(), seed), a, left, controller);
