@@ -94,14 +94,17 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=7)
     parser.add_argument("--calls", type=int, default=200)
+    parser.add_argument("--model", action="append", default=None,
+                        help="a GGUF file to time instead of the bundled models (repeatable)")
+    parser.add_argument("--n-gpu-layers", type=int, default=0)
     args = parser.parse_args()
     results = {}
-    for name in MODELS:
-        if not BUNDLED[name].installed():
+    for name in args.model or MODELS:
+        if args.model is None and not BUNDLED[name].installed():
             print(f"{name}: not installed, skipped", file=sys.stderr)
             continue
         print(f"{name}: timing", file=sys.stderr, flush=True)
-        engine = Engine(name, n_ctx=256)
+        engine = Engine(name, n_ctx=256, n_gpu_layers=args.n_gpu_layers)
         try:
             results[name] = {"vocab": engine.n_vocab, **measure(engine, args.rounds, args.calls)}
         finally:

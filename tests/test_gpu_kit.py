@@ -91,6 +91,18 @@ def test_every_step_runs_on_the_cpu_and_writes_its_figures(dry_run):
     assert steps["huge_context"]["returncode"] == 1
     assert "could not create a context of 10000000 tokens" in steps["huge_context"]["last_line"]
     assert steps["bench_gemma3-270m"] == {"skipped": "the model gemma3-270m has not come"}
+    # prompt lookup on the code edit: each mode against no drafts, the text the same
+    spec = steps["speculative_smollm2"]["results"]
+    assert set(spec) == {"code_edit greedy", "code_edit adaptive:temp=0.7"}
+    for row in spec.values():
+        assert {"none", "ngram", "fixed-4", "fixed-16"} <= set(row)
+        assert all(row[mode]["same_text"] for mode in ("ngram", "fixed-4", "fixed-16"))
+    # one worker holding the model, against the model alone (on this CPU, the worker's CPU)
+    rpc = steps["rpc"]["models"]
+    assert list(rpc) and all(m["one worker on the GPU"]["decode_vs_alone"] > 0
+                             for m in rpc.values())
+    row = steps["row_smollm2"]["results"]
+    assert [r["vocab"] for r in row.values()] == [49152]
     profile = steps["profile_smollm2"]
     assert profile.get("skipped") == "no ncu (Nsight Compute) on this machine" or \
         "error" in profile["adaptive"] or profile["adaptive"]["kernels_per_token"] > 0

@@ -23,6 +23,8 @@ budget: 5 minutes of device time must not be lost to one step that hangs.
   (benchmarks/bench_speculative.py), where a batch of rows costs little more than one;
 - rpc: one `adaptive-llama rpc-worker` holding every layer on the GPU, the host on the CPU,
   against the model alone on the GPU (benchmarks/bench_rpc.py --gpu);
+- row_*: the host's time to choose a token from the logits row, greedy and adaptive
+  (benchmarks/bench_row.py) at V 262,144;
 - huge_context: n_ctx = 10,000,000 has to fail fast with the one-line error;
 - profile: time per CUDA kernel of decoding in the graph, adaptive against greedy (ncu; on
   one H200 it did not finish in 150 s for 16 tokens, so last, capped and bounded).
@@ -280,6 +282,16 @@ def run_rpc(args) -> dict:
     return json.loads(proc.stdout)
 
 
+def run_row(args) -> dict:
+    """Host microseconds of choosing one token from a row of logits, greedy and adaptive
+    (benchmarks/bench_row.py), with the model on the GPU."""
+    cmd = [sys.executable, str(ROOT / "benchmarks" / "bench_row.py"), "--n-gpu-layers", "-1",
+           "--rounds", str(args.rounds), "--calls", str(args.tokens),
+           "--model", str(model_path(args.model))]
+    proc = subprocess.run(cmd, capture_output=True, text=True, check=True)
+    return json.loads(proc.stdout)
+
+
 def run_exact(args) -> dict:
     """The graph's self-check over real generations, and same seed, same reply."""
     from adaptive_llama import Engine
@@ -403,7 +415,7 @@ def run_huge_context(args) -> dict:
 
 
 STEPS = {"device": run_device, "import_order": run_import_order, "bench": run_bench,
-         "exact": run_exact, "speculative": run_speculative, "rpc": run_rpc,
+         "exact": run_exact, "speculative": run_speculative, "rpc": run_rpc, "row": run_row,
          "profile": run_profile, "huge_context": run_huge_context}
 
 
@@ -423,6 +435,9 @@ def plan(dry_run: bool) -> list[tuple[str, list[str], float]]:
         steps.append((f"speculative_{model}", ["--model", model, "--rounds", rounds,
                                                "--tokens", "16" if dry_run else "700"], 60))
     steps.append(("rpc", ["--tokens", tokens, "--rounds", rounds], 40))
+    row_model = "smollm2" if dry_run else "gemma3-270m"  # V 262,144 where it counts
+    steps.append((f"row_{row_model}", ["--model", row_model, "--rounds", rounds,
+                                       "--tokens", "20" if dry_run else "100"], 40))
     for model in ("smollm2", "gemma3-270m"):
         steps.append((f"exact_{model}", ["--model", model, "--tokens", few,
                                          "--parallel", parallel], 15))
@@ -476,7 +491,7 @@ def run_step(name, step_args, estimate, left, env, log, args) -> dict:
     if estimate > left and not args.dry_run:
         return {"skipped": f"needs about {estimate} s, {left:.0f} s left"}
     kind = name.split("_")[0] if name.startswith(
-        ("bench", "exact", "profile", "speculative")) else name
+        ("bench", "exact", "profile", "speculative", "row")) else name
     cmd = [sys.executable, __file__, "--step", kind, *step_args]
     t0 = time.time()
     log.write(f"\n=== {name}: {' '.join(cmd[2:])}\n")
