@@ -636,6 +636,28 @@ def test_the_theme_toggles_and_a_phone_width_fits(browser, server):
     page.tab.click("#toggle-sidebar")
     wait_until(page.tab, "document.getElementById('sidebar')"
                                ".getBoundingClientRect().left >= 0")
+    assert page.tab.get_attribute("#toggle-sidebar", "aria-expanded") == "true"
+    page.tab.click("#toggle-sidebar")  # the open list leaves its toggle in reach: it closes
+    wait_until(page.tab, "document.getElementById('sidebar')"
+                               ".getBoundingClientRect().right <= 0")
+    assert page.tab.get_attribute("#toggle-sidebar", "aria-expanded") == "false"
+    context.close()
+
+
+def test_a_tap_on_a_token_shows_its_card_on_a_phone(browser, server):
+    context = browser.new_context(viewport={"width": 390, "height": 780}, has_touch=True,
+                                  is_mobile=True)
+    page = Page(context, server).open()
+    page.settings(max_tokens=12, seed=3)
+    page.tab.check("#token-view")
+    page.send()
+    span = page.tab.locator(".message.assistant .tok").nth(1)
+    span.tap()
+    time.sleep(0.3)  # the mouse events a touch screen sends after a tap come and go
+    assert page.tab.is_visible("#card") and "k = " in page.tab.inner_text("#card")
+    page.tab.tap(".message.user .content")  # a tap elsewhere puts it away
+    assert page.tab.is_hidden("#card")
+    assert page.errors == []
     context.close()
 
 

@@ -21,6 +21,7 @@ const state = {
   table: [],        // the server's samplers and modifiers (/web/samplers.json)
   running: null,    // the AbortController of the reply streaming now
   live: null,       // the LiveReply streaming now
+  pinned: null,     // the token whose card stays shown (tapped or clicked)
 };
 
 const api = new Api(askKey);
@@ -456,18 +457,31 @@ function showCard(span) {
   card.style.top = `${below ? box.bottom + 6 : box.top - card.offsetHeight - 6}px`;
 }
 
+// A mouse shows a token's card while over it; a tap (or a click) pins it until a tap
+// elsewhere. Touch screens send mouse events after a tap too: only a mouse's count.
 function watchTokens() {
   const holder = $("messages");
-  holder.addEventListener("mouseover", (event) => {
+  holder.addEventListener("pointerover", (event) => {
     const span = event.target.closest?.(".tok");
-    if (span) showCard(span);
+    if (span && event.pointerType === "mouse" && !state.pinned) showCard(span);
   });
-  holder.addEventListener("mouseout", (event) => {
-    if (event.target.closest?.(".tok")) $("card").hidden = true;
+  holder.addEventListener("pointerout", (event) => {
+    if (event.target.closest?.(".tok") && event.pointerType === "mouse" && !state.pinned) {
+      $("card").hidden = true;
+    }
+  });
+  document.addEventListener("click", (event) => {
+    if (state.pinned && !event.target.closest?.(".tok, #card")) {
+      state.pinned = null;
+      $("card").hidden = true;
+    }
   });
   holder.addEventListener("click", (event) => {
     const span = event.target.closest?.(".tok");
-    if (span) showCard(span);
+    if (span) {
+      state.pinned = span;
+      showCard(span);
+    }
     const copy = event.target.closest?.(".copy-code");
     if (copy) {
       copyText(copy.closest(".code-block").querySelector("code").textContent);
@@ -661,7 +675,10 @@ function wire() {
     applyTheme();
     persist();
   });
-  $("toggle-sidebar").addEventListener("click", () => document.body.classList.toggle("sidebar-open"));
+  $("toggle-sidebar").addEventListener("click", () => {
+    const open = document.body.classList.toggle("sidebar-open");
+    $("toggle-sidebar").setAttribute("aria-expanded", String(open));
+  });
   $("compare-run").addEventListener("click", runCompare);
   $("compare-cancel").addEventListener("click", () => $("compare-dialog").close());
   $("compare-spec").addEventListener("keydown", (event) => {
