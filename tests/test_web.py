@@ -644,6 +644,44 @@ def test_the_theme_toggles_and_a_phone_width_fits(browser, server):
     context.close()
 
 
+def test_the_keyboard_reaches_everything_and_escape_stops_and_closes(page):
+    page.open()
+    page.settings(max_tokens=12, seed=3)
+    # Settings: focus goes in, says it is open, and comes back out on Escape
+    page.tab.click("#open-settings")
+    assert page.tab.evaluate("document.activeElement.id") == "system"
+    assert page.tab.get_attribute("#open-settings", "aria-expanded") == "true"
+    page.tab.keyboard.press("Escape")
+    assert page.tab.is_hidden("#settings")
+    assert page.tab.evaluate("document.activeElement.id") == "open-settings"
+    # Import is a button Tab reaches
+    assert page.tab.evaluate("document.getElementById('import').tabIndex") == 0
+    page.tab.check("#token-view")
+    page.send()
+    # the reply in the token view is one Tab stop; the arrows show each token's card
+    reply = page.tab.locator(".message.assistant .content")
+    assert reply.get_attribute("tabindex") == "0"
+    reply.focus()
+    page.tab.keyboard.press("ArrowRight")
+    first = page.tab.inner_text("#card")
+    page.tab.keyboard.press("ArrowRight")
+    assert page.tab.is_visible("#card") and "k = " in first
+    page.tab.keyboard.press("Escape")
+    assert page.tab.is_hidden("#card")
+    # Escape stops a reply; the focus goes back to the message box, not to <body>
+    page.settings(max_tokens=1500, sampler="greedy", seed="")
+    page.tab.fill("#input", "Write a very long story about a lighthouse keeper.")
+    page.tab.press("#input", "Enter")
+    wait_until(page.tab, "document.getElementById('messages').getAttribute('aria-busy')"
+               " === 'true' && document.querySelector('.content.streaming')?.textContent.length"
+               " > 20", timeout_s=REPLY_S / 1000)
+    page.tab.keyboard.press("Escape")
+    page.wait_reply()
+    assert page.messages()[-1]["interrupted"] is True
+    assert page.tab.evaluate("document.activeElement.id") == "input"
+    assert page.tab.get_attribute("#messages", "aria-busy") == "false"
+
+
 def test_a_tap_on_a_token_shows_its_card_on_a_phone(browser, server):
     context = browser.new_context(viewport={"width": 390, "height": 780}, has_touch=True,
                                   is_mobile=True)

@@ -237,10 +237,17 @@ function actions(message, index) {
 }
 
 function setRunning(controller) {
+  const stopFocused = document.activeElement === $("stop");
   state.running = controller;
   $("send").hidden = Boolean(controller);
   $("stop").hidden = !controller;
   document.body.classList.toggle("running", Boolean(controller));
+  // while a reply streams, screen readers wait for it whole rather than read each token
+  $("messages").setAttribute("aria-busy", String(Boolean(controller)));
+  // a reply's end leaves the focus where the next question is typed, not on <body>
+  if (!controller && (stopFocused || document.activeElement === document.body)) {
+    $("input").focus();
+  }
 }
 
 // The request for a reply to `messages` (the chat's system prompt first).
@@ -603,10 +610,40 @@ function wireSettings() {
       theme: state.settings.theme, tokenView: state.settings.tokenView, params: {}, modifiers: {} });
     buildSettings();
   });
-  $("open-settings").addEventListener("click", () => {
-    $("settings").hidden = !$("settings").hidden;
-  });
-  $("close-settings").addEventListener("click", () => { $("settings").hidden = true; });
+  $("open-settings").addEventListener("click", () => showSettings($("settings").hidden));
+  $("close-settings").addEventListener("click", () => showSettings(false));
+}
+
+// The settings panel opened (focus on its first field) or closed (focus back on its button).
+function showSettings(open) {
+  $("settings").hidden = !open;
+  $("open-settings").setAttribute("aria-expanded", String(open));
+  (open ? $("system") : $("open-settings")).focus();
+}
+
+// Escape: stops a reply, else closes what is open (settings, a token's card, the chats).
+function escape() {
+  if (state.running) state.running.abort();
+  else if (!$("settings").hidden) showSettings(false);
+  else if (!$("card").hidden) {
+    state.pinned = null;
+    $("card").hidden = true;
+  } else if (document.body.classList.contains("sidebar-open")) $("toggle-sidebar").click();
+}
+
+// A reply in the token view takes focus as one stop; the arrows walk its tokens, each
+// card shown (pinned) in turn.
+function walkTokens(event) {
+  const content = event.target.closest?.(".content.token-view");
+  const step = { ArrowRight: 1, ArrowLeft: -1 }[event.key];
+  if (!content || event.target !== content || !step) return;
+  const spans = [...content.querySelectorAll(".tok")];
+  const at = spans.indexOf(state.pinned);
+  const next = spans[Math.max(0, Math.min(spans.length - 1, at < 0 ? 0 : at + step))];
+  if (!next) return;
+  event.preventDefault();
+  state.pinned = next;
+  showCard(next);
 }
 
 // ---- the page ----
@@ -685,8 +722,10 @@ function wire() {
     if (event.key === "Enter") runCompare();
   });
   document.addEventListener("keydown", (event) => {
-    if (event.key === "Escape") $("card").hidden = true;
+    if (event.key === "Escape") escape();
+    else walkTokens(event);
   });
+  $("import").addEventListener("click", () => $("import-file").click());
   watchTokens();
   wireSettings();
 }

@@ -14,8 +14,17 @@ window.adaptiveLlama = { ...(window.adaptiveLlama || {}), render: renderCost };
 // A message's contents, whole: markdown, or with `tokenView` its tokens coloured by k.
 export function showMessage(content, message, tokenView) {
   content.replaceChildren();
-  content.classList.toggle("token-view", Boolean(tokenView && message.details));
-  if (tokenView && message.details) renderTokens(content, message.details);
+  const tokens = Boolean(tokenView && message.details);
+  content.classList.toggle("token-view", tokens);
+  // one Tab stop per reply; the arrows walk its tokens (app.js walkTokens)
+  if (tokens) {
+    content.tabIndex = 0;
+    content.setAttribute("aria-label", "The reply as tokens: arrow keys show each token's card");
+  } else {
+    content.removeAttribute("tabindex");
+    content.removeAttribute("aria-label");
+  }
+  if (tokens) renderTokens(content, message.details);
   else if (message.role === "assistant") content.append(renderMarkdown(message.content));
   else content.textContent = message.content;  // what the user typed, as typed
 }
