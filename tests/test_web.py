@@ -682,6 +682,36 @@ def test_the_keyboard_reaches_everything_and_escape_stops_and_closes(page):
     assert page.tab.get_attribute("#messages", "aria-busy") == "false"
 
 
+CONTRAST = r"""() => {
+    const lum = (rgb) => {
+        const [r, g, b] = rgb.match(/\d+/g).slice(0, 3).map((v) => {
+            const c = v / 255;
+            return c <= 0.03928 ? c / 12.92 : ((c + 0.055) / 1.055) ** 2.4; });
+        return 0.2126 * r + 0.7152 * g + 0.0722 * b; };
+    return [...document.querySelectorAll('.k-legend .tok')].map((span) => {
+        const style = getComputedStyle(span);
+        const [a, b] = [lum(style.color), lum(style.backgroundColor)].sort((x, y) => y - x);
+        return { k: span.className, ratio: (a + 0.05) / (b + 0.05),
+                 line: style.textDecorationLine + ' ' + style.textDecorationStyle }; });
+}"""
+
+
+@pytest.mark.parametrize("theme", ["light", "dark"])
+def test_token_colours_meet_wcag_aa_and_a_legend_says_what_they_mean(browser, server, theme):
+    context = browser.new_context(color_scheme=theme)
+    page = Page(context, server).open()
+    page.settings(max_tokens=8, seed=3)
+    page.tab.check("#token-view")
+    page.send()
+    legend = page.tab.inner_text(".k-legend")
+    assert "sure" in legend and "hesitant" in legend
+    buckets = page.tab.evaluate(CONTRAST)
+    assert len(buckets) == 4
+    assert all(b["ratio"] >= 4.5 for b in buckets), buckets  # WCAG 2.2 AA, normal text
+    assert len({b["line"] for b in buckets}) == 4  # not colour alone: each its own underline
+    context.close()
+
+
 def test_a_tap_on_a_token_shows_its_card_on_a_phone(browser, server):
     context = browser.new_context(viewport={"width": 390, "height": 780}, has_touch=True,
                                   is_mobile=True)

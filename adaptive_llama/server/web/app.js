@@ -8,7 +8,7 @@ import { LiveReply, showMessage, showPlot } from "./reply.js";
 import { exported, imported, loadChats, loadSettings, newChat, saveChats, saveSettings,
   titleOf } from "./store.js";
 import { parseSpec, specOf } from "./spec.js";
-import { fillCard, firstDifference, renderTokens } from "./tokens.js";
+import { fillCard, firstDifference, kLegend, renderTokens } from "./tokens.js";
 
 const $ = (id) => document.getElementById(id);
 const DEFAULTS = { sampler: "adaptive", params: {}, modifiers: {}, temperature: "", seed: "",
@@ -185,6 +185,7 @@ function messageNode(message, index) {
   const content = node.appendChild(el("div", "content"));
   showMessage(content, message, state.settings.tokenView);
   if (message.role === "assistant") {
+    if (state.settings.tokenView && message.details?.length) node.append(kLegend());
     showPlot(node.appendChild(el("div", "plot")), message);
     node.append(metaLine(message));
   }

@@ -30,6 +30,19 @@ export function renderTokens(container, details, start = 0) {
   container.append(fragment);
 }
 
+// What the colours mean, in plain words, under a reply in the token view.
+export function kLegend() {
+  const legend = document.createElement("div");
+  legend.className = "k-legend";
+  legend.append("Candidates kept (k): ");
+  for (const [k, text] of [[1, "1, sure"], [5, "2-5"], [20, "6-20"], [21, "over 20, hesitant"]]) {
+    const span = legend.appendChild(document.createElement("span"));
+    span.className = `tok ${kClass(k)}`;
+    span.textContent = text;
+  }
+  return legend;
+}
+
 // Whitespace made visible in a candidate's text: "␣" for a space, "↵" for a new line.
 export function visible(text) {
   return text.replace(/ /g, "␣").replace(/\n/g, "↵").replace(/\t/g, "⇥") || "∅";
