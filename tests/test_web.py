@@ -688,7 +688,7 @@ CONTRAST = r"""() => {
             const c = v / 255;
             return c <= 0.03928 ? c / 12.92 : ((c + 0.055) / 1.055) ** 2.4; });
         return 0.2126 * r + 0.7152 * g + 0.0722 * b; };
-    return [...document.querySelectorAll('.k-legend .tok')].map((span) => {
+    return [...document.querySelectorAll('.k-legend .k-swatch')].map((span) => {
         const style = getComputedStyle(span);
         const [a, b] = [lum(style.color), lum(style.backgroundColor)].sort((x, y) => y - x);
         return { k: span.className, ratio: (a + 0.05) / (b + 0.05),

@@ -37,7 +37,7 @@ export function kLegend() {
   legend.append("Candidates kept (k): ");
   for (const [k, text] of [[1, "1, sure"], [5, "2-5"], [20, "6-20"], [21, "over 20, hesitant"]]) {
     const span = legend.appendChild(document.createElement("span"));
-    span.className = `tok ${kClass(k)}`;
+    span.className = `k-swatch ${kClass(k)}`;
     span.textContent = text;
   }
   return legend;
