@@ -34,7 +34,7 @@ SPECS = {"greedy": "greedy", "adaptive": "adaptive:eps=0.0005"}
 def engines(path, args) -> dict[str, Engine]:
     common = dict(n_ctx=1024, n_gpu_layers=args.n_gpu_layers, parallel=args.parallel)
     if args.threads:
-        common["threads"] = args.threads
+        common["n_threads"] = args.threads
     return {"cpu_chain": Engine(path, **common),
             "in_graph": Engine(path, backend_sampling=True, **common)}
 

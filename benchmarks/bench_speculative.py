@@ -30,6 +30,7 @@ import time
 import llama_cpp
 
 from adaptive_llama import Engine
+from adaptive_llama.runtime.chat_template import load_template
 
 FUNCTION = '''def summarize_orders(orders, tax_rate, discounts, currency="EUR"):
     """Totals per customer, with tax and the best discount each customer may use."""
@@ -156,12 +157,16 @@ def main():
     parser.add_argument("--samplers", default=",".join(SAMPLERS))
     parser.add_argument("--max-tokens", type=int, default=None,
                         help="tokens per reply (default: each task's own)")
+    parser.add_argument("--chat-template", default=None,
+                        help="for a model without one: a built-in name (llama.cpp's gemma, ...)")
     parser.add_argument("--n-gpu-layers", type=int, default=0,
                         help="layers on the GPU (-1: all), where a batch of rows costs "
                              "little more than one")
     args = parser.parse_args()
     samplers = args.samplers.split(",")
-    options = dict(n_ctx=4096, n_threads=args.threads, n_gpu_layers=args.n_gpu_layers)
+    options = dict(n_ctx=4096, n_threads=args.threads, n_gpu_layers=args.n_gpu_layers,
+                   chat_template=load_template(args.chat_template) if args.chat_template
+                   else None)
     # "none" computes attention as the engines with drafts do, so that texts are comparable
     engines = {"none": Engine(args.model, reference_attention=True, **options),
                "ngram": Engine(args.model, draft="ngram", draft_max=args.draft_max,

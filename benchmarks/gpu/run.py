@@ -249,6 +249,19 @@ def run_import_order(args) -> dict:
     return out
 
 
+# Models without a chat template of their own, and the built-in one they take.
+CHAT_TEMPLATES = {"gemma3-270m": "gemma"}
+
+
+def child_json(cmd: list[str]) -> dict:
+    """A benchmark's JSON, or SystemExit with the end of its own error output."""
+    proc = subprocess.run(cmd, capture_output=True, text=True)
+    if proc.returncode:
+        raise SystemExit(f"{Path(cmd[1]).name} exited with {proc.returncode}:\n"
+                         + "\n".join(proc.stderr.strip().splitlines()[-12:]))
+    return json.loads(proc.stdout)
+
+
 def run_bench(args) -> dict:
     path = model_path(args.model)
     cmd = [sys.executable, str(ROOT / "benchmarks" / "bench_graph.py"), "--model", str(path),
@@ -257,8 +270,7 @@ def run_bench(args) -> dict:
                                                   if args.threads else [])
     for name, spec in SPECS.items():
         cmd += ["--spec", f"{name}={spec}"]
-    proc = subprocess.run(cmd, capture_output=True, text=True, check=True)
-    return json.loads(proc.stdout)
+    return child_json(cmd)
 
 
 def run_speculative(args) -> dict:
@@ -268,8 +280,9 @@ def run_speculative(args) -> dict:
            "--tasks", "code_edit", "--fixed", "4,16", "--rounds", str(args.rounds),
            "--max-tokens", str(args.tokens),
            "--samplers", "greedy,adaptive:temp=0.7"]
-    proc = subprocess.run(cmd, capture_output=True, text=True, check=True)
-    return json.loads(proc.stdout)
+    if args.model in CHAT_TEMPLATES:
+        cmd += ["--chat-template", CHAT_TEMPLATES[args.model]]
+    return child_json(cmd)
 
 
 def run_rpc(args) -> dict:
@@ -278,8 +291,7 @@ def run_rpc(args) -> dict:
     cmd = [sys.executable, str(ROOT / "benchmarks" / "bench_rpc.py"), "--gpu",
            "--models", models, "--rounds", str(args.rounds), "--tokens", str(args.tokens),
            "--out", str(THERE / "bench_rpc_gpu.json")]
-    proc = subprocess.run(cmd, capture_output=True, text=True, check=True)
-    return json.loads(proc.stdout)
+    return child_json(cmd)
 
 
 def run_row(args) -> dict:
@@ -288,8 +300,7 @@ def run_row(args) -> dict:
     cmd = [sys.executable, str(ROOT / "benchmarks" / "bench_row.py"), "--n-gpu-layers", "-1",
            "--rounds", str(args.rounds), "--calls", str(args.tokens),
            "--model", str(model_path(args.model))]
-    proc = subprocess.run(cmd, capture_output=True, text=True, check=True)
-    return json.loads(proc.stdout)
+    return child_json(cmd)
 
 
 def run_exact(args) -> dict:
