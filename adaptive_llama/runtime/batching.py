@@ -477,6 +477,10 @@ class Decoder:
         started = time.perf_counter()
         self._decode()
         if self.speculation is not None:
+            # The step's whole cost: with layers on a GPU llama_decode can return before the
+            # step is computed (sampling waits for it), and the launches alone would make
+            # every drafted row look as dear as a token.
+            llama_cpp.llama_synchronize(self._ctx)
             self.speculation.observe(time.perf_counter() - started, round_.rows)
         for generation in generating:  # the token it fed is in its cache now
             generation.slot.tokens.append(generation.next_token)
