@@ -15,6 +15,8 @@ from adaptive_llama.llama import chain as chain_module
 from adaptive_llama.llama.chain import SamplerChain
 from adaptive_llama.samplers import SpecError, parse_spec
 
+pytestmark = pytest.mark.backend
+
 
 @pytest.fixture(params=["c", "numba"])
 def backend(request, monkeypatch):

@@ -250,7 +250,8 @@ def test_a_chat_template_is_a_built_in_name_or_a_file(tmp_path):
     path = tmp_path / "t.jinja"
     path.write_text("{{ messages[0].content }}")
     assert load_template(str(path)) == "{{ messages[0].content }}"
-    with pytest.raises(ValueError, match="built-in template \\(chatml-tools\\) or a Jinja"):
+    with pytest.raises(ValueError, match="built-in template \\(chatml-tools, or one of "
+                                         "llama.cpp's: .*llama3.*\\) or a Jinja file"):
         load_template(str(tmp_path / "missing.jinja"))
     path.write_bytes(b"\xff\xfe")
     with pytest.raises(ValueError, match="cannot be read as a UTF-8 Jinja file"):
