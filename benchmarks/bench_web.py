@@ -6,7 +6,8 @@ A real `adaptive-llama serve` on the bundled model serves the page to Debian's C
 server sends them, at ``--rate`` tokens/s, after ``--history`` tokens of earlier reply (the
 cost must not grow with the reply). Three modes, side by side in one run, interleaved:
 
-- ``text``: the text of each token appended (the page's default view);
+- ``text``: the page's default view: each token's text added to the reply, whose markdown
+  is drawn once a frame (the finished blocks once, the growing one again);
 - ``tokens``: each token appended as a span coloured by k (the token view);
 - ``redraw``: the whole reply rendered again as markdown at every token (what the page does
   not do), for scale.

@@ -559,15 +559,22 @@ def test_markdown_renders_while_the_reply_streams(page):
         const content = holder.appendChild(document.createElement('div'));
         const message = { role: 'assistant', content: '' };
         const live = new LiveReply(content, message, false);
-        for (const piece of ['Some **bold', '** text.\n\n```py', 'thon\nx = 1\n', '```\n'])
+        const frame = () => new Promise((done) => requestAnimationFrame(() => setTimeout(done, 30)));
+        // a blank line inside the code block does not end it; the frames in between draw
+        // the finished blocks once and the growing one again
+        for (const piece of ['Some **bold', '** text.\n\n```py', 'thon\nx = 1\n\n',
+                             'y = 2\n', '```\n\nAfter *that*.']) {
             live.add(piece, []);
-        await new Promise((done) => requestAnimationFrame(() => setTimeout(done, 50)));
+            await frame();
+        }
         return { streaming: content.classList.contains('streaming'),
                  strong: content.querySelector('strong')?.textContent,
-                 code: content.querySelector('pre code')?.textContent,
+                 code: [...content.querySelectorAll('pre code')].map((c) => c.textContent),
+                 em: content.querySelector('em')?.textContent,
                  raw: content.textContent.includes('```') || content.textContent.includes('**') };
     }""")
-    assert drawn == {"streaming": True, "strong": "bold", "code": "x = 1", "raw": False}
+    assert drawn == {"streaming": True, "strong": "bold", "code": ["x = 1\n\ny = 2"],
+                     "em": "that", "raw": False}
 
 
 def test_markdown_renders_lists_tables_and_code_blocks(page, tmp_path):

@@ -43,6 +43,24 @@ export function showPlot(holder, message) {
   }
 }
 
+// A block longer than this (a long list: no blank line) is drawn in parts while it grows.
+const LONGEST_BLOCK = 2000;
+
+// Where the finished blocks of `text` end after `from`: after its last blank line, or for a
+// block past LONGEST_BLOCK after its last whole line; `from` where that falls inside a code
+// block or nothing finished.
+export function finishedBlocks(text, from) {
+  const blank = text.lastIndexOf("\n\n");
+  let end = blank >= from ? blank + 2 : -1;
+  if (end < 0 && text.length - from > LONGEST_BLOCK) {
+    const line = text.lastIndexOf("\n");
+    end = line >= from ? line + 1 : -1;
+  }
+  if (end <= from) return from;
+  const fences = (text.slice(from, end).match(/^```/gm) || []).length;
+  return fences % 2 === 0 ? end : from;
+}
+
 export class LiveReply {
   // message: the {role: "assistant", content, details} object the chunks fill.
   constructor(content, message, tokenView) {
@@ -60,22 +78,37 @@ export class LiveReply {
     content.replaceChildren();
     content.classList.add("streaming");
     content.classList.toggle("token-view", tokenView);
+    // markdown: the finished blocks drawn once into head, the last one redrawn in tail
+    this.stable = 0;
+    this.head = this.tail = null;
     if (tokenView) renderTokens(content, this.message.details || []);
-    else if (this.message.content) this.redraw();
+    else {
+      this.head = content.appendChild(document.createElement("div"));
+      this.tail = content.appendChild(document.createElement("div"));
+      if (this.message.content) this.redraw();
+    }
     this.holder = content.closest("#messages");
     this.followedHeight = this.holder ? this.holder.scrollHeight : 0;
   }
 
   // The reply so far as markdown, once a frame (a chunk's text alone would show raw ``` and
-  // ** until the end); its cost goes to renderCost too.
+  // ** until the end): the blocks finished since the last frame (up to a blank line outside
+  // a code block) drawn once, the block still growing drawn again, so that a frame's work
+  // does not grow with the reply. finish() draws it whole. Its cost goes to renderCost.
   redraw() {
     if (this.redrawPending) return;
     this.redrawPending = true;
     requestAnimationFrame(() => {
       this.redrawPending = false;
-      if (!this.content.classList.contains("streaming")) return;  // finish() drew it whole
+      if (!this.content.classList.contains("streaming") || !this.tail) return;
       const started = performance.now();
-      this.content.replaceChildren(renderMarkdown(this.message.content));
+      const text = this.message.content;
+      const cut = finishedBlocks(text, this.stable);
+      if (cut > this.stable) {
+        this.head.append(renderMarkdown(text.slice(this.stable, cut)));
+        this.stable = cut;
+      }
+      this.tail.replaceChildren(renderMarkdown(text.slice(this.stable)));
       renderCost.ms += performance.now() - started;
     });
   }
