@@ -52,7 +52,8 @@ export class Api {
     });
     if (!response.ok) throw new ApiError(await errorText(response), response.status);
     for await (const data of events(response.body)) {
-      if (data === "[DONE]") return;
+      // read on to the stream's end (the server closes it): left unread, it counts as aborted
+      if (data === "[DONE]") continue;
       const chunk = JSON.parse(data);
       if (chunk.error) throw new ApiError(chunk.error.message || String(chunk.error), 500);
       yield chunk;

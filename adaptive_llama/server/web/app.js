@@ -53,6 +53,12 @@ function spec() {
   return specOf(state.settings, state.table);
 }
 
+// A Copy button says "Copied" for a moment, then is a Copy button again.
+function copied(button) {
+  button.textContent = "Copied";
+  setTimeout(() => { button.textContent = "Copy"; }, 1500);
+}
+
 async function copyText(text) {
   try {
     await navigator.clipboard.writeText(text);
@@ -225,7 +231,7 @@ function actions(message, index) {
   if (message.role === "assistant") {
     bar.append(button("Copy", (event) => {
       copyText(message.content);
-      event.target.textContent = "Copied";
+      copied(event.target);
     }, "copy"));
     if (last) bar.append(button("Regenerate", regenerate, "regenerate"));
     bar.append(button("Compare", () => openCompare(index), "compare"));
@@ -493,7 +499,7 @@ function watchTokens() {
     const copy = event.target.closest?.(".copy-code");
     if (copy) {
       copyText(copy.closest(".code-block").querySelector("code").textContent);
-      copy.textContent = "Copied";
+      copied(copy);
     }
   });
 }
