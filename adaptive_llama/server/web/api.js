@@ -52,8 +52,7 @@ export class Api {
     });
     if (!response.ok) throw new ApiError(await errorText(response), response.status);
     for await (const data of events(response.body)) {
-      // read on to the stream's end (the server closes it): left unread, it counts as aborted
-      if (data === "[DONE]") continue;
+      if (data === "[DONE]") return;
       const chunk = JSON.parse(data);
       if (chunk.error) throw new ApiError(chunk.error.message || String(chunk.error), 500);
       yield chunk;
