@@ -115,6 +115,15 @@ class Page:
         self.tab.press("#input", "Enter")
         return self.wait_reply()
 
+    def start_reply(self, text: str, shown: int = 20, **settings):
+        """Send ``text`` with these settings; return once its reply, still streaming, shows
+        more than ``shown`` characters."""
+        self.settings(**settings)
+        self.tab.fill("#input", text)
+        self.tab.press("#input", "Enter")
+        wait_until(self.tab, "document.querySelector('.content.streaming')?.textContent.length"
+                             f" > {shown}", timeout_s=REPLY_S / 1000)
+
     def wait_reply(self):
         self.tab.wait_for_selector("#stop", state="hidden", timeout=REPLY_S)
         self.tab.wait_for_selector("#send", state="visible")
@@ -205,11 +214,8 @@ def test_a_reply_streams_in_and_the_chat_survives_a_reload(page):
 
 def test_the_question_shows_above_its_reply_while_it_streams(page):
     page.open()
-    page.settings(max_tokens=200, sampler="greedy")
-    page.tab.fill("#input", "Write a story about a lighthouse keeper.")
-    page.tab.press("#input", "Enter")
-    wait_until(page.tab, "document.querySelector('.content.streaming')?.textContent.length > 20",
-               timeout_s=REPLY_S / 1000)
+    page.start_reply("Write a story about a lighthouse keeper.", max_tokens=200,
+                     sampler="greedy")
     assert page.tab.inner_text(".message.user .content") == \
         "Write a story about a lighthouse keeper."
     roles = page.tab.eval_on_selector_all(".message", "ms => ms.map(m => m.className)")
@@ -241,11 +247,8 @@ def test_the_view_follows_a_reply_that_grows_below_the_fold_on_a_phone(browser, 
 
 def test_tokens_turned_on_and_off_mid_reply_keep_it_streaming(page):
     page.open()
-    page.settings(max_tokens=300, sampler="greedy")
-    page.tab.fill("#input", "Write a long story about a lighthouse keeper.")
-    page.tab.press("#input", "Enter")
-    wait_until(page.tab, "document.querySelector('.content.streaming')?.textContent.length > 20",
-               timeout_s=REPLY_S / 1000)
+    page.start_reply("Write a long story about a lighthouse keeper.", max_tokens=300,
+                     sampler="greedy")
     page.tab.check("#token-view")
     count = "document.querySelectorAll('.content.streaming .tok').length"
     wait_until(page.tab, f"{count} > 0")
@@ -277,11 +280,8 @@ def test_enter_sends_and_shift_enter_makes_a_new_line(page):
 
 def test_stop_ends_the_reply_and_keeps_what_came(page):
     page.open()
-    page.settings(max_tokens=1500, sampler="greedy")
-    page.tab.fill("#input", "Write a very long story about a lighthouse keeper.")
-    page.tab.press("#input", "Enter")
-    wait_until(page.tab, "document.querySelector('.content.streaming')?.textContent.length > 40",
-               timeout_s=REPLY_S / 1000)
+    page.start_reply("Write a very long story about a lighthouse keeper.", shown=40,
+                     max_tokens=1500, sampler="greedy")
     page.tab.click("#stop")
     page.wait_reply()
     reply = page.messages()[-1]
