@@ -341,6 +341,24 @@ def test_a_bad_setting_shows_the_servers_one_line_error_and_keeps_the_question(p
         stats["sampler"]
 
 
+@pytest.mark.parametrize("field,value,needle", [
+    ("seed", "abc", "seed has to be a whole number below 4294967296 (or empty for a random "
+                    "one), but is abc"),
+    ("max_tokens", "0", "max tokens has to be a whole number of 1 or more (or empty), but is 0"),
+])
+def test_a_bad_seed_or_max_tokens_is_said_before_sending(page, field, value, needle):
+    page.open()
+    page.settings(**{field: value})
+    page.requests.clear()
+    page.tab.fill("#input", QUESTION)
+    page.tab.press("#input", "Enter")
+    page.tab.wait_for_selector("#error", state="visible")
+    assert page.error() == needle
+    assert page.tab.input_value("#input") == QUESTION  # kept, to send once it is right
+    assert not [r for r in page.requests if r.url.endswith("/v1/chat/completions")]
+    assert page.tab.locator(".message").count() == 0
+
+
 def test_a_question_sent_after_a_refused_one_takes_its_place(page):
     page.open()
     page.settings(**{"adaptive.eps": 2, "max_tokens": 4})

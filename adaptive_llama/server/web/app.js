@@ -319,10 +319,30 @@ async function reply() {
   }
 }
 
+// What is wrong with the seed or max tokens typed in Settings, in one line; null if nothing.
+// Checked before sending: a bad value would otherwise be dropped without a word.
+function settingsProblem() {
+  const whole = (value) => /^\d+$/.test(String(value).trim());
+  const given = (value) => value != null && String(value).trim() !== "";
+  const { seed, maxTokens } = state.settings;
+  if (given(seed) && !(whole(seed) && Number(seed) < 2 ** 32)) {
+    return `seed has to be a whole number below 4294967296 (or empty for a random one), but is ${seed}`;
+  }
+  if (given(maxTokens) && !(whole(maxTokens) && Number(maxTokens) >= 1)) {
+    return `max tokens has to be a whole number of 1 or more (or empty), but is ${maxTokens}`;
+  }
+  return null;
+}
+
 function send() {
   const input = $("input");
   const text = input.value;
   if (!text.trim() || state.running) return;
+  const problem = settingsProblem();
+  if (problem) {  // the question stays in the box, to send once the setting is right
+    showError(problem);
+    return;
+  }
   const chat = currentChat();
   // A question left unanswered (its reply was refused) gives way to the one sent now: the
   // model never gets two questions in a row.
