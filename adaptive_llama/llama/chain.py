@@ -303,8 +303,8 @@ class SamplerChain:
             self._chain.add_dist(self.seed)
 
     def adaptive_p(self, target: float, decay: float) -> None:
-        llama_cpp.llama_sampler_chain_add(self._chain.sampler, llama_cpp.
-                                          llama_sampler_init_adaptive_p(target, decay, self.seed))
+        sampler = llama_cpp.llama_sampler_init_adaptive_p(target, decay, self.seed)
+        llama_cpp.llama_sampler_chain_add(self._chain.sampler, sampler)
 
     def penalties(self, last_n: int, repeat: float, freq: float, present: float) -> None:
         self._add_looking_back(llama_cpp.llama_sampler_init_penalties(
