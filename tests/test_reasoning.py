@@ -12,15 +12,16 @@ import pytest
 import reasoning_model as reasoning_model_file
 from click.testing import CliRunner
 from llama_cpp import LlamaGrammar
-from reasoning_model import ANSWER_TEXT, CHAIN, THINKING_TEXT
+from reasoning_model import ANSWER_TEXT, CHAIN, FLAG, HARMONY_REPLY, THINKING_TEXT
 from test_server import ollama_client_for, openai_client_for, serving
 
 from adaptive_llama import Engine
 from adaptive_llama.cli import main
 from adaptive_llama.runtime.request import InvalidArgument
 from adaptive_llama.samplers import spec_of
-from adaptive_llama.runtime.reasoning import (ANSWER, THINKING, ThinkingFormat,
-                                              ThinkingSplitter, Thought)
+from adaptive_llama.runtime.reasoning import (ANSWER, HARMONY, THINKING, ThinkingFormat,
+                                              ThinkingSplitter, Thought, template_format,
+                                              without_thinking)
 
 OPENED = ThinkingFormat(opened_by_prompt=True)
 
@@ -52,6 +53,15 @@ def split(pieces, form=ThinkingFormat()):
     ("<think>a <think> b</think>c", ThinkingFormat(), ("a <think> b", "c")),
     ("", ThinkingFormat(), ("", "")),
     ("   ", ThinkingFormat(), ("", "")),
+    # harmony (gpt-oss): the analysis channel, then the final one
+    (HARMONY_REPLY, HARMONY, (THINKING_TEXT.strip(), ANSWER_TEXT)),
+    ("<|channel|>final<|message|>391", HARMONY, ("", "391")),  # the answer at once
+    ("<|channel|>analysis<|message|>add 3", HARMONY, ("add 3", "")),  # cut inside
+    ("<|channel|>analysis<|message|>a<|end|>", HARMONY, ("a<|end|>", "")),  # cut after
+    ("<|channel|>commentary<|message|>x", HARMONY, ("", "<|channel|>commentary<|message|>x")),
+    ("<|channel|>fin", HARMONY, ("", "<|channel|>fin")),
+    ("<think>a</think>b", HARMONY, ("", "<think>a</think>b")),  # the other format's marks
+    ("<|channel|>analysis<|message|>a", ThinkingFormat(), ("", "<|channel|>analysis<|message|>a")),
 ])
 def test_a_reply_splits_into_its_thinking_and_its_answer(reply, form, expected):
     assert split([reply], form) == expected
@@ -61,6 +71,8 @@ def test_a_reply_splits_into_its_thinking_and_its_answer(reply, form, expected):
     ("\n<think>\nadd 3 and 4</think>\n\n7 <b>is</b> it.", ThinkingFormat()),
     ("add 3 and 4 < 8</think>\n\n7", OPENED),
     ("<think>cut in the mid", ThinkingFormat()),
+    (HARMONY_REPLY, HARMONY),
+    ("<|channel|>final<|message|> 7 <|end|>", HARMONY),
 ])
 def test_every_way_to_cut_the_stream_gives_the_same_split(reply, form):
     whole = split([reply], form)
@@ -85,6 +97,30 @@ def test_text_is_given_out_as_soon_as_it_cannot_be_a_tag():
     assert splitter.feed("\n7") == [(ANSWER, "7")]
     assert splitter.feed(" <think>") == [(ANSWER, " <think>")]
     assert splitter.finish() == []
+
+
+@pytest.mark.parametrize("source, form", [
+    ("{{ '<|start|>assistant' }}{{ '<|channel|>final<|message|>' }}", HARMONY),
+    ("{% if enable_thinking %}{% endif %}", ThinkingFormat()),
+    ("{{ '<think>' }}", ThinkingFormat()),
+    ("{{ '<|im_start|>assistant' }}", None),
+    ("{{ '<|start|>assistant' }}", None),  # channels need both marks
+])
+def test_a_template_says_how_its_model_marks_its_thinking(source, form):
+    assert template_format(source) == form
+
+
+@pytest.mark.parametrize("content, form, answer", [
+    (HARMONY_REPLY, HARMONY, ANSWER_TEXT),
+    ("<|channel|>final<|message|>391", HARMONY, "391"),
+    ("  391", HARMONY, "  391"),  # an answer as written stays as it is
+    ("<think>a</think>\n\n391", ThinkingFormat(), "391"),
+    ("  391", ThinkingFormat(), "  391"),
+])
+def test_the_thinking_sent_back_in_an_answer_is_dropped(content, form, answer):
+    assert without_thinking({"role": "assistant", "content": content}, form)["content"] == answer
+    user = {"role": "user", "content": content}
+    assert without_thinking(user, form) is user  # only answers lose it
 
 
 # ---- a reasoning model (tests/reasoning_model.py: DeepSeek-R1-Distill's tokenizer) ----
@@ -321,9 +357,9 @@ def test_generate_prints_the_answer_and_json_gives_the_thinking_beside_it(reason
 
 # ---- the thinking's budget and its own sampler ----
 
-def thinking_of(engine, **kwargs):
+def thinking_of(engine, sampler="adaptive", **kwargs):
     """The fixture's reply to "Hi" with ``kwargs`` for the request."""
-    request = engine.request(engine.prompt_tokens("Hi", chat=True), sampler="adaptive",
+    request = engine.request(engine.prompt_tokens("Hi", chat=True), sampler=sampler,
                              max_tokens=40, **kwargs)
     stream = engine.run(request)
     stream.text()
@@ -452,3 +488,79 @@ def test_the_repl_shows_hides_and_bounds_the_thinking(reasoning_model, tmp_path)
     assert [m["content"] for m in replies] == [ANSWER_TEXT] * 4
     assert [m.get("reasoning") for m in replies] == [THINKING_TEXT.strip(),
                                                      THINKING_TEXT.strip(), None, "Let"]
+
+
+# ---- a gpt-oss-style model: harmony's channels (tests/reasoning_model.py) ----
+
+@pytest.fixture(scope="module")
+def harmony_model(tmp_path_factory):
+    return reasoning_model_file.write_harmony(tmp_path_factory.mktemp("models") / "oss.gguf")
+
+
+@pytest.fixture(scope="module")
+def oss(harmony_model):
+    engine = Engine(harmony_model, n_ctx=512, seed=3)
+    yield engine
+    engine.close()
+
+
+def answer_tokens(engine) -> int:
+    return len(engine.tokenize(ANSWER_TEXT, add_bos=False))
+
+
+@pytest.mark.parametrize("sampler", ["greedy", "adaptive", "top-h"])
+def test_a_gpt_oss_style_reply_comes_apart_at_its_channels(oss, sampler):
+    assert oss.thinking == HARMONY
+    result = thinking_of(oss, sampler=sampler)
+    assert (result.reasoning, result.text) == (THINKING_TEXT.strip(), ANSWER_TEXT)
+    assert result.finish_reason == "stop"  # at <|return|>; <|end|> does not end it
+    # every token before the answer: both channels' marks and the thinking
+    assert result.reasoning_tokens == result.completion_tokens - answer_tokens(oss) > 10
+    raw = thinking_of(oss, sampler=sampler, thinking=False)
+    assert raw.text == HARMONY_REPLY and not raw.thinks
+
+
+def test_a_gpt_oss_style_reply_on_the_final_channel_at_once_has_no_thinking(oss):
+    request = oss.request(oss.chat_prompt_tokens([{"role": "user", "content": FLAG}]),
+                          sampler="greedy", max_tokens=40)
+    stream = oss.run(request)
+    assert stream.text() == ANSWER_TEXT  # <|channel|>final<|message|> dropped
+    assert (stream.result.reasoning, stream.result.reasoning_tokens) == ("", 0)
+
+
+def test_a_spent_budget_closes_harmonys_thinking_with_its_own_marks(oss):
+    result = thinking_of(oss, reasoning_budget=2)  # "Let me", then the final channel
+    assert (result.reasoning, result.text) == ("Let me", ANSWER_TEXT)
+    forced = oss.tokenize("\n", add_bos=False) + oss.tokenize(
+        HARMONY.close, add_bos=False, special=True)
+    assert result.reasoning_tokens == 3 + 2 + len(forced)  # the analysis mark, the two
+
+
+def test_each_token_of_a_harmony_reply_says_its_phase(oss):
+    result = thinking_of(oss, sampler="greedy", logprobs=0)
+    phases = [p.phase for p in result.logprobs]
+    thinking = result.reasoning_tokens
+    assert phases == ["thinking"] * thinking + ["answer"] * answer_tokens(oss)
+
+
+def test_the_thinking_has_its_own_sampler_on_harmonys_channels_too(oss):
+    result = thinking_of(oss, sampler="adaptive", reasoning_sampler="greedy")
+    assert (result.reasoning, result.text) == (THINKING_TEXT.strip(), ANSWER_TEXT)
+    chosen = [s is not None for s in result.token_stats]  # adaptive's own tokens have stats
+    assert chosen == [False] * result.reasoning_tokens + [True] * answer_tokens(oss)
+
+
+def test_a_gpt_oss_style_model_is_served_with_its_thinking_apart(
+        harmony_model, tmp_path_factory):
+    log = tmp_path_factory.mktemp("harmony") / "server.log"
+    for port in serving(harmony_model, log, "--sampler", "greedy"):
+        message = openai_client_for(port).chat.completions.create(
+            model="oss", messages=HI).choices[0].message
+        assert message.content == ANSWER_TEXT
+        assert message.model_extra["reasoning_content"] == THINKING_TEXT.strip()
+        ollama = ollama_client_for(port)
+        assert "thinking" in ollama.show("oss").capabilities
+        history = [*HI, {"role": "assistant", "content": HARMONY_REPLY}, *HI]
+        reply = ollama.chat(model="oss", messages=history, think=True)
+        assert (reply.message.thinking, reply.message.content) == (THINKING_TEXT.strip(),
+                                                                   ANSWER_TEXT)

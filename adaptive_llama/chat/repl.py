@@ -654,7 +654,7 @@ def _thinking_text(engine: Engine) -> str:
     """/show's line on a reasoning model's thinking."""
     if engine.thinking is None:
         return "none (not a reasoning model)"
-    return (f"{engine.thinking.open}...{engine.thinking.close}, shown dim before the answer"
+    return (f"{engine.thinking.name}, shown dim before the answer"
             f"{'; its template can turn it off' if engine.can_turn_thinking_off() else ''}")
 TRACE_LEGEND = ((1, "blue: k=1, sure"), (5, "green: 2-5"), (20, "yellow: 6-20"),
                 (21, "red: more than 20, hesitant"))

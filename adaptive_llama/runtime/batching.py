@@ -168,6 +168,15 @@ class GenerationResult:
                 "prompt_eval_s": round(self.prompt_eval_s, 4), **self.summary()}
 
 
+def _mark_phases(logprobs: list[TokenLogprob], thinking: int) -> None:
+    """Say the phase of the token just taken: the last ``thinking`` tokens were the
+    thinking's (more than one when a mark of several tokens opened it), else the answer's."""
+    if not thinking:
+        logprobs[-1] = replace(logprobs[-1], phase="answer")
+    for i in range(len(logprobs) - thinking, len(logprobs)):
+        logprobs[i] = replace(logprobs[i], phase="thinking")
+
+
 class Generation:
     """One sequence being generated: its request, its chain, and the result it fills.
 
@@ -193,6 +202,7 @@ class Generation:
         self.forced: list[int] = []
         self.forced_now = False  # whether the token being taken was forced
         self.thought_tokens = 0  # tokens inside the thinking, its tags not counted
+        self.undecided_tokens = 0  # tokens before the reply showed whether it thinks
         self.result = GenerationResult(
             text="", finish_reason="interrupted", prompt_tokens=len(self.prompt_tokens),
             completion_tokens=0, sampler=str(chain.spec), seed=chain.seed, backend=chain.backend,
@@ -641,10 +651,8 @@ class Decoder:
             thought = result.reasoning_tokens
             text = self._split_thinking(generation, text, counts=True)
             generation._check_budget()
-            if request.logprobs is not None:  # the phase the token counted in
-                result.logprobs[-1] = replace(
-                    result.logprobs[-1],
-                    phase="thinking" if result.reasoning_tokens > thought else "answer")
+            if request.logprobs is not None:
+                _mark_phases(result.logprobs, result.reasoning_tokens - thought)
         generation._held += text
         emit, generation._held, hit = split_stop(generation._held, request.stop)
         if emit:
@@ -665,11 +673,15 @@ class Decoder:
         was or opened the thinking) or, ``final``, of what the reply held back at its end;
         the thinking's part goes to the result and the pieces."""
         splitter, result = generation.splitter, generation.result
-        was_thinking = splitter.thinking
+        was_thinking, was_undecided = splitter.thinking, splitter.undecided
         parts = splitter.feed(text) + (splitter.finish() if final else [])
         if counts and (was_thinking or splitter.thinking):
-            result.reasoning_tokens += 1
+            # a mark of several tokens opened the thinking: they were all its tokens
+            opening = generation.undecided_tokens if was_undecided else 0
+            result.reasoning_tokens += 1 + opening
             generation.thought_tokens += was_thinking and splitter.thinking
+        if counts and splitter.undecided:
+            generation.undecided_tokens += 1
         answer = []
         for phase, part in parts:
             if phase == THINKING:

@@ -52,7 +52,7 @@ from .drafting import ModelDrafter, NgramDrafter
 from .embeddings import Embedder
 from .gguf_header import quantization_name
 from .limits import MAX_CTX, MAX_THREADS, N_BATCH
-from .reasoning import ThinkingFormat, ThinkingSettings, template_thinks
+from .reasoning import ThinkingFormat, ThinkingSettings, template_format
 from .loading import layer_devices, load_model, set_llama_log
 from .models import ModelError, resolve_model
 from .request import (ContextOverflow, InvalidArgument, Request, check_budget, check_int,
@@ -455,13 +455,11 @@ class Engine:
             specials=lambda: self._special_tokens()[0], origin=origin)
 
     def _thinking_format(self) -> ThinkingFormat | None:
-        """How the model marks its thinking, if it is a reasoning model: its tags are tokens
-        of the vocabulary, and its chat template writes or reads them (or takes
-        ``enable_thinking``); None otherwise (:mod:`adaptive_llama.runtime.reasoning`)."""
-        form = ThinkingFormat()
-        if not (self.chat_template and template_thinks(self.chat_template.source, form)):
-            return None
-        if not all(self._is_one_token(tag) for tag in (form.open, form.close)):
+        """How the model marks its thinking, if it is a reasoning model: its chat template
+        writes or reads the marks (or takes ``enable_thinking``), and they are tokens of the
+        vocabulary; None otherwise (:mod:`adaptive_llama.runtime.reasoning`)."""
+        form = template_format(self.chat_template.source) if self.chat_template else None
+        if form is None or not all(self._is_one_token(mark) for mark in form.tokens):
             return None
         return form
 
@@ -645,11 +643,12 @@ class Engine:
 
     def _closing_tokens(self, message: str) -> list[int]:
         """What closes the thinking when its budget is spent: ``message`` (on a line of its
-        own), the closing tag, and the blank line before the answer."""
+        own), the closing mark, and what the format writes before the answer."""
         text = f"\n{message.strip()}\n" if message.strip() else "\n"
+        gap = self.tokenize(self.thinking.answer_gap, add_bos=False) \
+            if self.thinking.answer_gap else []
         return (self.tokenize(text, add_bos=False)
-                + self.tokenize(self.thinking.close, add_bos=False, special=True)
-                + self.tokenize("\n\n", add_bos=False))
+                + self.tokenize(self.thinking.close, add_bos=False, special=True) + gap)
 
     def check_sampler(self, sampler: SamplerSpec | str, grammar=None,
                       logit_bias=()) -> SamplerSpec:

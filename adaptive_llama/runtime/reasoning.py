@@ -3,11 +3,16 @@
 Reasoning models (DeepSeek-R1 and its distills, Qwen3, QwQ) write their thinking between
 ``<think>`` and ``</think>`` before the answer. Some write the opening tag themselves; some
 chat templates open it at the end of the generation prompt (DeepSeek-R1's newer templates),
-so that the reply starts inside the thinking. :class:`ThinkingSplitter` follows a reply as
-it streams, piece by piece, and says which text is thinking and which is answer: a tag split
-over several pieces is held back until it is known, whitespace around the thinking and
-before the answer is dropped, and a reply cut inside the thinking (at the length limit) is
-all thinking.
+so that the reply starts inside the thinking. gpt-oss writes OpenAI's harmony format: the
+thinking is a message on the ``analysis`` channel, the answer one on the ``final`` channel
+(``<|channel|>analysis<|message|>...<|end|><|start|>assistant<|channel|>final<|message|>...``),
+and a reply may go to the final channel at once. :class:`ThinkingFormat` names the marks of
+each (:data:`TAGS`, :data:`HARMONY`).
+
+:class:`ThinkingSplitter` follows a reply as it streams, piece by piece, and says which text
+is thinking and which is answer: a mark split over several pieces is held back until it is
+known, whitespace around the thinking and before the answer is dropped, and a reply cut
+inside the thinking (at the length limit) is all thinking.
 """
 
 from __future__ import annotations
@@ -21,18 +26,40 @@ _START = "start"  # nothing but whitespace yet: the reply may still open the thi
 
 @dataclass(frozen=True)
 class ThinkingFormat:
-    """How a model marks its thinking: the tags, and whether the generation prompt already
-    opened it (the reply then starts inside the thinking)."""
+    """How a model marks its thinking: the text that opens and closes it, what it writes
+    between the close and the answer, the text that opens an answer written without
+    thinking (dropped; empty: none), the control tokens the vocabulary has for these marks,
+    and whether the generation prompt already opened the thinking (the reply then starts
+    inside it)."""
 
     open: str = OPEN
     close: str = CLOSE
+    answer_gap: str = "\n\n"
+    answer_open: str = ""
+    tokens: tuple[str, ...] = (OPEN, CLOSE)
+    name: str = f"{OPEN}...{CLOSE}"  # as /show says it
     opened_by_prompt: bool = False
 
 
-def template_thinks(source: str, form: ThinkingFormat = ThinkingFormat()) -> bool:
-    """Whether a chat template writes or reads a reasoning model's thinking (its tags, or
-    Qwen3's ``enable_thinking``)."""
-    return any(mark in source for mark in (form.open, form.close, "enable_thinking"))
+TAGS = ThinkingFormat()
+HARMONY = ThinkingFormat(
+    open="<|channel|>analysis<|message|>",
+    close="<|end|><|start|>assistant<|channel|>final<|message|>", answer_gap="",
+    answer_open="<|channel|>final<|message|>",
+    tokens=("<|start|>", "<|channel|>", "<|message|>", "<|end|>"),
+    name="harmony's analysis channel")
+
+
+def template_format(source: str) -> ThinkingFormat | None:
+    """How a chat template marks a reasoning model's thinking: harmony's channels (the
+    template writes ``<|start|>`` and ``<|channel|>``, llama.cpp's own test for gpt-oss),
+    else the tags when it writes or reads them (or takes Qwen3's ``enable_thinking``); None
+    for a model that does not think."""
+    if "<|start|>" in source and "<|channel|>" in source:
+        return HARMONY
+    if any(mark in source for mark in (OPEN, CLOSE, "enable_thinking")):
+        return TAGS
+    return None
 
 
 class ThinkingSplitter:
@@ -42,7 +69,7 @@ class ThinkingSplitter:
     for the text now known; :meth:`finish` returns what was held back at the end.
     """
 
-    def __init__(self, form: ThinkingFormat = ThinkingFormat()):
+    def __init__(self, form: ThinkingFormat = TAGS):
         self.form = form
         self.phase = THINKING if form.opened_by_prompt else _START
         self._held = ""          # text that may still be the start of a tag, or spaces
@@ -78,16 +105,26 @@ class ThinkingSplitter:
         """Whether the reply is inside its thinking now."""
         return self.phase == THINKING
 
+    @property
+    def undecided(self) -> bool:
+        """Whether the reply has not yet said whether it thinks (its first text may still
+        be the start of a mark)."""
+        return self.phase == _START
+
     def _start(self) -> bool:
-        """Before any text: the opening tag after optional whitespace starts the thinking,
-        anything else the answer. False while it cannot be told yet."""
+        """Before any text: the opening mark after optional whitespace starts the thinking,
+        the answer's mark (dropped) or anything else the answer. False while it cannot be
+        told yet."""
         stripped = self._held.lstrip()
-        if stripped.startswith(self.form.open):
-            self._held = stripped[len(self.form.open):]
-            self.phase = THINKING
-            return True
-        if self.form.open.startswith(stripped):
-            return False  # empty, or a part of the tag
+        marks = [(mark, phase) for mark, phase in ((self.form.open, THINKING),
+                                                   (self.form.answer_open, ANSWER)) if mark]
+        for mark, phase in marks:
+            if stripped.startswith(mark):
+                self._held = stripped[len(mark):]
+                self.phase = phase
+                return True
+        if any(mark.startswith(stripped) for mark, _ in marks):
+            return False  # empty, or a part of a mark
         self.phase, self._fresh = ANSWER, False  # the answer as written
         return True
 
@@ -138,13 +175,15 @@ class Thought(str):
 
 def without_thinking(message: dict, form: ThinkingFormat) -> dict:
     """A chat template's message without the thinking an earlier answer may still hold
-    (``<think>...</think>`` before its text): reasoning models' templates drop it, and so
-    does a prompt built here for a template that does not."""
+    (``<think>...</think>`` before its text, or harmony's channels): reasoning models'
+    templates drop it, and so does a prompt built here for a template that does not."""
     content = message.get("content")
-    if (message.get("role") != "assistant" or not isinstance(content, str)
-            or form.close not in content):
+    if message.get("role") != "assistant" or not isinstance(content, str):
         return message
-    return {**message, "content": content.split(form.close)[-1].lstrip()}
+    answer = content.split(form.close)[-1].lstrip() if form.close in content else content
+    if form.answer_open:
+        answer = answer.removeprefix(form.answer_open)
+    return message if answer == content else {**message, "content": answer}
 
 
 # What OpenAI's reasoning_effort and Ollama's think levels set the thinking budget to, in

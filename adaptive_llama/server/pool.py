@@ -31,7 +31,7 @@ from ..runtime.chat_template import ChatTemplate, TemplateError
 from ..runtime.engine import ContextOverflow, Engine, InvalidArgument
 from ..runtime.gguf_header import GGUFHeader, read_header
 from ..runtime.models import BUNDLED
-from ..runtime.reasoning import template_thinks
+from ..runtime.reasoning import template_format
 from ..samplers import SamplerSpec, SpecError
 from .errors import APIError
 from .scheduler import Job, QueueFull, Scheduler
@@ -137,8 +137,8 @@ class ServedModel:
     def thinks(self) -> bool:
         """Whether it is a reasoning model, as far as its header says without loading it:
         its template writes or reads the thinking (loaded, the engine also checks that the
-        tags are tokens of its vocabulary)."""
-        return template_thinks(self.template_source)
+        marks are tokens of its vocabulary)."""
+        return template_format(self.template_source) is not None
 
     def answers_to(self, name: str) -> bool:
         """Whether a request naming ``name`` means this model: its name (with ollama's
