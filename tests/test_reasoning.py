@@ -48,6 +48,7 @@ def split(pieces, form=ThinkingFormat()):
     ("add 3 and 4, then ", OPENED, ("add 3 and 4, then", "")),  # cut inside the thinking
     ("\n add  \n 3 </think>", OPENED, ("add  \n 3", "")),  # spaces inside stay
     ("<think>add, then</thi", ThinkingFormat(), ("add, then</thi", "")),
+    ("<think>add </thi", ThinkingFormat(), ("add </thi", "")),  # held back, then given
     ("<think></think>\n\n391", ThinkingFormat(), ("", "391")),  # thinking off: empty
     ("</think>391 </think>", OPENED, ("", "391 </think>")),  # a second tag is answer text
     ("<think>a <think> b</think>c", ThinkingFormat(), ("a <think> b", "c")),
@@ -97,6 +98,9 @@ def test_text_is_given_out_as_soon_as_it_cannot_be_a_tag():
     assert splitter.feed("\n7") == [(ANSWER, "7")]
     assert splitter.feed(" <think>") == [(ANSWER, " <think>")]
     assert splitter.finish() == []
+    assert splitter.finish() == []  # nothing is given twice
+    plain = ThinkingSplitter()
+    assert plain.feed(" 391") == [(ANSWER, " 391")]  # not a tag: given at once
 
 
 @pytest.mark.parametrize("source, form", [
@@ -115,10 +119,14 @@ def test_a_template_says_how_its_model_marks_its_thinking(source, form):
     ("<|channel|>final<|message|>391", HARMONY, "391"),
     ("  391", HARMONY, "  391"),  # an answer as written stays as it is
     ("<think>a</think>\n\n391", ThinkingFormat(), "391"),
+    ("<think>a</think>b </think> c", ThinkingFormat(), "b </think> c"),  # as split
     ("  391", ThinkingFormat(), "  391"),
 ])
 def test_the_thinking_sent_back_in_an_answer_is_dropped(content, form, answer):
-    assert without_thinking({"role": "assistant", "content": content}, form)["content"] == answer
+    sent = {"role": "assistant", "content": content}
+    kept = without_thinking(sent, form)
+    assert kept["content"] == answer
+    assert (kept is sent) == (answer == content)  # unchanged: the message itself
     user = {"role": "user", "content": content}
     assert without_thinking(user, form) is user  # only answers lose it
 

@@ -95,8 +95,7 @@ class ThinkingSplitter:
         held, self._held = self._held, ""
         if not held or self.phase == _START and not held.strip():
             return []
-        if self.phase == THINKING:
-            held = held.lstrip() if self._fresh else held
+        if self.phase == THINKING:  # its first spaces were dropped as they came
             return [(THINKING, held.rstrip())] if held.strip() else []
         return [(ANSWER, held)]
 
@@ -180,7 +179,8 @@ def without_thinking(message: dict, form: ThinkingFormat) -> dict:
     content = message.get("content")
     if message.get("role") != "assistant" or not isinstance(content, str):
         return message
-    answer = content.split(form.close)[-1].lstrip() if form.close in content else content
+    # after the first close, as the splitter reads a reply: a second one is the answer's text
+    answer = content.split(form.close, 1)[-1].lstrip() if form.close in content else content
     if form.answer_open:
         answer = answer.removeprefix(form.answer_open)
     return message if answer == content else {**message, "content": answer}
