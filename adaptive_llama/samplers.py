@@ -313,7 +313,10 @@ def valid_specs() -> str:
 def table() -> str:
     """The samplers and modifiers, their parameters with defaults and ranges."""
     lines = []
-    for title, modifiers in (("Samplers (one per spec):", False),
+    for title, modifiers in (("Samplers (one per spec; truncations may join each other, "
+                              "as in top-k:k=40+top-p:p=0.95+min-p, the last in the order "
+                              f"{', '.join(CUTS)} sampling and the others cutting before it):",
+                              False),
                              ("Modifiers (joined with +, e.g. adaptive+penalties:repeat=1.1; "
                               "order: penalties, dry, top-n-sigma, temp, the sampler, xtc; "
                               "alone, they are followed by dist and take temp=, as in "
@@ -344,8 +347,9 @@ class SamplerSpec:
         return SAMPLERS[self.name]
 
     def stage(self, stage: str) -> tuple[SamplerSpec, ...]:
-        """The modifiers that run ``"before"`` or ``"after"`` the sampler, in order."""
-        return tuple(m for m in self.modifiers if m.sampler.stage == stage)
+        """The modifiers that run ``"before"`` or ``"after"`` the sampler, or the truncations
+        that cut before it (``"cut"``), in order."""
+        return tuple(m for m in self.modifiers if _stage_of(m) == stage)
 
     @property
     def in_graph(self) -> bool:
@@ -380,10 +384,21 @@ class SamplerSpec:
         return _joined(replace(self, modifiers=()), [*kept, modifier])
 
 
+# Truncations that may cut before another, in llama.cpp's chain order (top_k, typ_p, top_p,
+# min_p): a spec of several runs all but the last as cuts before it, as llama-server runs
+# a request's top_k, typical_p, top_p and min_p together.
+CUTS = ("top-k", "typical", "top-p", "min-p")
+
+
+def _stage_of(entry: SamplerSpec) -> str:
+    """Where a joined entry runs: a modifier's stage, or ``"cut"`` for a truncation."""
+    return entry.sampler.stage if entry.sampler.is_modifier else "cut"
+
+
 def _joined(sampler: SamplerSpec, modifiers: list[SamplerSpec]) -> SamplerSpec:
-    """``sampler`` with ``modifiers`` in chain order, or SpecError for a pair that cannot
-    run together."""
-    order = list(SAMPLERS)
+    """``sampler`` with ``modifiers`` (and cuts) in chain order, or SpecError for a pair
+    that cannot run together."""
+    order = [*CUTS, *SAMPLERS]
     modifiers = sorted(modifiers, key=lambda m: order.index(m.name))
     if any(m.sampler.stage == "after" for m in modifiers):
         _check_chosen_later(sampler)
@@ -427,12 +442,28 @@ def parse_spec(text: str) -> SamplerSpec:
     entries = [_parse_entry(part) for part in parts]
     samplers = [e for e in entries if not e.sampler.is_modifier]
     modifiers = [e for e in entries if e.sampler.is_modifier]
+    _check_once([e.name for e in entries], text)
+    if len(samplers) > 1 and all(e.name in CUTS for e in samplers):
+        return _cut(samplers, modifiers, text)
     if len(samplers) != 1:
         names = " and ".join(e.name for e in samplers) or "none"
         raise SpecError(f"a spec has one sampler, but {text.strip()!r} has {names}; "
-                        "modifiers join it with +, as in adaptive+penalties:repeat=1.1")
-    _check_once([m.name for m in modifiers], text)
+                        "modifiers join it with +, as in adaptive+penalties:repeat=1.1 "
+                        f"(truncations may join each other: {', '.join(CUTS)})")
     return _joined(samplers[0], modifiers)
+
+
+def _cut(truncations: list[SamplerSpec], modifiers: list[SamplerSpec],
+         text: str) -> SamplerSpec:
+    """Several truncations: the last in llama.cpp's order samples, the others cut before
+    it (before the temperature, as in llama.cpp), so that they take no ``temp=``."""
+    ordered = sorted(truncations, key=lambda e: CUTS.index(e.name))
+    *cuts, last = ordered
+    warm = next((e for e in cuts if e.temp != 1.0), None)
+    if warm is not None:
+        raise SpecError(f"in {text.strip()!r}, {warm.name} cuts before {last.name}, which "
+                        f"takes the temperature: write temp= on {last.name}")
+    return _joined(last, [*cuts, *modifiers])
 
 
 def _check_once(names: list[str], text: str) -> None:
@@ -525,6 +556,7 @@ _MIROSTAT = {1: "mirostat1", 2: "mirostat"}
 def spec_from_options(default: SamplerSpec, *, sampler: str | None = None,
                       temperature: float | None = None, top_p: float | None = None,
                       top_k: int | None = None, min_p: float | None = None,
+                      typical_p: float | None = None,
                       epsilon: float | None = None, mirostat: int | None = None,
                       mirostat_tau: float | None = None, mirostat_eta: float | None = None,
                       adaptive_target: float | None = None,
@@ -534,9 +566,10 @@ def spec_from_options(default: SamplerSpec, *, sampler: str | None = None,
     ``sampler`` text (parsed once), else ``mirostat`` 1 or 2 (with ``mirostat_tau`` and
     ``mirostat_eta``), else llama-server's ``adaptive_target`` (0 to 1; negative: off) with
     ``adaptive_decay`` for adaptive-p, which runs alone here (a truncation option that would
-    cut before it is refused), else the first truncation option that truncates (``min_p`` above 0,
-    ``top_p`` below 1, ``top_k`` above 0: llama.cpp's chain here runs one) at the default
-    spec's temperature, else ``default``; then ``epsilon`` on top (a spec without one:
+    cut before it is refused), else every truncation option that truncates (``top_k`` above
+    0, ``typical_p`` and ``top_p`` below 1, ``min_p`` above 0), in llama.cpp's order, the
+    last sampling at the default spec's temperature and the others cutting before it, else
+    ``default``; then ``epsilon`` on top (a spec without one:
     SpecError), the modifiers' options (:data:`MODIFIER_OPTIONS`, over a modifier the spec
     already has) and ``temperature`` (0: greedy, with the modifiers before it; a sampler
     that takes none, such as greedy, ignores it, as clients send one with every request)."""
@@ -547,8 +580,9 @@ def spec_from_options(default: SamplerSpec, *, sampler: str | None = None,
     chosen = None
     if sampler is None:
         chosen = (_mirostat(mirostat, mirostat_tau, mirostat_eta)
-                  or _adaptive_p(adaptive_target, adaptive_decay, top_p, top_k, min_p)
-                  or _truncation(top_p, top_k, min_p))
+                  or _adaptive_p(adaptive_target, adaptive_decay, top_p, top_k, min_p,
+                                 typical_p)
+                  or _truncation(top_p, top_k, min_p, typical_p))
     if chosen is not None:
         chosen = chosen.with_param("temp", default.temp) if default.sampler.takes_temp \
             else chosen
@@ -566,14 +600,16 @@ def spec_from_options(default: SamplerSpec, *, sampler: str | None = None,
 
 
 def _rejoined(sampler: SamplerSpec, modifiers: tuple[SamplerSpec, ...]) -> SamplerSpec:
-    """``sampler`` in place of another, with the modifiers it can take: a client's
-    temperature 0 or mirostat on a server whose default spec has xtc drops xtc, which
-    cannot follow a sampler that chooses the token itself."""
+    """``sampler`` (with its own cuts) in place of another, with the other's modifiers it
+    can take: a client's temperature 0 or mirostat on a server whose default spec has xtc
+    drops xtc, which cannot follow a sampler that chooses the token itself. The other's
+    cuts were its own: they go with it."""
+    modifiers = tuple(m for m in modifiers if m.sampler.is_modifier)
     try:
         _check_chosen_later(sampler)
     except SpecError:
         modifiers = tuple(m for m in modifiers if m.sampler.stage != "after")
-    return _joined(sampler, list(modifiers))
+    return _joined(sampler, [*sampler.stage("cut"), *modifiers])
 
 
 def _with_option_modifiers(spec: SamplerSpec, options: dict) -> SamplerSpec:
@@ -615,27 +651,32 @@ def _mirostat(mode: int | None, tau: float | None, eta: float | None) -> Sampler
     return spec
 
 
-def _adaptive_p(target: float | None, decay: float | None, top_p, top_k,
-                min_p) -> SamplerSpec | None:
+def _adaptive_p(target: float | None, decay: float | None, top_p, top_k, min_p,
+                typical_p) -> SamplerSpec | None:
     """llama-server's ``adaptive_target`` (negative or absent: off) and ``adaptive_decay``."""
     if target is None or (isinstance(target, (int, float)) and target < 0):
         return None
-    if _truncation(top_p, top_k, min_p) is not None:
+    if _truncation(top_p, top_k, min_p, typical_p) is not None:
         raise SpecError("`adaptive_target`: adaptive-p runs alone here; leave out min_p, "
-                        "top_p below 1 and top_k above 0", "adaptive_target")
+                        "typical_p and top_p below 1 and top_k above 0", "adaptive_target")
     spec = parse_spec("adaptive-p").with_param("target", target, "adaptive_target")
     return spec if decay is None else spec.with_param("decay", decay, "adaptive_decay")
 
 
-def _truncation(top_p: float | None, top_k: int | None,
-                min_p: float | None) -> SamplerSpec | None:
-    if min_p:
-        return parse_spec("min-p").with_param("p", min_p, "min_p")
-    if top_p is not None and top_p < 1:
-        return parse_spec("top-p").with_param("p", top_p, "top_p")
-    if top_k:
-        return parse_spec("top-k").with_param("k", top_k, "top_k")
-    return None
+def _truncation(top_p: float | None, top_k: int | None, min_p: float | None,
+                typical_p: float | None = None) -> SamplerSpec | None:
+    """The options that truncate (``top_k`` above 0, ``typical_p`` and ``top_p`` below 1,
+    ``min_p`` above 0), all of them, in llama.cpp's order; None if none does."""
+    given = [(name, param, value, option) for name, param, value, option, truncates in (
+        ("top-k", "k", top_k, "top_k", bool(top_k)),
+        ("typical", "p", typical_p, "typical_p", typical_p is not None and typical_p < 1),
+        ("top-p", "p", top_p, "top_p", top_p is not None and top_p < 1),
+        ("min-p", "p", min_p, "min_p", bool(min_p))) if truncates]
+    if not given:
+        return None
+    entries = [parse_spec(name).with_param(param, value, option)
+               for name, param, value, option in given]
+    return _joined(entries[-1], entries[:-1])
 
 
 def hot_epsilon_note(spec: SamplerSpec) -> str | None:

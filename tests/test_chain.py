@@ -521,3 +521,16 @@ def test_same_seed_same_text_under_both_backends(engine, monkeypatch, spec):
         assert result.backend == name and result.summary()["backend"] == name
         texts[name] = (result.tokens, [s.k for s in result.token_stats])
     assert texts["c"] == texts["numba"] and len(texts["c"][0]) == 48
+
+
+def test_truncations_cut_before_the_last_one(engine):
+    """top-k:k=1 cutting before top-p leaves one token: greedy's reply at any temperature
+    and seed, where top-p alone wanders."""
+    prompt = "The old lighthouse keeper climbed the stairs and"
+    greedy = engine.generate(prompt, sampler="greedy", max_tokens=16).text
+    for seed in (1, 2, 3):
+        assert engine.generate(prompt, sampler="top-k:k=1+top-p:p=0.99,temp=3", seed=seed,
+                               max_tokens=16).text == greedy
+    hot = [engine.generate(prompt, sampler="top-p:p=0.99,temp=3", seed=seed,
+                           max_tokens=16).text for seed in (1, 2, 3)]
+    assert any(text != greedy for text in hot)

@@ -187,7 +187,8 @@ def test_the_listings_show_every_sampler_with_its_defaults():
     assert "(all but greedy also take temp=1); modifiers, joined with +: penalties:" in specs
     assert specs.endswith("xtc:probability=0.5,threshold=0.1")
     lines = table().splitlines()
-    assert lines[0] == "Samplers (one per spec):"
+    assert lines[0].startswith("Samplers (one per spec; truncations may join each other")
+    assert "the last in the order top-k, typical, top-p, min-p sampling" in lines[0]
     assert lines[1].startswith("  greedy       argmax")
     eps_line = next(line for line in lines if line.lstrip().startswith("eps=0.005"))
     assert eps_line == " " * 16 + f"{'eps=0.005':<22} in (0, 1): threshold epsilon"
@@ -203,11 +204,17 @@ ADAPTIVE_HOT = parse_spec("adaptive:eps=0.001,temp=0.8")
     ({}, "adaptive:eps=0.001,temp=0.8"),
     # sampler text wins over the truncation options, which then do nothing
     (dict(sampler="eta", top_p=0.5), "eta:eps=0.0009"),
-    # the first truncation option that truncates, at the default's temperature
-    (dict(min_p=0.1, top_p=0.5, top_k=5), "min-p:p=0.1,temp=0.8"),
-    (dict(min_p=0.0, top_p=0.5, top_k=5), "top-p:p=0.5,temp=0.8"),
+    # every truncation option that truncates, in llama.cpp's order: the last samples at
+    # the default's temperature, the others cut before it
+    (dict(min_p=0.1, top_p=0.5, top_k=5), "top-k:k=5+top-p:p=0.5+min-p:p=0.1,temp=0.8"),
+    (dict(min_p=0.0, top_p=0.5, top_k=5), "top-k:k=5+top-p:p=0.5,temp=0.8"),
     (dict(top_p=1.0, top_k=5), "top-k:k=5,temp=0.8"),
-    (dict(top_p=1.0, top_k=0), "adaptive:eps=0.001,temp=0.8"),
+    (dict(top_p=1.0, top_k=0, typical_p=1.0), "adaptive:eps=0.001,temp=0.8"),
+    (dict(typical_p=0.5, top_p=0.9), "typical:p=0.5+top-p:p=0.9,temp=0.8"),
+    (dict(typical_p=0.5), "typical:p=0.5,temp=0.8"),
+    # temperature 0 and mirostat choose alone, as in llama.cpp: the cuts go
+    (dict(top_k=5, top_p=0.5, temperature=0), "greedy"),
+    (dict(top_k=5, mirostat=2), "mirostat:temp=0.8"),
     # temperature on top; 0 is greedy; a sampler without one ignores it
     (dict(temperature=1.5), "adaptive:eps=0.001,temp=1.5"),
     (dict(temperature=0, sampler="top-k:k=3"), "greedy"),
@@ -218,6 +225,30 @@ ADAPTIVE_HOT = parse_spec("adaptive:eps=0.001,temp=0.8")
 ])
 def test_client_options_become_one_spec(options, expected):
     assert spec_from_options(ADAPTIVE_HOT, **options) == parse_spec(expected)
+
+
+@pytest.mark.parametrize("text, sampler, cuts", [
+    ("top-k:k=40+top-p:p=0.95+min-p:p=0.05", "min-p", ["top-k", "top-p"]),
+    ("min-p:p=0.05+top-p:p=0.95+top-k:k=40", "min-p", ["top-k", "top-p"]),  # any order
+    ("top-p:p=0.9,temp=0.7+typical:p=0.5+penalties", "top-p", ["typical"]),
+    ("top-p:p=0.9+top-k:k=5", "top-p", ["top-k"]),
+])
+def test_truncations_join_as_cuts_before_the_last_in_llama_cpps_order(text, sampler, cuts):
+    spec = parse_spec(text)
+    assert spec.name == sampler and [c.name for c in spec.stage("cut")] == cuts
+    assert parse_spec(str(spec)) == spec  # written back as it reads
+    assert all(m.sampler.is_modifier for m in spec.stage("before"))
+
+
+@pytest.mark.parametrize("text, message", [
+    ("top-k:k=4,temp=0.5+min-p", "top-k cuts before min-p, which takes the temperature"),
+    ("top-k+adaptive", r"a spec has one sampler, but 'top-k\+adaptive' has top-k and adaptive"),
+    ("top-k+top-k:k=3", "`top-k` is given twice"),
+    ("min-p+eta", "has min-p and eta"),
+])
+def test_only_truncations_join_each_other(text, message):
+    with pytest.raises(SpecError, match=message):
+        parse_spec(text)
 
 
 @pytest.mark.parametrize("options,message", [

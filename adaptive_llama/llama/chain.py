@@ -206,7 +206,7 @@ class SamplerChain:
             self._add_grammar(vocab_model, grammar)
         if logit_bias:
             self._add_logit_bias(logit_bias)
-        for modifier in self.spec.stage("before"):
+        for modifier in (*self.spec.stage("before"), *self.spec.stage("cut")):
             modifier.sampler.add(self, modifier.params)
         sampler = self.spec.sampler
         # In the graph the adaptive sampler's softmax takes the temperature as its scale:

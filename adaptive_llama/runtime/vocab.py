@@ -4,6 +4,7 @@ a reply ends (the engine tokenizes; the decoder only needs this)."""
 from __future__ import annotations
 
 import ctypes
+import functools
 
 import llama_cpp
 
@@ -26,6 +27,11 @@ class Vocab:
 
     def is_end_of_generation(self, token: int) -> bool:
         return llama_cpp.llama_vocab_is_eog(self._vocab, token)
+
+    @functools.cached_property
+    def end_of_generation(self) -> tuple[int, ...]:
+        """Every token that ends a generation (llama-server's ``ignore_eos`` bans them)."""
+        return tuple(t for t in range(self.n_vocab) if self.is_end_of_generation(t))
 
     def is_control(self, token: int) -> bool:
         """A control or user-defined token (the chat template's markup)."""

@@ -227,6 +227,7 @@ class SamplingFields(BaseModel):
 
     top_k: int | None = Field(None, ge=0)
     min_p: float | None = Field(None, ge=0, le=1)
+    typical_p: float | None = None
     mirostat: int | None = None
     mirostat_tau: float | None = None
     mirostat_eta: float | None = None
@@ -247,6 +248,20 @@ class SamplingFields(BaseModel):
     def sampling_options(self) -> dict:
         """These fields as :func:`adaptive_llama.samplers.spec_from_options` takes them."""
         return {name: getattr(self, name) for name in SamplingFields.model_fields}
+
+
+# llama-server's request fields (tools/server/README.md) that this server does not do, with
+# the values that change nothing, as its clients send them by default: any other value is
+# a 400 naming the field. Its other fields are done, or change nothing here: n_keep and
+# cache_prompt (the context is never shifted; prompts are always cached), id_slot.
+LLAMA_SERVER_UNDONE: dict[str, tuple] = {
+    "dynatemp_range": (None, 0, 0.0), "dynatemp_exponent": (None, 1, 1.0),
+    "min_keep": (None, 0, 1), "samplers": (None,), "n_indent": (None, 0),
+    "t_max_predict_ms": (None, 0), "image_data": (None, []), "multimodal_data": (None, []),
+    "lora": (None, []), "post_sampling_probs": (None, False), "return_tokens": (None, False),
+    "response_fields": (None, []), "timings_per_token": (None, False),
+    "return_progress": (None, False), "chat_template_kwargs": (None, {}),
+    "thinking_forced_open": (None, False), "n_cmpl": (None, 1)}
 
 
 def reasoning_sampler(text: str | None, param: str) -> SamplerSpec | None:

@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import asyncio
 import json
-from typing import Annotated
+from typing import Annotated, ClassVar
 
 from fastapi import APIRouter, Request
 from fastapi.responses import PlainTextResponse
@@ -36,8 +36,9 @@ from pydantic import BaseModel, Field
 from sse_starlette.sse import EventSourceResponse
 
 from ..runtime.engine import GenerationResult
-from ..samplers import SEED
+from ..samplers import DRY_SEQUENCE_BREAKERS, SEED
 from .common import (
+    LLAMA_SERVER_UNDONE,
     MAX_MESSAGES,
     MAX_STOPS,
     STRICT,
@@ -108,6 +109,8 @@ async def detokenize(request: Request):
 class CompletionRequest(SamplingFields):
     """llama-server's /completion body."""
     model_config = STRICT
+    UNSUPPORTED: ClassVar[dict[str, tuple]] = {
+        "dry_sequence_breakers": (None, list(DRY_SEQUENCE_BREAKERS)), **LLAMA_SERVER_UNDONE}
 
     model: str | None = None
     prompt: str | Annotated[list[int], Field(min_length=1)]
@@ -121,6 +124,8 @@ class CompletionRequest(SamplingFields):
     grammar: str | None = None
     json_schema: dict | None = None
     sampler: str | None = None
+    logit_bias: dict | list | None = None  # as the other routes take it
+    ignore_eos: bool = False
 
     def completion_body(self) -> CompletionBody:
         """The same request as the completions route takes it."""
@@ -133,6 +138,7 @@ class CompletionRequest(SamplingFields):
             "seed": None if self.seed == -1 else self.seed, "stream": self.stream,
             "logprobs": self.n_probs or None, "grammar": self.grammar,
             "json_schema": self.json_schema, "sampler": self.sampler,
+            "logit_bias": self.logit_bias, "ignore_eos": self.ignore_eos,
             **self.sampling_options()})
 
 

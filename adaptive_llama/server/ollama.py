@@ -8,9 +8,9 @@ in Ollama's shape, ``{"error": "message"}``, with the HTTP status.
 ``options``: ``temperature`` (0: greedy), ``seed``, ``num_predict`` (max new tokens; -1 or
 absent: until the context is full), ``stop``, ``num_ctx`` (this request's window, inside the
 slot's), and the sampler: our ``sampler`` spec (``"adaptive:eps=0.001"``), or, without it,
-``mirostat`` 1 or 2, or one of Ollama's truncation options: ``min_p`` above 0, else ``top_p``
-below 1, else ``top_k`` above 0 (in that order; llama.cpp's chain here runs one truncation
-sampler), at the default sampler's temperature; penalties (``repeat_penalty``,
+``mirostat`` 1 or 2, or Ollama's truncation options (``top_k`` above 0, ``typical_p`` and
+``top_p`` below 1, ``min_p`` above 0: all that are given cut, in that order, the last at the
+default sampler's temperature); penalties (``repeat_penalty``,
 ``repeat_last_n``, ``presence_penalty``, ``frequency_penalty``) and llama-server's DRY, XTC and
 top-n-sigma options join their modifiers (:class:`.common.SamplingFields`). Without any of them
 the server's default sampler runs (:func:`.common.sampler_for`, shared with the OpenAI routes).

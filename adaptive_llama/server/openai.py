@@ -63,6 +63,7 @@ from ..runtime.tools import ToolCall, ToolCallReader, parse_reply
 from ..samplers import DRY_SEQUENCE_BREAKERS, SEED
 from .common import (
     FINISH_REASONS,
+    LLAMA_SERVER_UNDONE,
     MAX_EMBED_INPUTS,
     MAX_MESSAGES,
     MAX_PROMPTS,
@@ -144,13 +145,16 @@ class _Body(SamplingFields):
     # DRY runs with llama.cpp's sequence breakers; clients that send them (SillyTavern
     # sends llama.cpp's) are served, other breakers refused.
     UNSUPPORTED: ClassVar[dict[str, tuple]] = {
-        "dry_sequence_breakers": (None, list(DRY_SEQUENCE_BREAKERS))}
+        "dry_sequence_breakers": (None, list(DRY_SEQUENCE_BREAKERS)), **LLAMA_SERVER_UNDONE,
+        "n_probs": (None, 0)}  # llama-server's log-probabilities: here `logprobs`
     # A body translated from another API's (Responses, Messages): its fields' names there,
     # for the errors that name one.
     NAMES: ClassVar[dict[str, str]] = {}
 
     model: str | None = None
     max_tokens: int | None = Field(None, ge=1)
+    n_predict: int | None = Field(None, ge=-1)  # llama-server's max_tokens (-1: no bound)
+    ignore_eos: bool = False  # llama-server's: the end of generation is never chosen
     temperature: float | None = Field(None, ge=0, le=2)
     top_p: float | None = Field(None, gt=0, le=1)
     stop: str | Annotated[list[str], Field(max_length=MAX_STOPS)] | None = None
@@ -168,6 +172,16 @@ class _Body(SamplingFields):
                                                                    max_length=2)]],
                              Field(max_length=MAX_BIASES)]
                  | None) = None
+
+    def max_wanted(self, asked: int | None, default: int | None = None) -> int | None:
+        """The most tokens to generate: ``asked`` (OpenAI's field), else ``n_predict``
+        (-1: the room the prompt leaves), else ``default``."""
+        if asked is not None or self.n_predict is None:
+            return asked or default
+        if self.n_predict == 0:
+            raise APIError(400, "`n_predict`: 0 generates nothing; send -1 (until the "
+                           "context is full) or a count of tokens", param="n_predict")
+        return None if self.n_predict == -1 else self.n_predict
 
     def biases(self) -> list[tuple[int, float]]:
         """``logit_bias`` as (token id, bias) pairs; a 400 for a key that is not an id."""
@@ -194,9 +208,14 @@ class _Body(SamplingFields):
 
 
 class ChatBody(_Body):
-    # The legacy functions API: clients send `tools` now.
+    # The legacy functions API (clients send `tools` now); audio, web search and OpenAI's
+    # verbosity; llama-server's continuation of the last message, template per request and
+    # raw tool calls.
     UNSUPPORTED: ClassVar[dict[str, tuple]] = {
-        **_Body.UNSUPPORTED, "functions": (None, []), "function_call": (None, "none", "auto")}
+        **_Body.UNSUPPORTED, "functions": (None, []), "function_call": (None, "none", "auto"),
+        "audio": (None,), "modalities": (None, ["text"]), "web_search_options": (None,),
+        "verbosity": (None, "medium"), "add_generation_prompt": (None, True),
+        "chat_template": (None, ""), "parse_tool_calls": (None, True)}
 
     messages: list[Message] = Field(min_length=1, max_length=MAX_MESSAGES)
     max_completion_tokens: int | None = Field(None, ge=1)
@@ -252,7 +271,7 @@ class ChatBody(_Body):
 class CompletionBody(_Body):
     UNSUPPORTED: ClassVar[dict[str, tuple]] = {
         **_Body.UNSUPPORTED, "echo": (None, False), "suffix": (None, ""),
-        "best_of": (None, 1)}
+        "best_of": (None, 1), "reasoning_format": (None, "none")}  # a raw prompt: raw text
 
     prompt: str | Annotated[list[str], Field(max_length=MAX_PROMPTS)]
     logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
@@ -301,12 +320,15 @@ async def _job(model: LoadedModel, tokens: list[int], body: _Body, max_tokens: i
     logprobs = body.logprobs_wanted()
     if body.token_details:
         logprobs = max(logprobs or 0, DETAIL_CANDIDATES)
+    biases = body.biases()
+    if body.ignore_eos:  # as llama-server: a bias no logit overcomes
+        biases += [(token, -100.0) for token in model.engine.vocab.end_of_generation]
     return model.job(tokens, sampler=sampler, max_tokens=max_tokens, seed=body.seed,
                       stop=[body.stop] if isinstance(body.stop, str) else list(body.stop or []),
                       stream=body.stream, logprobs=logprobs, grammar=grammar,
                       format_field=grammar_field, prompt_field=prompt_field,
                       route=route, thinking=body.thinking_apart(),
-                      reasoning_budget=body.budget_wanted(), logit_bias=body.biases(),
+                      reasoning_budget=body.budget_wanted(), logit_bias=biases,
                       reasoning_sampler=reasoning_sampler(
                           getattr(body, "reasoning_sampler", None), "reasoning_sampler"))
 
@@ -317,7 +339,8 @@ async def chat_job(request: Request, model: LoadedModel, body: ChatBody
     and Messages routes translate theirs into a ChatBody), and the names of the functions
     whose calls are read out of its reply."""
     tokens, offered, functions = await chat_tokens(request, model, body)
-    job = await _job(model, tokens, body, body.max_completion_tokens or body.max_tokens,
+    job = await _job(model, tokens, body,
+                     body.max_wanted(body.max_completion_tokens or body.max_tokens),
                      body.NAMES.get("messages", "messages"), request.url.path,
                      *await _chat_grammar(body, offered))
     return job, functions
@@ -715,7 +738,8 @@ async def completion_job(model: LoadedModel, tokens: list[int], body: Completion
     """The generation a completion body asks for (llama-server's /completion translates
     its body into one); ``default_max``: the tokens without ``max_tokens`` (None: the
     room the prompt leaves)."""
-    return await _job(model, tokens, body, body.max_tokens or default_max, "prompt", route,
+    return await _job(model, tokens, body, body.max_wanted(body.max_tokens, default_max),
+                      "prompt", route,
                       *await _constraint_grammar(body))
 
 
