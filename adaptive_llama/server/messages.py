@@ -114,7 +114,8 @@ class CountBody(SamplingFields):
     """What a prompt is made of (``count_tokens`` takes only this)."""
     model_config = STRICT
     UNSUPPORTED: ClassVar[dict[str, tuple]] = {"mcp_servers": (None, []),
-                                               "container": (None,)}
+                                               "container": (None,),
+                                               "context_management": (None,)}
 
     model: str | None = None
     messages: list[AnthropicMessage] = Field(min_length=1, max_length=MAX_MESSAGES)

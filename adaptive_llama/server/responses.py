@@ -319,7 +319,7 @@ class _Head:
 
 def _usage(result: GenerationResult) -> dict:
     return {"input_tokens": result.prompt_tokens,
-            "input_tokens_details": {"cached_tokens": 0},
+            "input_tokens_details": {"cached_tokens": 0, "cache_write_tokens": 0},
             "output_tokens": result.completion_tokens,
             "output_tokens_details": {"reasoning_tokens": result.reasoning_tokens},
             "total_tokens": result.prompt_tokens + result.completion_tokens}
