@@ -779,3 +779,50 @@ def test_web_serves_and_opens_the_page_in_the_browser(smollm2_path, tmp_path):
         proc.terminate()
         _, err = proc.communicate(timeout=30)
     assert f"the chat page is http://127.0.0.1:{port}/" in err
+
+
+# ---- a reasoning model's thinking ----
+
+@pytest.fixture(scope="module")
+def thinking_port(reasoning_model, tmp_path_factory):
+    log = tmp_path_factory.mktemp("web-r1") / "server.log"
+    yield from serving(reasoning_model, log, "--sampler", "greedy", api_key=None)
+
+
+def test_a_reasoning_models_thinking_streams_in_a_block_of_its_own(browser, thinking_port):
+    from reasoning_model import ANSWER_TEXT, THINKING_TEXT
+
+    context = browser.new_context(viewport={"width": 1200, "height": 850})
+    page = Page(context, thinking_port).open()
+    page.tab.evaluate("""() => { window.openWhileStreaming = false;
+        new MutationObserver(() => {
+            if (document.querySelector('.content.streaming')
+                && document.querySelector('details.thinking[open] .thinking-text')
+                       ?.textContent) window.openWhileStreaming = true;
+        }).observe(document.body, {subtree: true, childList: true, attributes: true,
+                                   characterData: true}); }""")
+    page.send("What is 17 times 23?")
+    reply = page.tab.locator(".message.assistant").last
+    assert reply.locator(".content").inner_text().strip() == ANSWER_TEXT
+    block = reply.locator("details.thinking")
+    assert block.locator(".thinking-text").text_content() == THINKING_TEXT.strip()
+    assert not block.evaluate("b => b.open")  # folded once the answer came
+    assert block.locator("summary").inner_text().startswith("Thought for ")
+    assert page.tab.evaluate("window.openWhileStreaming")
+    saved = page.messages()[-1]
+    assert (saved["content"], saved["reasoning"]) == (ANSWER_TEXT, THINKING_TEXT.strip())
+    # the next question sends the answers back without their thinking
+    page.send("And 2 times 3?")
+    sent = [json.loads(r.post_data) for r in page.requests
+            if r.url.endswith("/v1/chat/completions")][-1]["messages"]
+    assert THINKING_TEXT.strip() not in json.dumps(sent) and sent[1]["content"] == ANSWER_TEXT
+    # a reload keeps each thinking, folded; the token view shows its tokens dimmed instead
+    page.tab.reload()
+    page.tab.wait_for_selector(".message.assistant")
+    assert page.tab.locator("details.thinking:not([open])").count() == 2
+    page.tab.check("#token-view")
+    assert page.tab.locator("details.thinking").count() == 0
+    thought = page.tab.locator(".message.assistant").last.locator(".tok.thought")
+    assert "Let me think" in "".join(thought.all_text_contents())
+    assert page.errors == []
+    context.close()

@@ -676,7 +676,8 @@ def check_saved_chat(data, current: Chat) -> dict:
     if not isinstance(messages, list) or not all(
             isinstance(m, dict) and m.get("role") in ("user", "assistant")
             and isinstance(m.get("content"), str)
-            and isinstance(m.get("interrupted", False), bool) for m in messages):
+            and isinstance(m.get("interrupted", False), bool)
+            and isinstance(m.get("reasoning", ""), str) for m in messages):
         raise ValueError("`messages` has to be a list of {role: user|assistant, content: text}")
     system = data.get("system", current.system)
     if system is not None and not isinstance(system, str):

@@ -4,7 +4,7 @@
 
 import { Api, ApiError } from "./api.js";
 import { el } from "./markdown.js";
-import { LiveReply, showMessage, showPlot } from "./reply.js";
+import { LiveReply, showMessage, showPlot, thinkingBlock } from "./reply.js";
 import { exported, imported, loadChats, loadSettings, newChat, saveChats, saveSettings,
   titleOf } from "./store.js";
 import { parseSpec, specOf } from "./spec.js";
@@ -190,6 +190,9 @@ function messageNode(message, index) {
   node.dataset.index = index;
   const content = node.appendChild(el("div", "content"));
   showMessage(content, message, state.settings.tokenView);
+  if (message.reasoning && !(state.settings.tokenView && message.details)) {
+    content.before(thinkingBlock(message, false));
+  }
   if (message.role === "assistant") {
     if (state.settings.tokenView && message.details?.length) node.append(kLegend());
     showPlot(node.appendChild(el("div", "plot")), message);
@@ -277,7 +280,7 @@ async function stream(body, message, content, controller) {
   try {
     for await (const chunk of api.chat(body, controller.signal)) {
       const choice = chunk.choices?.[0];
-      live.add(choice?.delta?.content, chunk.token_details);
+      live.add(choice?.delta?.content, chunk.token_details, choice?.delta?.reasoning_content);
       if (chunk.sampler_stats) message.stats = chunk.sampler_stats;
     }
   } catch (error) {

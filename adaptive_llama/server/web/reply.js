@@ -1,6 +1,7 @@
 // One assistant reply on the page: streamed in (its markdown redrawn once a frame, or in the
 // token view each token's coloured span appended; the view following it down), then shown
-// whole once it ends, with the plot of k under it.
+// whole once it ends, with the plot of k under it. A reasoning model's thinking streams into
+// a block of its own above the answer, open while it grows and closed once the answer starts.
 //
 // The time spent on each streamed chunk is added to window.adaptiveLlama.render, so that a
 // benchmark (benchmarks/bench_web.py) reads the cost per token in a real browser.
@@ -27,6 +28,25 @@ export function showMessage(content, message, tokenView) {
   if (tokens) renderTokens(content, message.details);
   else if (message.role === "assistant") content.append(renderMarkdown(message.content));
   else content.textContent = message.content;  // what the user typed, as typed
+}
+
+// A reasoning model's thinking above its answer (message.reasoning): open while it streams,
+// closed when drawn whole. In the token view the thinking's tokens show it instead (dimmed).
+export function thinkingBlock(message, streaming) {
+  const block = document.createElement("details");
+  block.className = "thinking";
+  block.open = Boolean(streaming);
+  const summary = block.appendChild(document.createElement("summary"));
+  summary.textContent = streaming ? "Thinking…" : thoughtFor(message);
+  const text = block.appendChild(document.createElement("div"));
+  text.className = "thinking-text";
+  text.textContent = message.reasoning || "";
+  return block;
+}
+
+function thoughtFor(message) {
+  const tokens = message.stats?.reasoning_tokens;
+  return tokens ? `Thought for ${tokens} tokens` : "Thought";
 }
 
 // The plot under a reply, when its tokens have a k.
@@ -75,6 +95,8 @@ export class LiveReply {
   moveTo(content, tokenView) {
     this.content = content;
     this.tokenView = tokenView;
+    this.thinking = null;
+    if (this.message.reasoning) this.showThinking("");
     content.replaceChildren();
     content.classList.add("streaming");
     content.classList.toggle("token-view", tokenView);
@@ -128,10 +150,34 @@ export class LiveReply {
     });
   }
 
-  // One chunk of the stream: its text and its tokens' details.
-  add(text, details) {
+  // The thinking so far, and `thought` added to it, in its block above the answer (made
+  // when the first of it comes; none in the token view, whose tokens show it).
+  showThinking(thought) {
+    if (this.tokenView) return;
+    if (!this.thinking) {
+      this.thinking = thinkingBlock(this.message, !this.message.content);
+      this.thinking.querySelector("summary").addEventListener("click", () => {
+        this.readerToggled = true;
+      });
+      this.content.before(this.thinking);
+    } else if (thought) {
+      this.thinking.querySelector(".thinking-text").append(thought);
+    }
+  }
+
+  // One chunk of the stream: its text, its thinking and its tokens' details.
+  add(text, details, thought) {
     const started = performance.now();
     const { message } = this;
+    if (thought) {
+      message.reasoning = (message.reasoning || "") + thought;
+      this.showThinking(thought);
+    }
+    if (text && !message.content && this.thinking) {
+      // the answer starts: the thinking folds away, unless the reader chose otherwise
+      if (!this.readerToggled) this.thinking.open = false;
+      this.thinking.querySelector("summary").textContent = "Thought";
+    }
     if (text) message.content += text;
     if (details?.length) {
       const first = (message.details ||= []).length;
@@ -141,7 +187,7 @@ export class LiveReply {
     if (text && !this.tokenView) this.redraw();
     this.follow();
     const spent = performance.now() - started;
-    renderCost.tokens += details?.length || (text ? 1 : 0);
+    renderCost.tokens += details?.length || (text || thought ? 1 : 0);
     renderCost.ms += spent;
     renderCost.worstMs = Math.max(renderCost.worstMs, spent);
   }

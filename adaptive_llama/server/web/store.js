@@ -72,9 +72,15 @@ export function exported(chat, settings) {
     seed: number(settings.seed),
     ...(maxTokens ? { max_tokens: maxTokens } : {}),  // none: the REPL keeps its own
     system: chat.system || null,
-    messages: chat.messages.map((m) => ({
-      role: m.role, content: m.content, ...(m.interrupted ? { interrupted: true } : {}),
-    })),
+    messages: chat.messages.map(savedMessage),
+  };
+}
+
+// A message as the REPL saves it: a reasoning model's thinking apart from its answer.
+function savedMessage(m) {
+  return {
+    role: m.role, content: m.content, ...(m.reasoning ? { reasoning: m.reasoning } : {}),
+    ...(m.interrupted ? { interrupted: true } : {}),
   };
 }
 
@@ -94,7 +100,8 @@ export function imported(text, name, settings) {
   const { messages } = data;
   if (!Array.isArray(messages) || !messages.every((m) => m && typeof m === "object"
       && (m.role === "user" || m.role === "assistant") && typeof m.content === "string"
-      && (m.interrupted === undefined || typeof m.interrupted === "boolean"))) {
+      && (m.interrupted === undefined || typeof m.interrupted === "boolean")
+      && (m.reasoning == null || typeof m.reasoning === "string"))) {
     throw new Error("`messages` has to be a list of {role: user|assistant, content: text}");
   }
   if (data.system != null && typeof data.system !== "string") {
@@ -102,9 +109,7 @@ export function imported(text, name, settings) {
   }
   const chat = newChat({ ...settings, system: data.system ?? "" });
   chat.title = titleOf(messages) || name.replace(/\.json$/i, "");
-  chat.messages = messages.map((m) => ({
-    role: m.role, content: m.content, ...(m.interrupted ? { interrupted: true } : {}),
-  }));
+  chat.messages = messages.map(savedMessage);
   const imported = {};
   if (typeof data.sampler === "string") imported.spec = data.sampler;
   if (Number.isInteger(data.seed)) imported.seed = data.seed;

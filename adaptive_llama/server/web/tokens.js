@@ -16,7 +16,8 @@ export function kClass(k) {
 
 export function tokenSpan(detail, index) {
   const span = document.createElement("span");
-  span.className = `tok ${kClass(detail.k)}`;
+  // a reasoning model's thinking: dimmed, apart from the answer's tokens
+  span.className = `tok ${kClass(detail.k)}${detail.phase === "thinking" ? " thought" : ""}`;
   span.dataset.i = index;
   span.textContent = detail.text;
   return span;
