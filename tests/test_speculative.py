@@ -748,3 +748,25 @@ def test_a_row_count_not_measured_again_is_forgotten_and_tried_anew():
     cost.observe(0.010, rows=1)
     assert 2 not in cost.step_s  # 65 steps without it: guessed at the prior again
     assert cost.extra(1, 2) == pytest.approx([0.1, np.inf])
+
+
+def test_a_round_shares_its_room_and_each_sequence_keeps_to_what_it_has_left():
+    """Fixed-length drafts of 4 for three sequences: each gets at most what it has left and
+    what the step's room still holds, in turn; the drafter is asked for just that."""
+    speculation = Speculation(drafting.NgramDrafter(), draft_max=4)
+    speculation.fixed = 4
+    generations = []
+    for slot in range(3):
+        speculation.start(slot, [1, 2, 3, 4, 5, 6, 1, 2, 3, 4, 5, 6, 1, 2])
+        generations.append(SimpleNamespace(slot=SimpleNamespace(index=slot),
+                                           result=SimpleNamespace(tokens=[])))
+    asked = []
+    draft = speculation.drafter.draft
+    speculation.drafter.draft = lambda wants: asked.append([n for _, _, n in wants]) or \
+        draft(wants)
+    speculation.plan(generations, room=6, left=[100, 1, 100])
+    assert asked[0] == [4, 1, 1]  # 4 of the room's 6, 1 left to the second, the last 1
+    asked.clear()
+    speculation.plan(generations, room=100, left=[2, 100, 0])
+    assert asked[0] == [2, 4, 0]  # (then the third, drafting nothing, drafts in the shadow)
+    assert asked[1:] == [[4]]
