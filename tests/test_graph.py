@@ -194,8 +194,17 @@ def test_dist_runs_in_the_graph_as_on_the_cpu_at_a_low_temperature(graph_engine,
         graph_engine.generate(prompt, sampler="dist", max_tokens=12, seed=5).text
 
 
+def test_truncations_cut_before_the_last_one_in_the_graph_too(graph_engine):
+    prompt = "The old lighthouse keeper"
+    greedy = graph_engine.generate(prompt, sampler="greedy", max_tokens=12).text
+    cut = graph_engine.generate(prompt, sampler="top-k:k=1+top-p:p=0.99,temp=3",
+                                max_tokens=12, seed=2)
+    assert cut.backend == "graph" and cut.text == greedy
+
+
 @pytest.mark.parametrize("spec,named", [
     ("eta", "`eta`"), ("typical:p=0.9", "`typical`"), ("mirostat", "`mirostat`"),
+    ("typical:p=0.5+top-p:p=0.9", "`typical`"),
     ("adaptive+penalties+xtc", "`penalties`, `xtc`"), ("greedy+dry", "`dry`")])
 def test_samplers_without_a_graph_path_are_refused_in_one_line(graph_engine, spec, named):
     with pytest.raises(SpecError, match=f"^{named} cannot run inside llama.cpp's graph.*"
