@@ -20,8 +20,8 @@ from test_repl import chat as repl_chat
 
 from adaptive_llama import Chat, Engine
 
-# The numba pass of `make test` runs these again (tests/test_marks.py).
-pytestmark = pytest.mark.backend
+# The numba pass of `make test` runs again the tests marked `backend` (tests/test_marks.py):
+# those whose replies a sampler chooses. A logits test is the same under either backend.
 
 LONG = ("The history of the river Danube is long and full of events. " * 20
         + "Tell me about the sea:")  # 266 tokens
@@ -47,6 +47,7 @@ def test_a_tokens_logits_do_not_depend_on_how_its_prompt_was_batched(engine):
     engine.clear_cache()
 
 
+@pytest.mark.backend
 def test_same_seed_same_reply_whatever_the_cache_holds(engine):
     def reply():
         return engine.generate(LONG, sampler="adaptive:eps=0.0005", seed=42,
@@ -58,6 +59,7 @@ def test_same_seed_same_reply_whatever_the_cache_holds(engine):
     assert texts[0] and texts == [texts[0]] * 4
 
 
+@pytest.mark.backend
 @pytest.mark.all_cores
 def test_the_thread_count_changes_no_reply(smollm2_path):
     prompt = LONG * 2  # past 512 cached cells, where flash attention split by threads
@@ -94,6 +96,7 @@ def test_the_thread_count_changes_no_logits_of_whole_chunks_or_single_rows(smoll
         assert np.array_equal(one, two)
 
 
+@pytest.mark.backend
 def test_regenerating_a_later_turn_repeats_it_even_from_an_empty_cache(engine):
     chat = Chat(engine, system=LONG, sampler="adaptive", seed=7, max_tokens=24)
     chat.send("Hello! Which rivers do you know?").text()
@@ -104,6 +107,7 @@ def test_regenerating_a_later_turn_repeats_it_even_from_an_empty_cache(engine):
     assert second
 
 
+@pytest.mark.backend
 def test_compare_with_the_same_sampler_repeats_the_reply_after_a_long_conversation():
     out = repl_chat(f"/set system {LONG}", "Hello! Which rivers do you know?",
                     "And which seas?", "/compare adaptive", args=("--seed", "5"))
@@ -112,6 +116,7 @@ def test_compare_with_the_same_sampler_repeats_the_reply_after_a_long_conversati
     assert shown[0].strip() == shown[1].strip()
 
 
+@pytest.mark.backend
 def test_seed_zero_is_a_seed_not_a_missing_one(engine, monkeypatch):
     # 0 is falsy: a rule written `seed or fresh()` would draw a random seed for it.
     first, second = (engine.generate("Once upon a time", sampler="top-p:p=0.99,temp=1.5",
