@@ -826,3 +826,74 @@ def test_a_reasoning_models_thinking_streams_in_a_block_of_its_own(browser, thin
     assert "Let me think" in "".join(thought.all_text_contents())
     assert page.errors == []
     context.close()
+
+
+# ---- chats: switching, reloading, deleting, importing ----
+
+def settings_saved(page) -> dict:
+    return page.tab.evaluate("JSON.parse(localStorage.getItem('adaptive-llama.settings'))")
+
+
+def test_new_chat_while_a_reply_streams_stops_it_keeps_it_and_opens_an_empty_chat(page):
+    page.open()
+    page.start_reply("Write a long story about a lighthouse keeper.", max_tokens=300,
+                     sampler="greedy")
+    page.tab.click("#new-chat")
+    page.tab.wait_for_selector("#send", state="visible")
+    wait_until(page.tab, "document.querySelector('#messages .empty') !== null")
+    assert page.tab.locator("#messages .message").count() == 0
+    (old,) = page.chats()
+    question, reply = old["messages"]
+    assert question["content"].startswith("Write a long story")
+    assert reply["interrupted"] and len(reply["content"]) > 20
+    page.tab.click("#chat-list .chat-title")  # and back: the stopped reply is there
+    wait_until(page.tab, "document.querySelectorAll('.message').length === 2")
+    assert "stopped" in page.tab.locator(".message.assistant .meta").inner_text()
+    assert page.errors == []
+
+
+def test_a_reload_opens_the_chat_that_was_open(page):
+    page.open()
+    page.settings(max_tokens=4)
+    page.send("First chat")
+    page.tab.click("#new-chat")
+    page.send("Second chat")
+    page.tab.locator("#chat-list .chat-title", has_text="First chat").click()
+    wait_until(page.tab, "document.querySelector('.message.user')?.textContent"
+                         ".includes('First chat')")
+    page.tab.reload()
+    page.tab.wait_for_selector(".message.user")
+    assert "First chat" in page.tab.locator(".message.user").first.inner_text()
+    assert page.tab.locator("#chat-list li.active").inner_text().startswith("First chat")
+
+
+def test_a_deleted_chat_comes_back_with_undo(page):
+    page.open()
+    page.settings(max_tokens=4)
+    page.send("Keep me")
+    page.tab.click("#chat-list .delete-chat")
+    assert page.chats() == [] and page.tab.is_visible("#notice")
+    assert 'Deleted "Keep me"' in page.tab.inner_text("#notice-text")
+    page.tab.click("#notice-undo")
+    assert [c["title"] for c in page.chats()] == ["Keep me"]
+    wait_until(page.tab, "document.querySelectorAll('.message').length === 2")
+    assert page.tab.is_hidden("#notice")
+
+
+def test_import_says_which_settings_it_took_and_undo_puts_them_back(page, tmp_path):
+    page.open()
+    page.settings(seed=5, max_tokens=20)
+    path = tmp_path / "from-the-repl.json"
+    path.write_text(json.dumps({"version": 1, "sampler": "min-p:p=0.2", "seed": 9,
+                                "max_tokens": 33, "messages": [
+                                    {"role": "user", "content": "Hi"},
+                                    {"role": "assistant", "content": "Hello."}]}))
+    page.tab.set_input_files("#import-file", str(path))
+    page.tab.wait_for_selector("#notice", state="visible")
+    said = page.tab.inner_text("#notice-text")
+    assert "from-the-repl.json" in said and "sampler min-p:p=0.2" in said
+    assert "seed 9" in said and "max tokens 33" in said
+    assert (settings_saved(page)["seed"], settings_saved(page)["maxTokens"]) == (9, 33)
+    page.tab.click("#notice-undo")
+    assert (settings_saved(page)["seed"], settings_saved(page)["maxTokens"]) == ("5", "20")
+    assert page.messages()[-1]["content"] == "Hello."  # the chat itself stays

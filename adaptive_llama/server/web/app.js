@@ -22,7 +22,11 @@ const state = {
   running: null,    // the AbortController of the reply streaming now
   live: null,       // the LiveReply streaming now
   pinned: null,     // the token whose card stays shown (tapped or clicked)
+  idle: Promise.resolve(),  // settles when the reply streaming now has ended
+  undo: null,       // what the notice's Undo does
 };
+// The chat open in this tab, kept across a reload (a new tab opens the newest).
+const OPEN_CHAT = "adaptive-llama.open-chat";
 
 const api = new Api(askKey);
 
@@ -38,6 +42,16 @@ function button(label, onClick, className = "") {
 function showError(message) {
   $("error-text").textContent = message;
   $("error").hidden = !message;
+}
+
+// One line that says what just happened, with an Undo for a while.
+let noticeTimer = null;
+function showNotice(message, undo) {
+  clearTimeout(noticeTimer);
+  state.undo = undo;
+  $("notice-text").textContent = message;
+  $("notice").hidden = !message;
+  if (message) noticeTimer = setTimeout(() => showNotice(""), 10_000);
 }
 
 function persist() {
@@ -105,9 +119,21 @@ function currentChat() {
   return state.chat;
 }
 
+// Open `chat` (null: a new one); a reply still streaming is stopped first, and kept.
+async function openChat(chat) {
+  if (chat && chat === state.chat) return;
+  if (state.running) {
+    state.running.abort();
+    await state.idle;
+  }
+  selectChat(chat);
+}
+
 function selectChat(chat) {
   if (state.running) return;
   state.chat = chat;
+  if (chat) sessionStorage.setItem(OPEN_CHAT, chat.id);
+  else sessionStorage.removeItem(OPEN_CHAT);
   $("system").value = chat?.system ?? state.settings.system;
   renderChatList();
   renderMessages();
@@ -119,7 +145,7 @@ function renderChatList() {
   list.replaceChildren();
   for (const chat of state.chats) {
     const item = list.appendChild(el("li", chat === state.chat ? "active" : ""));
-    item.append(button(chat.title || "New chat", () => selectChat(chat), "chat-title"));
+    item.append(button(chat.title || "New chat", () => openChat(chat), "chat-title"));
     item.append(button("×", () => deleteChat(chat), "delete-chat"));
     item.lastChild.setAttribute("aria-label", `Delete ${chat.title}`);
   }
@@ -127,10 +153,18 @@ function renderChatList() {
 
 function deleteChat(chat) {
   if (state.running && chat === state.chat) return;
+  const at = state.chats.indexOf(chat);
+  const wasOpen = state.chat === chat;
   state.chats = state.chats.filter((c) => c !== chat);
-  if (state.chat === chat) state.chat = null;
+  if (wasOpen) state.chat = null;
   persist();
   selectChat(state.chat);
+  showNotice(`Deleted "${chat.title || "New chat"}".`, () => {
+    state.chats.splice(at, 0, chat);
+    persist();
+    if (wasOpen) openChat(chat);
+    else renderChatList();
+  });
 }
 
 function exportChat() {
@@ -151,6 +185,7 @@ function exportChat() {
 async function importChat(file) {
   try {
     const { chat, settings } = imported(await file.text(), file.name, state.settings);
+    const before = structuredClone(state.settings);
     if (settings.spec) Object.assign(state.settings, parseSpec(settings.spec, state.table));
     if (settings.seed !== undefined) state.settings.seed = settings.seed;
     if (settings.maxTokens !== undefined) state.settings.maxTokens = settings.maxTokens;
@@ -158,8 +193,19 @@ async function importChat(file) {
     state.chats.unshift(chat);
     persist();
     buildSettings();
-    selectChat(chat);
+    await openChat(chat);
     showError("");
+    // the file's settings now apply: say which, and let them be put back
+    const taken = [settings.spec && `sampler ${settings.spec}`,
+      settings.seed !== undefined && `seed ${settings.seed}`,
+      settings.maxTokens !== undefined && `max tokens ${settings.maxTokens}`].filter(Boolean);
+    if (taken.length) {
+      showNotice(`Imported ${file.name}; settings from the file: ${taken.join(", ")}.`, () => {
+        state.settings = before;
+        persist();
+        buildSettings();
+      });
+    }
   } catch (error) {
     showError(`Cannot import ${file.name}: ${error.message}`);
   }
@@ -246,9 +292,12 @@ function actions(message, index) {
   return bar;
 }
 
+let markIdle = () => {};
 function setRunning(controller) {
   const stopFocused = document.activeElement === $("stop");
   state.running = controller;
+  if (controller) state.idle = new Promise((resolve) => { markIdle = resolve; });
+  else markIdle();
   $("send").hidden = Boolean(controller);
   $("stop").hidden = !controller;
   document.body.classList.toggle("running", Boolean(controller));
@@ -712,9 +761,11 @@ function wire() {
   $("input").addEventListener("input", autosize);
   $("send").addEventListener("click", send);
   $("stop").addEventListener("click", () => state.running?.abort());
-  $("new-chat").addEventListener("click", () => {
-    state.chat = null;
-    selectChat(null);
+  $("new-chat").addEventListener("click", () => openChat(null));
+  $("notice-undo").addEventListener("click", () => {
+    const undo = state.undo;
+    showNotice("");
+    undo?.();
   });
   $("export").addEventListener("click", exportChat);
   $("import-file").addEventListener("change", (event) => {
@@ -763,7 +814,8 @@ function wire() {
 async function start() {
   applyTheme();
   wire();
-  state.chat = state.chats[0] || null;
+  const open = sessionStorage.getItem(OPEN_CHAT);
+  state.chat = state.chats.find((c) => c.id === open) || state.chats[0] || null;
   selectChat(state.chat);
   try {
     await loadModels();
