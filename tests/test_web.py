@@ -7,6 +7,7 @@ installs it, so CI always runs them. ADAPTIVE_LLAMA_CHROMIUM names another Chrom
 
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -897,3 +898,17 @@ def test_import_says_which_settings_it_took_and_undo_puts_them_back(page, tmp_pa
     page.tab.click("#notice-undo")
     assert (settings_saved(page)["seed"], settings_saved(page)["maxTokens"]) == ("5", "20")
     assert page.messages()[-1]["content"] == "Hello."  # the chat itself stays
+
+
+def test_each_reply_says_its_prompts_tokens_those_cached_and_its_speed(page):
+    page.open()
+    page.settings(max_tokens=4, seed=1, system="You answer questions. " * 30)  # > 64 tokens
+    page.send("Name a river.")
+    first = page.tab.locator(".message.assistant .meta").last.inner_text()
+    assert re.search(r"prompt \d+ tokens in \d+\.\d\d s, \d+ tok/s", first), first
+    page.send("Name another.")  # the system prompt's whole chunks come from the cache
+    second = page.tab.locator(".message.assistant .meta").last.inner_text()
+    cached = re.search(r"prompt (\d+) tokens \((\d+) cached\)", second)
+    assert cached and 64 <= int(cached[2]) < int(cached[1]), second
+    stats = page.messages()[-1]["stats"]
+    assert stats["prompt_tokens"] - stats["prompt_evaluated"] == int(cached[2])

@@ -100,6 +100,7 @@ class GenerationResult:
     token_stats: list = field(default_factory=list)
     logprobs: list = field(default_factory=list)      # TokenLogprob, when asked for
     prompt_eval_s: float = 0.0
+    prompt_evaluated: int = 0     # of the prompt's tokens, those not taken from a cache
     time_to_first_token_s: float = 0.0
     decode_s: float = 0.0
     thinks: bool = False          # a reasoning model's reply, its thinking split off:
@@ -137,9 +138,13 @@ class GenerationResult:
 
     def summary(self) -> dict:
         """The figures of the reply, for the REPL's /stats, the server's ``sampler_stats``
-        and ``generate --json``: speed, finish, and for adaptive the spread of k and Conf."""
+        and ``generate --json``: the prompt (its tokens, those not taken from a cache, the
+        seconds until its evaluation ended), speed, finish, and for adaptive the spread of k
+        and Conf."""
         out = {"sampler": self.sampler, "seed": self.seed, "backend": self.backend,
-               "finish_reason": self.finish_reason,
+               "finish_reason": self.finish_reason, "prompt_tokens": self.prompt_tokens,
+               "prompt_evaluated": self.prompt_evaluated,
+               "prompt_eval_s": round(self.prompt_eval_s, 4),
                "completion_tokens": self.completion_tokens,
                "decode_tokens_per_s": round(self.decode_tokens_per_s, 2),
                "time_to_first_token_s": round(self.time_to_first_token_s, 4)}
@@ -164,8 +169,7 @@ class GenerationResult:
     def as_dict(self) -> dict:
         thinking = ({"reasoning": self.reasoning, "reasoning_tokens": self.reasoning_tokens}
                     if self.thinks else {})
-        return {"text": self.text, **thinking, "prompt_tokens": self.prompt_tokens,
-                "prompt_eval_s": round(self.prompt_eval_s, 4), **self.summary()}
+        return {"text": self.text, **thinking, **self.summary()}
 
 
 def _mark_phases(logprobs: list[TokenLogprob], thinking: int) -> None:
@@ -342,6 +346,7 @@ class Decoder:
         if generation.chain.in_graph:  # one chain: no reasoning sampler in the graph
             generation.chain.attach(self._ctx, slot.index)
         generation.todo = self._reuse(slot, prompt)
+        generation.result.prompt_evaluated = len(generation.todo)
         generation.slot, slot.generation = slot, generation
         if self.speculation is not None:
             self.speculation.start(slot.index, prompt)
@@ -389,6 +394,7 @@ class Decoder:
             if keep - len(slot.tokens) >= self.share_from:
                 self._copy_prefix(source, slot, keep)
                 generation.todo = prompt[keep:]
+                generation.result.prompt_evaluated = len(generation.todo)
         return [g for g in pending if any(self._waits_for(g, h) for h in pending if h is not g)]
 
     def _waits_for(self, generation: Generation, sibling: Generation) -> bool:

@@ -255,12 +255,21 @@ function metaLine(message) {
   const parts = [];
   const tokens = s.completion_tokens ?? message.details?.length;
   if (message.interrupted) parts.push("stopped");
+  if (s.prompt_tokens != null) parts.push(promptFigures(s));
   if (tokens != null) parts.push(`${tokens} tokens`);
   if (s.decode_tokens_per_s) parts.push(`${s.decode_tokens_per_s.toFixed(1)} tok/s`);
   if (s.mean_k != null) parts.push(`mean k ${s.mean_k.toFixed(1)}`);
   if (s.sampler || message.spec) parts.push(s.sampler || message.spec);
   if (seedOf(message) != null) parts.push(`seed ${seedOf(message)}`);
   return el("div", "meta", parts.join(" · "));
+}
+
+// The prompt: its tokens, those the cache did not hold, and how long they took.
+function promptFigures(s) {
+  const fresh = s.prompt_evaluated ?? s.prompt_tokens;
+  const rate = s.prompt_eval_s > 0 && fresh ? `, ${(fresh / s.prompt_eval_s).toFixed(0)} tok/s` : "";
+  const cached = fresh < s.prompt_tokens ? ` (${s.prompt_tokens - fresh} cached)` : "";
+  return `prompt ${s.prompt_tokens} tokens${cached} in ${s.prompt_eval_s.toFixed(2)} s${rate}`;
 }
 
 function seedOf(message) {
