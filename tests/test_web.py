@@ -912,3 +912,38 @@ def test_each_reply_says_its_prompts_tokens_those_cached_and_its_speed(page):
     assert cached and 64 <= int(cached[2]) < int(cached[1]), second
     stats = page.messages()[-1]["stats"]
     assert stats["prompt_tokens"] - stats["prompt_evaluated"] == int(cached[2])
+
+
+def test_chats_are_searched_by_their_words_renamed_in_place_and_shortcuts_work(page):
+    page.open()
+    page.settings(max_tokens=4)
+    page.send("Tell me about otters")
+    page.tab.keyboard.press("Control+Shift+O")  # a new chat, the input focused
+    assert page.tab.locator("#messages .message").count() == 0
+    assert page.tab.evaluate("document.activeElement.id") == "input"
+    page.send("Something on volcanoes")
+    page.tab.keyboard.press("Control+k")
+    assert page.tab.evaluate("document.activeElement.id") == "chat-search"
+    page.tab.keyboard.type("OTTERS")  # words of a message, in any case
+    titles = page.tab.locator("#chat-list .chat-title").all_inner_texts()
+    assert titles == ["Tell me about otters"]
+    page.tab.fill("#chat-search", "no such words anywhere")
+    assert "No chat holds these words." in page.tab.inner_text("#chat-list")
+    page.tab.fill("#chat-search", "")
+    assert page.tab.locator("#chat-list .chat-title").count() == 2
+    page.tab.locator("#chat-list .chat-title").first.dblclick()
+    page.tab.fill("#chat-list input.rename", "  Volcanoes  ")
+    page.tab.press("#chat-list input.rename", "Enter")
+    assert [c["title"] for c in page.chats()] == ["Volcanoes", "Tell me about otters"]
+    page.tab.locator("#chat-list .chat-title").first.dblclick()
+    page.tab.fill("#chat-list input.rename", "Not kept")
+    page.tab.press("#chat-list input.rename", "Escape")  # cancels
+    assert page.chats()[0]["title"] == "Volcanoes"
+    page.tab.locator("#chat-list .chat-title").first.dblclick()
+    page.tab.fill("#chat-list input.rename", "   ")
+    page.tab.press("#chat-list input.rename", "Enter")  # empty: the old title stays
+    assert page.chats()[0]["title"] == "Volcanoes"
+    page.send("And lava?")  # a chat's title is not overwritten by its next question
+    assert page.chats()[0]["title"] == "Volcanoes"
+    assert "Ctrl+K search" in page.tab.inner_text("#shortcuts")
+    assert page.errors == []

@@ -140,15 +140,58 @@ function selectChat(chat) {
   if (window.matchMedia("(max-width: 700px)").matches) document.body.classList.remove("sidebar-open");
 }
 
+// Whether a chat's title or any of its messages holds every word of `query`.
+function matches(chat, query) {
+  const words = query.toLowerCase().split(/\s+/).filter(Boolean);
+  const text = [chat.title, ...chat.messages.map((m) => m.content)].join("\n").toLowerCase();
+  return words.every((word) => text.includes(word));
+}
+
 function renderChatList() {
   const list = $("chat-list");
   list.replaceChildren();
-  for (const chat of state.chats) {
+  const query = $("chat-search").value;
+  const shown = state.chats.filter((chat) => matches(chat, query));
+  for (const chat of shown) {
     const item = list.appendChild(el("li", chat === state.chat ? "active" : ""));
-    item.append(button(chat.title || "New chat", () => openChat(chat), "chat-title"));
+    const title = item.appendChild(button(chat.title || "New chat", () => openChat(chat),
+      "chat-title"));
+    title.title = "Double-click to rename";
+    title.addEventListener("dblclick", () => renameChat(chat, item));
     item.append(button("×", () => deleteChat(chat), "delete-chat"));
     item.lastChild.setAttribute("aria-label", `Delete ${chat.title}`);
   }
+  if (!shown.length && query) list.append(el("li", "no-match", "No chat holds these words."));
+}
+
+// The title becomes a field: Enter keeps what is typed (empty: the old title), Escape
+// or leaving it cancels.
+function renameChat(chat, item) {
+  const input = el("input", "rename");
+  input.value = chat.title;
+  input.setAttribute("aria-label", "New title");
+  item.querySelector(".chat-title").replaceWith(input);
+  input.focus();
+  input.select();
+  let done = false;
+  const finish = (keep) => {
+    if (done) return;
+    done = true;
+    const title = input.value.trim();
+    if (keep && title) {
+      chat.title = title;
+      persist();
+    }
+    renderChatList();
+  };
+  input.addEventListener("keydown", (event) => {
+    if (event.key === "Enter") finish(true);
+    else if (event.key === "Escape") {
+      event.stopPropagation();  // not the page's Escape (stop a reply)
+      finish(false);
+    }
+  });
+  input.addEventListener("blur", () => finish(false));
 }
 
 function deleteChat(chat) {
@@ -719,6 +762,24 @@ function escape() {
   } else if (document.body.classList.contains("sidebar-open")) $("toggle-sidebar").click();
 }
 
+// The page's shortcuts (listed in the sidebar): Ctrl+Shift+O a new chat, Ctrl+K search.
+function shortcut(event) {
+  const mod = event.ctrlKey || event.metaKey;
+  if (mod && event.shiftKey && event.key.toLowerCase() === "o") {
+    openChat(null);
+    $("input").focus();
+    return true;
+  }
+  if (mod && !event.shiftKey && event.key.toLowerCase() === "k") {
+    const phone = window.matchMedia("(max-width: 700px)").matches;
+    if (phone && !document.body.classList.contains("sidebar-open")) $("toggle-sidebar").click();
+    $("chat-search").focus();
+    $("chat-search").select();
+    return true;
+  }
+  return false;
+}
+
 // A reply in the token view takes focus as one stop; the arrows walk its tokens, each
 // card shown (pinned) in turn.
 function walkTokens(event) {
@@ -811,8 +872,10 @@ function wire() {
   $("compare-spec").addEventListener("keydown", (event) => {
     if (event.key === "Enter") runCompare();
   });
+  $("chat-search").addEventListener("input", renderChatList);
   document.addEventListener("keydown", (event) => {
     if (event.key === "Escape") escape();
+    else if (shortcut(event)) event.preventDefault();
     else walkTokens(event);
   });
   $("import").addEventListener("click", () => $("import-file").click());
