@@ -1,71 +1,23 @@
-// The chat page: conversations, the composer, settings, the token view and compare.
+// The chat page: conversations, the composer, the token view and compare (the settings
+// panel in settings.js, the shared state in page.js).
 // Model text reaches the page only through textContent (markdown.js builds nodes), never as
 // HTML; the server's Content-Security-Policy forbids inline script and other origins.
 
 import { Api, ApiError } from "./api.js";
 import { el } from "./markdown.js";
+import { $, button, persist, showError, showNotice, spec, state } from "./page.js";
 import { LiveReply, showMessage, showPlot, thinkingBlock } from "./reply.js";
-import { exported, imported, loadChats, loadSettings, newChat, saveChats, saveSettings,
-  titleOf } from "./store.js";
-import { parseSpec, specOf } from "./spec.js";
+import { buildSettings, showSettings, wireSettings } from "./settings.js";
+import { parseSpec } from "./spec.js";
+import { exported, imported, newChat, titleOf } from "./store.js";
 import { fillCard, firstDifference, kLegend, renderTokens } from "./tokens.js";
 
-const $ = (id) => document.getElementById(id);
-const DEFAULTS = { sampler: "adaptive", params: {}, modifiers: {}, temperature: "", seed: "",
-  maxTokens: 512, system: "", tokenView: false, theme: "", model: "" };
-
-const state = {
-  settings: { ...DEFAULTS, ...loadSettings() },
-  chats: loadChats(),
-  chat: null,
-  table: [],        // the server's samplers and modifiers (/web/samplers.json)
-  running: null,    // the AbortController of the reply streaming now
-  live: null,       // the LiveReply streaming now
-  pinned: null,     // the token whose card stays shown (tapped or clicked)
-  idle: Promise.resolve(),  // settles when the reply streaming now has ended
-  undo: null,       // what the notice's Undo does
-};
 // The chat open in this tab, kept across a reload (a new tab opens the newest).
 const OPEN_CHAT = "adaptive-llama.open-chat";
 
 const api = new Api(askKey);
 
 // ---- small helpers ----
-
-function button(label, onClick, className = "") {
-  const node = el("button", className, label);
-  node.type = "button";
-  node.addEventListener("click", onClick);
-  return node;
-}
-
-function showError(message) {
-  $("error-text").textContent = message;
-  $("error").hidden = !message;
-}
-
-// One line that says what just happened, with an Undo for a while.
-let noticeTimer = null;
-function showNotice(message, undo) {
-  clearTimeout(noticeTimer);
-  state.undo = undo;
-  $("notice-text").textContent = message;
-  $("notice").hidden = !message;
-  if (message) noticeTimer = setTimeout(() => showNotice(""), 10_000);
-}
-
-function persist() {
-  try {
-    saveChats(state.chats);
-    saveSettings(state.settings);
-  } catch (error) {
-    showError(error.message);
-  }
-}
-
-function spec() {
-  return specOf(state.settings, state.table);
-}
 
 // A Copy button says "Copied" for a moment, then is a Copy button again.
 function copied(button) {
@@ -626,130 +578,6 @@ function watchTokens() {
       copied(copy);
     }
   });
-}
-
-// ---- settings ----
-
-function field(labelText, input, help) {
-  const label = el("label", "field");
-  label.append(el("span", "label", labelText), input);
-  if (help) label.title = help;
-  return label;
-}
-
-function numberInput(value, placeholder, onInput, step = "any") {
-  const input = el("input");
-  input.type = "text";
-  input.inputMode = "decimal";
-  input.value = value ?? "";
-  input.placeholder = placeholder ?? "";
-  input.dataset.step = step;
-  input.addEventListener("input", () => onInput(input.value.trim()));
-  return input;
-}
-
-function choiceInput(value, param, onInput) {
-  const select = el("select");
-  const choices = ["", ...param.choices];
-  select.replaceChildren(...choices.map((choice) => {
-    const option = el("option", "", choice || `${param.default} (default)`);
-    option.value = choice;
-    return option;
-  }));
-  select.value = choices.includes(value) ? value : "";
-  select.addEventListener("change", () => onInput(select.value));
-  return select;
-}
-
-function paramInputs(sampler, values, onChange) {
-  return sampler.params.map((param) => {
-    const set = (value) => {
-      values[param.name] = value;
-      onChange();
-    };
-    const input = param.choices.length ? choiceInput(values[param.name], param, set)
-      : numberInput(values[param.name], String(param.default), set);
-    input.name = `${sampler.name}.${param.name}`;
-    return field(param.name, input, `${param.help}; ${param.range}`);
-  });
-}
-
-function buildSettings() {
-  const s = state.settings;
-  const samplers = state.table.filter((t) => !t.modifier);
-  const select = $("sampler");
-  select.replaceChildren(...samplers.map((t) => {
-    const option = el("option", "", t.name);
-    option.value = t.name;
-    option.title = t.summary;
-    return option;
-  }));
-  select.value = samplers.some((t) => t.name === s.sampler) ? s.sampler : "adaptive";
-  s.sampler = select.value;
-  const chosen = samplers.find((t) => t.name === s.sampler);
-  const params = (s.params[s.sampler] ||= {});
-  $("sampler-params").replaceChildren(...(chosen ? paramInputs(chosen, params, changed) : []));
-  $("temperature").value = s.temperature ?? "";
-  $("temperature").disabled = !chosen?.takes_temp;
-  $("seed").value = s.seed ?? "";
-  $("max-tokens").value = s.maxTokens ?? "";
-  $("modifiers").replaceChildren(...state.table.filter((t) => t.modifier).map((t) => {
-    const entry = (s.modifiers[t.name] ||= { on: false, params: {} });
-    const box = el("fieldset", "modifier");
-    const legend = box.appendChild(el("legend"));
-    const toggle = legend.appendChild(el("input"));
-    toggle.type = "checkbox";
-    toggle.name = `${t.name}.on`;
-    toggle.checked = entry.on;
-    toggle.addEventListener("change", () => {
-      entry.on = toggle.checked;
-      changed();
-    });
-    legend.append(` ${t.name}`);
-    legend.title = t.summary;
-    box.append(...paramInputs(t, entry.params, changed));
-    return box;
-  }));
-  changed();
-}
-
-function changed() {
-  $("spec").textContent = spec();
-  $("spec-preview").textContent = spec();
-  persist();
-}
-
-function wireSettings() {
-  $("sampler").addEventListener("change", () => {
-    state.settings.sampler = $("sampler").value;
-    buildSettings();
-  });
-  const bind = (id, key) => $(id).addEventListener("input", () => {
-    state.settings[key] = $(id).value.trim();
-    changed();
-  });
-  bind("temperature", "temperature");
-  bind("seed", "seed");
-  bind("max-tokens", "maxTokens");
-  $("system").addEventListener("input", () => {
-    state.settings.system = $("system").value;
-    if (state.chat) state.chat.system = $("system").value;
-    persist();
-  });
-  $("reset-settings").addEventListener("click", () => {
-    Object.assign(state.settings, { ...DEFAULTS, model: state.settings.model,
-      theme: state.settings.theme, tokenView: state.settings.tokenView, params: {}, modifiers: {} });
-    buildSettings();
-  });
-  $("open-settings").addEventListener("click", () => showSettings($("settings").hidden));
-  $("close-settings").addEventListener("click", () => showSettings(false));
-}
-
-// The settings panel opened (focus on its first field) or closed (focus back on its button).
-function showSettings(open) {
-  $("settings").hidden = !open;
-  $("open-settings").setAttribute("aria-expanded", String(open));
-  (open ? $("system") : $("open-settings")).focus();
 }
 
 // Escape: stops a reply, else closes what is open (settings, a token's card, the chats).

@@ -1,0 +1,56 @@
+// The page's state and the small helpers every part of it uses: the chats, the settings,
+// the reply streaming now, and the lines that say what went wrong or what just happened.
+
+import { el } from "./markdown.js";
+import { loadChats, loadSettings, saveChats, saveSettings } from "./store.js";
+import { specOf } from "./spec.js";
+
+export const $ = (id) => document.getElementById(id);
+export const DEFAULTS = { sampler: "adaptive", params: {}, modifiers: {}, temperature: "", seed: "",
+  maxTokens: 512, system: "", tokenView: false, theme: "", model: "" };
+
+export const state = {
+  settings: { ...DEFAULTS, ...loadSettings() },
+  chats: loadChats(),
+  chat: null,
+  table: [],        // the server's samplers and modifiers (/web/samplers.json)
+  running: null,    // the AbortController of the reply streaming now
+  live: null,       // the LiveReply streaming now
+  pinned: null,     // the token whose card stays shown (tapped or clicked)
+  idle: Promise.resolve(),  // settles when the reply streaming now has ended
+  undo: null,       // what the notice's Undo does
+};
+export function button(label, onClick, className = "") {
+  const node = el("button", className, label);
+  node.type = "button";
+  node.addEventListener("click", onClick);
+  return node;
+}
+
+export function showError(message) {
+  $("error-text").textContent = message;
+  $("error").hidden = !message;
+}
+
+// One line that says what just happened, with an Undo for a while.
+let noticeTimer = null;
+export function showNotice(message, undo) {
+  clearTimeout(noticeTimer);
+  state.undo = undo;
+  $("notice-text").textContent = message;
+  $("notice").hidden = !message;
+  if (message) noticeTimer = setTimeout(() => showNotice(""), 10_000);
+}
+
+export function persist() {
+  try {
+    saveChats(state.chats);
+    saveSettings(state.settings);
+  } catch (error) {
+    showError(error.message);
+  }
+}
+
+export function spec() {
+  return specOf(state.settings, state.table);
+}
