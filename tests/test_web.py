@@ -947,3 +947,33 @@ def test_chats_are_searched_by_their_words_renamed_in_place_and_shortcuts_work(p
     assert page.chats()[0]["title"] == "Volcanoes"
     assert "Ctrl+K search" in page.tab.inner_text("#shortcuts")
     assert page.errors == []
+
+
+# ---- accessibility ----
+
+def axe_violations(tab) -> list[str]:
+    """What axe-core finds against WCAG 2.2 A and AA (and best practices) on the page now."""
+    from axe_playwright_python.sync_playwright import Axe
+
+    found = Axe().run(tab).response["violations"]
+    return [f"{v['id']} ({v['impact']}): {v['help']} at "
+            f"{[n['target'] for n in v['nodes'][:3]]}" for v in found]
+
+
+@pytest.mark.parametrize("theme", ["light", "dark"])
+def test_axe_finds_nothing_on_the_page_in_either_theme(page, theme):
+    page.open()
+    current = "document.documentElement.dataset.theme"
+    if page.tab.evaluate(current) != theme:
+        page.tab.click("#theme")
+    assert page.tab.evaluate(current) == theme
+    page.settings(max_tokens=24, seed=3)
+    page.send()
+    assert axe_violations(page.tab) == []  # a reply as text, its actions and figures
+    page.tab.check("#token-view")
+    assert axe_violations(page.tab) == []  # as coloured tokens, with the legend
+    page.tab.click("#open-settings")
+    assert axe_violations(page.tab) == []  # the settings panel
+    page.tab.click("#close-settings")
+    page.tab.click(".message.assistant .compare")
+    assert axe_violations(page.tab) == []  # the compare dialog

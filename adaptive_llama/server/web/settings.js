@@ -72,7 +72,8 @@ export function buildSettings() {
     const entry = (s.modifiers[t.name] ||= { on: false, params: {} });
     const box = el("fieldset", "modifier");
     const legend = box.appendChild(el("legend"));
-    const toggle = legend.appendChild(el("input"));
+    const label = legend.appendChild(el("label"));  // the switch is named by its modifier
+    const toggle = label.appendChild(el("input"));
     toggle.type = "checkbox";
     toggle.name = `${t.name}.on`;
     toggle.checked = entry.on;
@@ -80,7 +81,7 @@ export function buildSettings() {
       entry.on = toggle.checked;
       changed();
     });
-    legend.append(` ${t.name}`);
+    label.append(` ${t.name}`);
     legend.title = t.summary;
     box.append(...paramInputs(t, entry.params, changed));
     return box;
