@@ -977,3 +977,55 @@ def test_axe_finds_nothing_on_the_page_in_either_theme(page, theme):
     page.tab.click("#close-settings")
     page.tab.click(".message.assistant .compare")
     assert axe_violations(page.tab) == []  # the compare dialog
+
+
+def test_regenerate_keeps_the_earlier_replies_as_versions_to_go_back_to(page):
+    page.open()
+    page.settings(max_tokens=12)  # no seed: each reply gets a fresh one
+    page.send()
+    first = page.messages()[-1]
+    page.tab.click(".message.assistant .regenerate")
+    page.wait_reply()
+    second = page.messages()[-1]
+    assert second["seed"] != first["seed"]
+    count = ".message.assistant .version-count"
+    assert page.tab.inner_text(count) == "2/2"
+    assert page.tab.is_disabled(".message.assistant .later")
+    page.tab.click(".message.assistant .earlier")
+    assert page.tab.inner_text(count) == "1/2"
+    shown = page.messages()[-1]
+    assert (shown["content"], shown["seed"]) == (first["content"], first["seed"])
+    assert shown["versions"][0] is None and shown["versions"][1]["seed"] == second["seed"]
+    assert page.tab.inner_text(".message.assistant .content").strip()[:20] == \
+        first["content"].strip()[:20]
+    page.tab.click(".message.assistant .regenerate")  # a third, after both
+    page.wait_reply()
+    assert page.tab.inner_text(count) == "3/3"
+    page.tab.reload()
+    page.tab.wait_for_selector(count)
+    assert page.tab.inner_text(count) == "3/3"
+    assert len(page.messages()) == 2  # one question, one reply with its versions
+    page.send("And one more?")  # the earlier turn keeps the version it was answered with
+    assert page.tab.locator(count).count() == 0
+    assert page.errors == []
+
+
+def test_a_full_storage_drops_an_earlier_versions_token_details_first(page):
+    page.open()
+    page.settings(max_tokens=12)
+    page.send()
+    page.tab.click(".message.assistant .regenerate")
+    page.wait_reply()
+    assert page.messages()[-1]["versions"][0]["details"]
+    # fill the origin's storage to within a kilobyte, then make a change too big for it
+    page.tab.evaluate("""() => { let size = 1 << 20, i = 0; const text = 'x'.repeat(size);
+        for (;;) { try { localStorage.setItem('filler' + i++, text.slice(0, size)); }
+                   catch { if (size < 1024) break; size >>= 1; } } }""")
+    page.tab.locator("#chat-list .chat-title").first.dblclick()
+    page.tab.fill("#chat-list input.rename", "A long title " * 200)
+    page.tab.press("#chat-list input.rename", "Enter")
+    reply = page.messages()[-1]
+    assert "details" not in reply["versions"][0]  # the earlier version's went first
+    assert reply["versions"][0]["content"] and reply["content"]  # the texts stay
+    assert page.chats()[0]["title"].startswith("A long title")
+    assert page.error() == ""

@@ -287,6 +287,7 @@ function actions(message, index) {
       copied(event.target);
     }, "copy"));
     if (last) bar.append(button("Regenerate", regenerate, "regenerate"));
+    if (last && message.versions) bar.append(versionNav(message));
     bar.append(button("Compare", () => openCompare(index), "compare"));
   } else if (message.role === "user" && (last || index === messages.length - 2)) {
     bar.append(button("Edit", () => editMessage(index), "edit"));
@@ -345,12 +346,14 @@ async function stream(body, message, content, controller) {
   }
 }
 
-async function reply() {
+// A reply to the chat's last question; `previous`: the reply it makes again (Regenerate).
+async function reply(previous = null) {
   const chat = currentChat();
   chat.model = state.settings.model;
   const given = state.settings.seed;
   const seed = given === "" || given == null ? freshSeed() : Number(given);
   const message = { role: "assistant", content: "", spec: spec(), seed };
+  if (previous) followVersions(message, previous);
   chat.messages.push(message);
   const index = chat.messages.length - 1;
   const node = messageNode(message, index);
@@ -366,7 +369,10 @@ async function reply() {
   } catch (error) {
     showError(error.message);
     if (message.content) message.interrupted = true;
-    else chat.messages.pop();  // nothing came: the question stays, ready for Regenerate
+    else {
+      chat.messages.pop();  // nothing came: the question stays, ready for Regenerate,
+      if (previous) chat.messages.push(previous);  // or the reply it was to replace
+    }
   } finally {
     setRunning(null);
     chat.updated = Date.now();
@@ -412,12 +418,58 @@ function send() {
   reply();
 }
 
+// The last reply made again; the one before is kept as an earlier version of it.
 function regenerate() {
   const messages = state.chat.messages;
-  if (state.running || messages[messages.length - 1]?.role !== "assistant") return;
+  const last = messages[messages.length - 1];
+  if (state.running || last?.role !== "assistant") return;
   messages.pop();
   renderMessages();
-  reply();
+  reply(last);
+}
+
+// ---- versions of the last reply (Regenerate keeps the ones before) ----
+
+// What makes one version of a reply. The version shown lives in the message itself; the
+// others in message.versions (null at the shown one's place), so nothing is stored twice.
+const VERSION_FIELDS = ["content", "spec", "seed", "details", "stats", "reasoning", "interrupted"];
+
+function versionOf(message) {
+  return Object.fromEntries(VERSION_FIELDS.filter((f) => message[f] !== undefined)
+    .map((f) => [f, message[f]]));
+}
+
+// `message` (a new reply) takes the versions of `previous`, and comes after them.
+function followVersions(message, previous) {
+  const versions = [...(previous.versions || [null])];
+  versions[previous.shown ?? 0] = versionOf(previous);
+  message.versions = [...versions, null];
+  message.shown = versions.length;
+}
+
+function showVersion(message, index) {
+  if (state.running || index < 0 || index >= message.versions.length) return;
+  message.versions[message.shown] = versionOf(message);
+  for (const f of VERSION_FIELDS) delete message[f];
+  Object.assign(message, message.versions[index]);
+  message.versions[index] = null;
+  message.shown = index;
+  persist();
+  renderMessages();
+}
+
+function versionNav(message) {
+  const nav = el("span", "versions");
+  const back = nav.appendChild(button("‹", () => showVersion(message, message.shown - 1),
+    "earlier"));
+  back.setAttribute("aria-label", "The version before");
+  back.disabled = message.shown === 0;
+  nav.append(el("span", "version-count", `${message.shown + 1}/${message.versions.length}`));
+  const next = nav.appendChild(button("›", () => showVersion(message, message.shown + 1),
+    "later"));
+  next.setAttribute("aria-label", "The version after");
+  next.disabled = message.shown === message.versions.length - 1;
+  return nav;
 }
 
 // The last question, edited in place and sent again (its reply goes).

@@ -40,9 +40,11 @@ export function saveChats(chats) {
 function dropOldestDetails(chats) {
   const byAge = [...chats].sort((a, b) => a.updated - b.updated);
   for (const chat of byAge) {
-    const message = chat.messages.find((m) => m.details);
-    if (message) {
-      delete message.details;
+    // a reply's earlier versions (Regenerate) count as its own, shown one
+    const replies = chat.messages.flatMap((m) => [...(m.versions || []).filter(Boolean), m]);
+    const reply = replies.find((m) => m.details);
+    if (reply) {
+      delete reply.details;
       return true;
     }
   }
