@@ -1030,3 +1030,35 @@ def test_a_full_storage_drops_an_earlier_versions_token_details_first(page):
     assert reply["versions"][0]["content"] and reply["content"]  # the texts stay
     assert page.chats()[0]["title"].startswith("A long title")
     assert page.error() == ""
+
+
+# ---- attached files ----
+
+def test_text_files_are_attached_by_name_and_a_binary_one_is_refused(page, tmp_path):
+    code = tmp_path / "fib.py"
+    code.write_text("def fib(n):\n    return n if n < 2 else fib(n - 1) + fib(n - 2)\n"
+                    "# ```a fence inside```\n")
+    notes = tmp_path / "notes.txt"
+    notes.write_text("Not this one.")
+    binary = tmp_path / "paper.pdf"
+    binary.write_bytes(b"%PDF-1.7\n\x00\x01\x02 binary")
+    page.open()
+    page.settings(max_tokens=8)
+    page.tab.set_input_files("#attach-file", [str(code), str(notes), str(binary)])
+    page.tab.wait_for_selector("#error", state="visible")
+    assert page.error().startswith("Cannot attach paper.pdf is not text")
+    chips = "#attachments .file-chip"
+    wait_until(page.tab, f"document.querySelectorAll('{chips}').length === 2")
+    page.tab.click("#attachments [aria-label='Remove notes.txt']")  # taken off again
+    assert page.tab.locator(chips).all_text_contents() == ["fib.py×"]
+    page.send("What does this do?")
+    sent = [json.loads(r.post_data) for r in page.requests
+            if r.url.endswith("/v1/chat/completions")][-1]["messages"][-1]["content"]
+    assert sent.startswith("What does this do?\n\nfib.py:\n````\ndef fib(n):")
+    assert sent.endswith("# ```a fence inside```\n````") and "Not this one" not in sent
+    question = page.tab.locator(".message.user").last
+    assert question.locator(".content").inner_text() == "What does this do?"
+    assert question.locator(".files .file-chip").inner_text() == "fib.py"
+    assert page.tab.locator(chips).count() == 0  # the next question carries none
+    saved = page.messages()[-2]
+    assert saved["content"] == sent and saved["files"] == ["fib.py"]

@@ -4,6 +4,7 @@
 // HTML; the server's Content-Security-Policy forbids inline script and other origins.
 
 import { Api, ApiError } from "./api.js";
+import { readAttachment, withAttachments } from "./attach.js";
 import { el } from "./markdown.js";
 import { $, button, persist, showError, showNotice, spec, state } from "./page.js";
 import { LiveReply, showMessage, showPlot, thinkingBlock } from "./reply.js";
@@ -231,6 +232,11 @@ function messageNode(message, index) {
   node.dataset.index = index;
   const content = node.appendChild(el("div", "content"));
   showMessage(content, message, state.settings.tokenView);
+  if (message.files) {  // a question's attached files, by name
+    const files = el("div", "files");
+    files.append(...message.files.map((name) => fileChip(name)));
+    content.after(files);
+  }
   if (message.reasoning && !(state.settings.tokenView && message.details)) {
     content.before(thinkingBlock(message, false));
   }
@@ -396,10 +402,40 @@ function settingsProblem() {
   return null;
 }
 
+// A chip per attached file: its name, and × to take it off before sending.
+function fileChip(name, remove) {
+  const chip = el("span", "file-chip", name);
+  if (remove) {
+    const off = chip.appendChild(button("×", remove, "remove-file"));
+    off.setAttribute("aria-label", `Remove ${name}`);
+  }
+  return chip;
+}
+
+function renderAttachments() {
+  $("attachments").replaceChildren(...state.attachments.map((file, i) => fileChip(file.name,
+    () => {
+      state.attachments.splice(i, 1);
+      renderAttachments();
+    })));
+}
+
+async function attach(files) {
+  for (const file of files) {
+    try {
+      state.attachments.push(await readAttachment(file));
+    } catch (error) {
+      showError(`Cannot attach ${error.message}`);
+    }
+  }
+  renderAttachments();
+}
+
 function send() {
   const input = $("input");
   const text = input.value;
-  if (!text.trim() || state.running) return;
+  const files = state.attachments;
+  if ((!text.trim() && !files.length) || state.running) return;
   const problem = settingsProblem();
   if (problem) {  // the question stays in the box, to send once the setting is right
     showError(problem);
@@ -409,8 +445,11 @@ function send() {
   // A question left unanswered (its reply was refused) gives way to the one sent now: the
   // model never gets two questions in a row.
   if (chat.messages[chat.messages.length - 1]?.role === "user") chat.messages.pop();
-  chat.messages.push({ role: "user", content: text });
+  chat.messages.push(files.length ? { role: "user", content: withAttachments(text, files),
+    typed: text, files: files.map((f) => f.name) } : { role: "user", content: text });
   if (chat.title === "New chat") chat.title = titleOf(chat.messages) || chat.title;
+  state.attachments = [];
+  renderAttachments();
   input.value = "";
   autosize();
   renderChatList();
@@ -759,6 +798,11 @@ function wire() {
     else walkTokens(event);
   });
   $("import").addEventListener("click", () => $("import-file").click());
+  $("attach").addEventListener("click", () => $("attach-file").click());
+  $("attach-file").addEventListener("change", (event) => {
+    attach([...event.target.files]);
+    event.target.value = "";
+  });
   watchTokens();
   wireSettings();
 }

@@ -19,6 +19,7 @@ export const state = {
   pinned: null,     // the token whose card stays shown (tapped or clicked)
   idle: Promise.resolve(),  // settles when the reply streaming now has ended
   undo: null,       // what the notice's Undo does
+  attachments: [],  // {name, text} of the files the next question carries
 };
 export function button(label, onClick, className = "") {
   const node = el("button", className, label);

@@ -27,7 +27,8 @@ export function showMessage(content, message, tokenView) {
   }
   if (tokens) renderTokens(content, message.details);
   else if (message.role === "assistant") content.append(renderMarkdown(message.content));
-  else content.textContent = message.content;  // what the user typed, as typed
+  // what the user typed, as typed (its attached files are shown by name beside it)
+  else content.textContent = message.typed ?? message.content;
 }
 
 // A reasoning model's thinking above its answer (message.reasoning): open while it streams,
