@@ -164,3 +164,9 @@ def test_stream_streams(port, route):
     status, _, payload = raw("POST", port, route, {**BASE[route], "stream": True},
                              parse=False, timeout=120)
     assert status == 200 and payload.lstrip().startswith(b"data:")
+
+
+@pytest.mark.parametrize("route", list(ROUTES))
+def test_n_predict_0_is_a_400_naming_it_on_every_route(port, route):
+    status, reply = send(port, route, {**BASE[route], "max_tokens": None, "n_predict": 0})
+    assert status == 400 and "n_predict" in json.dumps(reply), reply

@@ -30,7 +30,8 @@ from ..runtime.embeddings import Embedder
 from ..runtime.engine import Engine, GenerationResult, InvalidArgument
 from ..runtime.reasoning import Thought, without_thinking
 from ..runtime.tools import ToolCall, ToolCallReader, calls_grammar
-from ..samplers import SamplerSpec, SpecError, parse_spec, spec_from_options
+from ..samplers import (DRY_SEQUENCE_BREAKERS, SamplerSpec, SpecError, parse_spec,
+                        spec_from_options)
 from .errors import APIError, too_large
 from .pool import FOREVER, LoadedModel, ModelPool, ServedModel, keep_alive_s  # noqa: F401
 from .scheduler import Job
@@ -253,8 +254,10 @@ class SamplingFields(BaseModel):
 # llama-server's request fields (tools/server/README.md) that this server does not do, with
 # the values that change nothing, as its clients send them by default: any other value is
 # a 400 naming the field. Its other fields are done, or change nothing here: n_keep and
-# cache_prompt (the context is never shifted; prompts are always cached), id_slot.
+# cache_prompt (the context is never shifted; prompts are always cached), id_slot. DRY runs
+# with llama.cpp's sequence breakers: clients that send them (SillyTavern does) are served.
 LLAMA_SERVER_UNDONE: dict[str, tuple] = {
+    "dry_sequence_breakers": (None, list(DRY_SEQUENCE_BREAKERS)),
     "dynatemp_range": (None, 0, 0.0), "dynatemp_exponent": (None, 1, 1.0),
     "min_keep": (None, 0, 1), "samplers": (None,), "n_indent": (None, 0),
     "t_max_predict_ms": (None, 0), "image_data": (None, []), "multimodal_data": (None, []),

@@ -36,7 +36,7 @@ from pydantic import BaseModel, Field
 from sse_starlette.sse import EventSourceResponse
 
 from ..runtime.engine import GenerationResult
-from ..samplers import DRY_SEQUENCE_BREAKERS, SEED
+from ..samplers import SEED
 from .common import (
     LLAMA_SERVER_UNDONE,
     MAX_MESSAGES,
@@ -109,8 +109,7 @@ async def detokenize(request: Request):
 class CompletionRequest(SamplingFields):
     """llama-server's /completion body."""
     model_config = STRICT
-    UNSUPPORTED: ClassVar[dict[str, tuple]] = {
-        "dry_sequence_breakers": (None, list(DRY_SEQUENCE_BREAKERS)), **LLAMA_SERVER_UNDONE}
+    UNSUPPORTED: ClassVar[dict[str, tuple]] = LLAMA_SERVER_UNDONE
 
     model: str | None = None
     prompt: str | Annotated[list[int], Field(min_length=1)]
@@ -129,11 +128,8 @@ class CompletionRequest(SamplingFields):
 
     def completion_body(self) -> CompletionBody:
         """The same request as the completions route takes it."""
-        if self.n_predict == 0:
-            raise APIError(400, "`n_predict`: 0 generates nothing; send -1 (until the "
-                           "context is full) or a count of tokens", param="n_predict")
         return CompletionBody.model_validate({
-            "prompt": "", "max_tokens": None if self.n_predict == -1 else self.n_predict,
+            "prompt": "", "n_predict": self.n_predict,  # the completions body reads it
             "temperature": self.temperature, "top_p": self.top_p, "stop": self.stop,
             "seed": None if self.seed == -1 else self.seed, "stream": self.stream,
             "logprobs": self.n_probs or None, "grammar": self.grammar,

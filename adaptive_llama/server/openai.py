@@ -60,7 +60,7 @@ from ..llama.grammar import ANY_OBJECT
 from ..runtime.engine import MAX_LOGPROBS, GenerationResult, TokenLogprob
 from ..runtime.reasoning import EFFORT_BUDGETS, Thought
 from ..runtime.tools import ToolCall, ToolCallReader, parse_reply
-from ..samplers import DRY_SEQUENCE_BREAKERS, SEED
+from ..samplers import SEED
 from .common import (
     FINISH_REASONS,
     LLAMA_SERVER_UNDONE,
@@ -142,11 +142,8 @@ class NamedToolChoice(BaseModel):
 
 class _Body(SamplingFields):
     model_config = STRICT
-    # DRY runs with llama.cpp's sequence breakers; clients that send them (SillyTavern
-    # sends llama.cpp's) are served, other breakers refused.
-    UNSUPPORTED: ClassVar[dict[str, tuple]] = {
-        "dry_sequence_breakers": (None, list(DRY_SEQUENCE_BREAKERS)), **LLAMA_SERVER_UNDONE,
-        "n_probs": (None, 0)}  # llama-server's log-probabilities: here `logprobs`
+    # llama-server's fields not done here, and its log-probabilities (here: `logprobs`).
+    UNSUPPORTED: ClassVar[dict[str, tuple]] = {**LLAMA_SERVER_UNDONE, "n_probs": (None, 0)}
     # A body translated from another API's (Responses, Messages): its fields' names there,
     # for the errors that name one.
     NAMES: ClassVar[dict[str, str]] = {}
