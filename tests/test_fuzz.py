@@ -101,17 +101,29 @@ class Recorder(io.StringIO):
         return self.getvalue()[since:]
 
 
+@pytest.fixture(scope="module")
+def small_engine(smollm2_path):
+    """A context of 256 tokens: a fuzzed /set max-tokens then costs a short reply at most
+    (cut by the context, a path the REPL has to survive too), not a thousand tokens."""
+    from adaptive_llama import Engine
+
+    engine = Engine(smollm2_path, seed=1, n_ctx=256)
+    yield engine
+    engine.close()
+
+
 @settings(max_examples=60, deadline=None, suppress_health_check=[
     HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
 @given(lines=st.lists(repl_lines, min_size=1, max_size=6), saved=saved_chats)
-def test_repl_survives_any_command_and_keeps_the_conversation(engine, tmp_path, lines, saved):
+def test_repl_survives_any_command_and_keeps_the_conversation(small_engine, tmp_path, lines,
+                                                              saved):
     path = tmp_path / "saved.json"
     try:
         path.write_text(json.dumps(saved, allow_nan=True))
     except ValueError:  # numbers JSON cannot hold
         path.write_text("{}")
     out = Recorder()
-    repl = Repl(engine, max_tokens=1, seed=1, out=out, read_line=lambda _: None)
+    repl = Repl(small_engine, max_tokens=1, seed=1, out=out, read_line=lambda _: None)
     repl.reply(lambda: repl.chat.send("Hi"))
     for line in lines + [f"/load {path}"]:
         before = [dict(m) for m in repl.chat.messages]
@@ -122,6 +134,7 @@ def test_repl_survives_any_command_and_keeps_the_conversation(engine, tmp_path, 
         if line.startswith(("/set", "/compare")) or (
                 line.startswith("/load") and "loaded" not in said):
             assert repl.chat.messages == before, line
+    repl.chat.max_tokens = 1  # whatever was set: the reply only has to come
     repl.reply(lambda: repl.chat.send("Still there?"))
     assert repl.chat.messages[-1]["role"] == "assistant"
 

@@ -5,10 +5,13 @@ Without Chromium the browser tests are skipped, except under CI=true, where they
 installs it, so CI always runs them. ADAPTIVE_LLAMA_CHROMIUM names another Chromium binary.
 """
 
+import gzip
 import json
 import os
+import random
 import re
 import shutil
+import string
 import subprocess
 import sys
 import time
@@ -30,6 +33,7 @@ CHROMIUM_ARGS = ["--no-sandbox", "--disable-gpu", "--disable-background-networki
 KEY = API_KEY  # serving() checks /health with it
 REPLY_S = 120_000  # ms a reply may take in these tests
 QUESTION = "Name three rivers."
+PHONE = {"viewport": {"width": 390, "height": 780}, "has_touch": True, "is_mobile": True}
 
 
 def _launch_browser():
@@ -130,7 +134,8 @@ class Page:
         self.tab.wait_for_selector("#send", state="visible")
 
     def chats(self) -> list[dict]:
-        return self.tab.evaluate("JSON.parse(localStorage.getItem('adaptive-llama.chats'))")
+        """The chats as the page keeps them in IndexedDB, the newest first."""
+        return self.tab.evaluate("import('/web/store.js').then((store) => store.storedChats())")
 
     def messages(self) -> list[dict]:
         return self.chats()[0]["messages"]
@@ -185,9 +190,30 @@ def test_the_page_files_need_no_key_but_the_api_does(keyed_server):
     assert raw("GET", keyed_server, "/web/app.js", key=None, parse=False)[0] == 200
     assert raw("GET", keyed_server, "/v1/models", key=None)[0] == 401
     assert raw("GET", keyed_server, "/web/secret.py", key=None)[0] == 404
+    # the page's typesetting is a POST of the reply's text: it needs the key, as the API does
+    assert raw("POST", keyed_server, "/web/typeset", {"code": []}, key=None)[0] == 401
+    status, _, answer = raw("POST", keyed_server, "/web/typeset",
+                            {"code": [{"language": "python", "text": "x = 1"}],
+                             "math": [{"tex": "x^2"}]}, key=KEY)
+    assert status == 200 and answer["code"][0][0] == ["", "x = "]
+    assert answer["math"][0][0] == "math"
+    assert raw("POST", keyed_server, "/web/typeset", {"code": [{"text": "x"}]},
+               key=KEY)[0] == 400  # no language
     # Another site's page gets nothing, the page included.
     assert raw("GET", keyed_server, "/", key=None, parse=False,
                headers={"Origin": "https://evil.example"})[0] == 403
+
+
+def test_the_page_files_are_gzipped_for_a_browser_that_takes_it(keyed_server):
+    for path in ["/", "/web/app.js", "/web/style.css", "/web/samplers.json"]:
+        status, headers, plain = raw("GET", keyed_server, path, key=None, parse=False)
+        assert status == 200 and "Content-Encoding" not in headers
+        status, headers, packed = raw("GET", keyed_server, path, key=None, parse=False,
+                                      headers={"Accept-Encoding": "gzip, deflate, br"})
+        assert status == 200 and headers["Content-Encoding"] == "gzip"
+        assert "Accept-Encoding" in headers["Vary"] and "default-src 'none'" in \
+            headers["Content-Security-Policy"]
+        assert gzip.decompress(packed) == plain and len(packed) < len(plain)
 
 
 # ---- chatting ----
@@ -213,6 +239,20 @@ def test_a_reply_streams_in_and_the_chat_survives_a_reload(page):
     assert page.errors == []
 
 
+def test_a_finished_reply_ends_its_request_as_finished_not_aborted(page):
+    ended = []
+    chat = "/v1/chat/completions"
+    page.tab.on("requestfinished", lambda r: r.url.endswith(chat) and ended.append("finished"))
+    page.tab.on("requestfailed", lambda r: r.url.endswith(chat) and ended.append(r.failure))
+    page.open()
+    page.settings(max_tokens=8)
+    page.send()
+    deadline = time.monotonic() + 10
+    while not ended and time.monotonic() < deadline:
+        page.tab.wait_for_timeout(50)  # lets Playwright deliver the request's events
+    assert ended == ["finished"]
+
+
 def test_the_question_shows_above_its_reply_while_it_streams(page):
     page.open()
     page.start_reply("Write a story about a lighthouse keeper.", max_tokens=200,
@@ -226,8 +266,7 @@ def test_the_question_shows_above_its_reply_while_it_streams(page):
 
 
 def test_the_view_follows_a_reply_that_grows_below_the_fold_on_a_phone(browser, server):
-    context = browser.new_context(viewport={"width": 390, "height": 700}, has_touch=True,
-                                  is_mobile=True)
+    context = browser.new_context(**{**PHONE, "viewport": {"width": 390, "height": 700}})
     page = Page(context, server).open()
     page.settings(max_tokens=400, sampler="greedy")
     page.tab.fill("#input", "Write a long story about a lighthouse keeper and his dog.")
@@ -322,6 +361,71 @@ def test_edit_resends_the_last_question(page):
     messages = page.messages()
     assert [m["role"] for m in messages] == ["user", "assistant"]
     assert messages[0]["content"] == "Name a fruit." and messages[1]["content"]
+    assert messages[0]["versions"][0]["content"] == "Name a colour."
+
+
+def shown_texts(page) -> list[str]:
+    return page.tab.locator(".message .content").all_inner_texts()
+
+
+def test_editing_an_earlier_question_branches_and_the_old_branch_comes_back(page):
+    page.open()
+    page.settings(max_tokens=6, seed=5)
+    page.send("Name a colour.")
+    page.send("And a second one?")
+    before = shown_texts(page)
+    assert len(before) == 4
+    page.tab.locator(".message.user .edit").first.click()
+    page.tab.fill(".edit-area", "Name a fruit.")
+    page.tab.press(".edit-area", "Enter")
+    page.wait_reply()
+    assert [m["content"] for m in page.messages()][0] == "Name a fruit."
+    assert len(page.messages()) == 2  # the turns after the edited question are in its old branch
+    first = page.tab.locator(".message.user").first
+    assert first.locator(".version-count").inner_text() == "2/2"
+    first.locator(".earlier").click()
+    assert shown_texts(page) == before  # the old branch whole: both turns, as they were
+    assert page.tab.locator(".message.user").first.locator(".version-count").inner_text() == "1/2"
+    page.tab.reload()
+    page.tab.wait_for_selector(".version-count")
+    assert shown_texts(page) == before
+    page.tab.locator(".message.user").first.locator(".later").click()
+    assert shown_texts(page)[0] == "Name a fruit." and len(page.messages()) == 2
+    assert page.errors == []
+
+
+def test_regenerating_an_earlier_reply_keeps_the_turns_after_it_in_its_branch(page):
+    page.open()
+    page.settings(max_tokens=6)
+    page.send("Name a colour.")
+    page.send("And a second one?")
+    before = shown_texts(page)
+    page.tab.locator(".message.assistant .regenerate").first.click()
+    page.wait_reply()
+    messages = page.messages()
+    assert len(messages) == 2 and messages[1]["versions"][0]["rest"][0]["content"] == \
+        "And a second one?"
+    page.tab.locator(".message.assistant .earlier").first.click()
+    assert shown_texts(page) == before
+    assert page.errors == []
+
+
+def test_an_edited_question_keeps_its_attached_files(page, tmp_path):
+    notes = tmp_path / "notes.txt"
+    notes.write_text("Rivers: Nile, Amazon.")
+    page.open()
+    page.settings(max_tokens=4)
+    page.tab.set_input_files("#attach-file", [str(notes)])
+    page.tab.wait_for_selector("#attachments .file-chip")
+    page.send("Summarise.")
+    page.tab.click(".message.user .edit")
+    assert page.tab.input_value(".edit-area") == "Summarise."  # the text typed, not the file
+    page.tab.fill(".edit-area", "List them.")
+    page.tab.click(".resend")
+    page.wait_reply()
+    question = page.messages()[0]
+    assert question["content"] == "List them.\n\nnotes.txt:\n```\nRivers: Nile, Amazon.\n```"
+    assert question["files"] == ["notes.txt"] and question["typed"] == "List them."
 
 
 def test_a_bad_setting_shows_the_servers_one_line_error_and_keeps_the_question(page):
@@ -622,6 +726,39 @@ def test_markdown_renders_lists_tables_and_code_blocks(page, tmp_path):
     assert reply.locator("a").get_attribute("href") == "https://example.org"
 
 
+def test_code_is_highlighted_and_math_typeset_and_hostile_tex_stays_text(page, tmp_path):
+    code = "def f(x):\n    return x + 1  # one"
+    text = ("Euler: $e^{i\\pi} + 1 = 0$, and it costs $5 or $10.\n\n"
+            "$$\n\\frac{a}{b} = \\sqrt{x}\n$$\n\n"
+            "Bad: $\\text{<img src=x onerror=alert(1)>}$\n\n"
+            f"```python\n{code}\n```\n\n```nosuchlanguage\nplain words\n```\n")
+    chat = tmp_path / "typeset.json"
+    chat.write_text(json.dumps({"messages": [{"role": "user", "content": "maths"},
+                                             {"role": "assistant", "content": text}]}))
+    page.open()
+    page.tab.set_input_files("#import-file", str(chat))
+    reply = page.tab.locator(".message.assistant .content")
+    wait_until(page.tab, "document.querySelectorAll('.message.assistant math').length === 2 && "
+                         "document.querySelector('.message.assistant .hl-keyword')")
+    python = reply.locator("code[data-language='python']")
+    assert python.inner_text() == code  # coloured, not changed
+    assert python.locator(".hl-keyword").all_inner_texts() == ["def", "return"]
+    assert python.locator(".hl-comment").inner_text() == "# one"
+    assert python.locator(".hl-number").inner_text() == "1"
+    assert reply.locator("code[data-language='nosuchlanguage'] span").count() == 0
+    inline, display = reply.locator("math").all()
+    assert inline.get_attribute("display") == "inline" and inline.locator("msup").count() == 1
+    assert display.get_attribute("display") == "block"
+    assert display.locator("mfrac").count() == 1 and display.locator("msqrt").count() == 1
+    assert "costs $5 or $10." in reply.locator("p").first.inner_text()  # money, not math
+    bad = reply.locator(".math:not(.display)").nth(1)
+    assert bad.inner_text() == "$\\text{<img src=x onerror=alert(1)>}$"  # as written
+    assert page.tab.locator(".content img").count() == 0
+    typeset = [r for r in page.requests if r.url.endswith("/web/typeset")]
+    assert len(typeset) == 1  # the reply's blocks and formulas asked for together
+    assert page.errors == []
+
+
 def test_the_key_is_asked_once_per_tab(browser, keyed_server):
     context = browser.new_context()
     page = Page(context, keyed_server)
@@ -742,8 +879,7 @@ def test_token_colours_meet_wcag_aa_and_a_legend_says_what_they_mean(browser, se
 
 
 def test_a_tap_on_a_token_shows_its_card_on_a_phone(browser, server):
-    context = browser.new_context(viewport={"width": 390, "height": 780}, has_touch=True,
-                                  is_mobile=True)
+    context = browser.new_context(**PHONE)
     page = Page(context, server).open()
     page.settings(max_tokens=12, seed=3)
     page.tab.check("#token-view")
@@ -868,6 +1004,27 @@ def test_a_reload_opens_the_chat_that_was_open(page):
     assert page.tab.locator("#chat-list li.active").inner_text().startswith("First chat")
 
 
+def test_chats_kept_in_local_storage_by_an_earlier_page_move_to_indexeddb(page):
+    old = [{"id": "old-2", "title": "Newer", "updated": 2, "model": "", "system": "",
+            "messages": [{"role": "user", "content": "Newer question"},
+                         {"role": "assistant", "content": "Newer reply"}]},
+           {"id": "old-1", "title": "Older", "updated": 1, "model": "", "system": "",
+            "messages": [{"role": "user", "content": "Older question"}]}]
+    page.open(wait_models=False)
+    page.tab.evaluate("(chats) => localStorage.setItem('adaptive-llama.chats', "
+                      "JSON.stringify(chats))", old)
+    page.open()
+    assert page.tab.locator("#chat-list .chat-title").all_inner_texts() == ["Newer", "Older"]
+    assert page.tab.locator(".message .content").all_inner_texts() == ["Newer question",
+                                                                        "Newer reply"]
+    assert [c["title"] for c in page.chats()] == ["Newer", "Older"]
+    assert page.tab.evaluate("localStorage.getItem('adaptive-llama.chats')") is None
+    page.tab.reload()  # read from IndexedDB now
+    page.tab.wait_for_selector("#chat-list .chat-title")
+    assert page.tab.locator("#chat-list .chat-title").all_inner_texts() == ["Newer", "Older"]
+    assert page.errors == []
+
+
 def test_a_deleted_chat_comes_back_with_undo(page):
     page.open()
     page.settings(max_tokens=4)
@@ -979,6 +1136,33 @@ def test_axe_finds_nothing_on_the_page_in_either_theme(page, theme):
     assert axe_violations(page.tab) == []  # the compare dialog
 
 
+def test_axe_finds_nothing_on_a_phone_with_the_chats_open_a_card_pinned_and_math(
+        browser, server, tmp_path):
+    context = browser.new_context(**PHONE)
+    page = Page(context, server).open()
+    page.settings(max_tokens=16, seed=3)
+    page.tab.check("#token-view")
+    page.send()
+    page.tab.locator(".message.assistant .tok").nth(1).tap()
+    page.tab.wait_for_selector("#card", state="visible")
+    assert axe_violations(page.tab) == []  # a reply as tokens, a card pinned by a tap
+    page.tab.tap("#toggle-sidebar")
+    assert page.tab.get_attribute("#toggle-sidebar", "aria-expanded") == "true"
+    assert axe_violations(page.tab) == []  # the list of chats over the page
+    page.tab.tap("#toggle-sidebar")
+    page.tab.uncheck("#token-view")
+    chat = tmp_path / "maths.json"
+    chat.write_text(json.dumps({"messages": [
+        {"role": "user", "content": "maths"},
+        {"role": "assistant", "content": "So $x^2$ and\n\n$$\\frac{1}{2}$$\n\n"
+                                         "```python\nx = 1  # one\n```"}]}))
+    page.tab.set_input_files("#import-file", str(chat))
+    wait_until(page.tab, "document.querySelectorAll('.message.assistant math').length === 2"
+                         " && document.querySelector('.hl-comment')")
+    assert axe_violations(page.tab) == []  # typeset math and highlighted code
+    context.close()
+
+
 def test_regenerate_keeps_the_earlier_replies_as_versions_to_go_back_to(page):
     page.open()
     page.settings(max_tokens=12)  # no seed: each reply gets a fresh one
@@ -1006,30 +1190,57 @@ def test_regenerate_keeps_the_earlier_replies_as_versions_to_go_back_to(page):
     page.tab.wait_for_selector(count)
     assert page.tab.inner_text(count) == "3/3"
     assert len(page.messages()) == 2  # one question, one reply with its versions
-    page.send("And one more?")  # the earlier turn keeps the version it was answered with
-    assert page.tab.locator(count).count() == 0
+    page.send("And one more?")  # the reply keeps its versions; this turn joins the third's branch
+    assert page.tab.inner_text(count) == "3/3" and len(page.messages()) == 4
+    page.tab.click(".message.assistant .earlier")
+    assert len(page.messages()) == 2
+    page.tab.click(".message.assistant .later")
+    assert len(page.messages()) == 4 and page.messages()[2]["content"] == "And one more?"
     assert page.errors == []
 
 
-def test_a_full_storage_drops_an_earlier_versions_token_details_first(page):
+def test_a_full_storage_drops_an_earlier_versions_token_details_first(page, browser, server):
+    # Chromium refuses writes past its quota when the quota is set before the page first
+    # opens its storage: what an empty one takes is read in a tab of its own first.
+    empty = Page(browser.new_context(), server).open()
+    used = empty.tab.evaluate("navigator.storage.estimate().then((e) => e.usage)")
+    empty.tab.context.close()
+    devtools = page.tab.context.new_cdp_session(page.tab)
+    devtools.send("Storage.overrideQuotaForOrigin",
+                  {"origin": page.base, "quotaSize": used + 96_000})
     page.open()
-    page.settings(max_tokens=12)
-    page.send()
+    page.settings(max_tokens=48, sampler="greedy")
+    page.send("Write a long story about a lighthouse keeper.")
+    page.settings(max_tokens=4)
     page.tab.click(".message.assistant .regenerate")
     page.wait_reply()
-    assert page.messages()[-1]["versions"][0]["details"]
-    # fill the origin's storage to within a kilobyte, then make a change too big for it
-    page.tab.evaluate("""() => { let size = 1 << 20, i = 0; const text = 'x'.repeat(size);
-        for (;;) { try { localStorage.setItem('filler' + i++, text.slice(0, size)); }
-                   catch { if (size < 1024) break; size >>= 1; } } }""")
-    page.tab.locator("#chat-list .chat-title").first.dblclick()
-    page.tab.fill("#chat-list input.rename", "A long title " * 200)
-    page.tab.press("#chat-list input.rename", "Enter")
-    reply = page.messages()[-1]
-    assert "details" not in reply["versions"][0]  # the earlier version's went first
-    assert reply["versions"][0]["content"] and reply["content"]  # the texts stay
-    assert page.chats()[0]["title"].startswith("A long title")
-    assert page.error() == ""
+    earlier = page.chats()[0]["messages"][-1]["versions"][0]
+    assert earlier["details"]
+    # Titles of random letters (storage compresses what repeats) grow until nothing fits:
+    # the earlier version's details go first, then the shown reply's (a few tokens' worth),
+    # then an error says so.
+    letters = random.Random(0)
+    lost = []
+    for size in range(4_000, 400_000, 4_000):
+        title = "".join(letters.choices(string.ascii_letters, k=size))
+        page.tab.locator("#chat-list .chat-title").first.dblclick()
+        page.tab.fill("#chat-list input.rename", title)
+        page.tab.press("#chat-list input.rename", "Enter")
+        page.tab.evaluate("window.adaptiveLlama.saved")  # the write, and any retry, ended
+        if page.error():
+            break
+        chat = page.chats()[0]
+        assert chat["title"] == title  # it fitted, with what was dropped for it
+        reply = chat["messages"][-1]
+        now = ["earlier" if "details" not in reply["versions"][0] else "",
+               "shown" if "details" not in reply else ""]
+        lost = [part for part in now if part] if any(now) else lost
+        if "shown" in lost:
+            assert "earlier" in lost  # never the shown reply's before the earlier one's
+    assert lost[:1] == ["earlier"]  # it went before the error came
+    assert page.error().startswith("The browser's storage is full")
+    reply = page.chats()[0]["messages"][-1]
+    assert reply["versions"][0]["content"] == earlier["content"] and reply["content"]
 
 
 # ---- attached files ----

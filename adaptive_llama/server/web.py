@@ -1,6 +1,7 @@
 """The chat page: ``GET /`` answers the page, ``GET /web/FILE`` its scripts and style sheet
-(static files shipped in the package, :data:`PAGE_FOLDER`), and ``GET /web/samplers.json`` the
-sampler table the settings panel is built from.
+(static files shipped in the package, :data:`PAGE_FOLDER`), ``GET /web/samplers.json`` the
+sampler table the settings panel is built from, and ``POST /web/typeset`` the code and math
+of a reply, highlighted and typeset (:mod:`.typeset`).
 
 The page calls the OpenAI routes of the same server (same origin, so :mod:`.guard`'s Origin and
 Host checks apply unchanged). Its files are served without the API key, since the page holds
@@ -11,14 +12,20 @@ connections from this origin only: no inline script, nothing from outside.
 
 from __future__ import annotations
 
+import asyncio
+import functools
+import gzip
 import json
 from pathlib import Path
 
-from fastapi import APIRouter
+from fastapi import APIRouter, Request
 from fastapi.responses import Response
+from pydantic import BaseModel, ConfigDict, Field
 
 from ..samplers import SAMPLERS, Param
+from .common import parse_body
 from .errors import APIError
+from .typeset import highlight, mathml
 
 PAGE_FOLDER = Path(__file__).with_name("web")
 # The page's own files: a fixed list, so that no request names a path of its choosing.
@@ -46,26 +53,67 @@ def is_page_path(path: str) -> bool:
     return path == "/" or path.startswith("/web/")
 
 
-def _answer(body: bytes, suffix: str) -> Response:
-    return Response(body, media_type=CONTENT_TYPES[suffix], headers=SECURITY_HEADERS)
+@functools.lru_cache(maxsize=64)
+def _gzipped(body: bytes) -> bytes:
+    return gzip.compress(body, mtime=0)
+
+
+def _answer(request: Request, body: bytes, suffix: str) -> Response:
+    """``body`` as a page file, gzipped for a browser that takes it (a third of the bytes)."""
+    headers = {**SECURITY_HEADERS, "Vary": "Accept-Encoding"}
+    if "gzip" in request.headers.get("accept-encoding", ""):
+        body = _gzipped(body)
+        headers["Content-Encoding"] = "gzip"
+    return Response(body, media_type=CONTENT_TYPES[suffix], headers=headers)
 
 
 @router.get("/")
-async def page():
-    return _answer(PAGE_FILES["index.html"].read_bytes(), ".html")
+async def page(request: Request):
+    return _answer(request, PAGE_FILES["index.html"].read_bytes(), ".html")
 
 
 @router.get("/web/samplers.json")
-async def samplers():
-    return _answer(SAMPLER_TABLE, ".json")
+async def samplers(request: Request):
+    return _answer(request, SAMPLER_TABLE, ".json")
 
 
 @router.get("/web/{name}")
-async def page_file(name: str):
+async def page_file(request: Request, name: str):
     path = PAGE_FILES.get(name)
     if path is None:
         raise APIError(404, f"the page has no file {name!r}", code="not_found")
-    return _answer(path.read_bytes(), path.suffix)
+    return _answer(request, path.read_bytes(), path.suffix)
+
+
+class _Code(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    language: str = Field(max_length=64)
+    text: str
+
+
+class _Formula(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    tex: str
+    display: bool = False
+
+
+class TypesetBody(BaseModel):
+    """The code blocks and formulas of a reply, as the page found them."""
+    model_config = ConfigDict(extra="forbid")
+    code: list[_Code] = Field(default_factory=list, max_length=256)
+    math: list[_Formula] = Field(default_factory=list, max_length=1024)
+
+
+def _typeset(body: TypesetBody) -> dict:
+    return {"code": [highlight(block.language, block.text) for block in body.code],
+            "math": [mathml(formula.tex, formula.display) for formula in body.math]}
+
+
+# A POST: not a page file, so it needs the API key when the server has one (.guard).
+@router.post("/web/typeset")
+async def typeset(request: Request):
+    body = await parse_body(request, TypesetBody)
+    return await asyncio.to_thread(_typeset, body)
 
 
 def _param(param: Param) -> dict:

@@ -52,7 +52,8 @@ export class Api {
     });
     if (!response.ok) throw new ApiError(await errorText(response), response.status);
     for await (const data of events(response.body)) {
-      if (data === "[DONE]") return;
+      // the stream is read to its end after [DONE], so that the request ends as finished
+      if (data === "[DONE]") continue;
       const chunk = JSON.parse(data);
       if (chunk.error) throw new ApiError(chunk.error.message || String(chunk.error), 500);
       yield chunk;
@@ -74,17 +75,22 @@ async function errorText(response) {
 export async function* events(stream) {
   const reader = stream.pipeThrough(new TextDecoderStream()).getReader();
   let buffer = "";
-  for (;;) {
-    const { value, done } = await reader.read();
-    if (done) return;
-    buffer += value;  // the server separates events with "\n\n"
-    let end;
-    while ((end = buffer.indexOf("\n\n")) >= 0) {
-      const event = buffer.slice(0, end);
-      buffer = buffer.slice(end + 2);
-      const data = event.split("\n").filter((l) => l.startsWith("data:"))
-        .map((l) => l.slice(5).replace(/^ /, "")).join("\n");
-      if (data) yield data;
+  let ended = false;
+  try {
+    for (;;) {
+      const { value, done } = await reader.read();
+      if ((ended = done)) return;
+      buffer += value;  // the server separates events with "\n\n"
+      let end;
+      while ((end = buffer.indexOf("\n\n")) >= 0) {
+        const event = buffer.slice(0, end);
+        buffer = buffer.slice(end + 2);
+        const data = event.split("\n").filter((l) => l.startsWith("data:"))
+          .map((l) => l.slice(5).replace(/^ /, "")).join("\n");
+        if (data) yield data;
+      }
     }
+  } finally {
+    if (!ended) reader.cancel().catch(() => {});  // left early (an error): the request goes
   }
 }

@@ -4,19 +4,22 @@
 // HTML; the server's Content-Security-Policy forbids inline script and other origins.
 
 import { Api, ApiError } from "./api.js";
-import { readAttachment, withAttachments } from "./attach.js";
+import { readAttachment, retyped, withAttachments } from "./attach.js";
+import { branchFrom, cutAt, putBack, showVersion } from "./branches.js";
 import { el } from "./markdown.js";
 import { $, button, persist, showError, showNotice, spec, state } from "./page.js";
 import { LiveReply, showMessage, showPlot, thinkingBlock } from "./reply.js";
 import { buildSettings, showSettings, wireSettings } from "./settings.js";
 import { parseSpec } from "./spec.js";
-import { exported, imported, newChat, titleOf } from "./store.js";
+import { exported, imported, loadChats, newChat, titleOf } from "./store.js";
 import { fillCard, firstDifference, kLegend, renderTokens } from "./tokens.js";
+import { useApi } from "./typeset.js";
 
 // The chat open in this tab, kept across a reload (a new tab opens the newest).
 const OPEN_CHAT = "adaptive-llama.open-chat";
 
 const api = new Api(askKey);
+useApi(api);
 
 // ---- small helpers ----
 
@@ -292,14 +295,14 @@ function actions(message, index) {
       copyText(message.content);
       copied(event.target);
     }, "copy"));
-    if (last) bar.append(button("Regenerate", regenerate, "regenerate"));
-    if (last && message.versions) bar.append(versionNav(message));
+    bar.append(button("Regenerate", () => regenerate(index), "regenerate"));
     bar.append(button("Compare", () => openCompare(index), "compare"));
-  } else if (message.role === "user" && (last || index === messages.length - 2)) {
+  } else if (message.role === "user") {
     bar.append(button("Edit", () => editMessage(index), "edit"));
     // A question whose reply failed (a bad setting, a stopped server): ask again.
-    if (last) bar.append(button("Retry", reply, "retry"));
+    if (last) bar.append(button("Retry", () => reply(), "retry"));
   }
+  if (message.versions) bar.append(versionNav(message, index));
   return bar;
 }
 
@@ -352,14 +355,15 @@ async function stream(body, message, content, controller) {
   }
 }
 
-// A reply to the chat's last question; `previous`: the reply it makes again (Regenerate).
-async function reply(previous = null) {
+// A reply to the chat's last question; `replaced`: the reply it makes again, and what
+// followed it (Regenerate), as branches.js's cutAt took them out.
+async function reply(replaced = null) {
   const chat = currentChat();
   chat.model = state.settings.model;
   const given = state.settings.seed;
   const seed = given === "" || given == null ? freshSeed() : Number(given);
   const message = { role: "assistant", content: "", spec: spec(), seed };
-  if (previous) followVersions(message, previous);
+  if (replaced) branchFrom(message, replaced);
   chat.messages.push(message);
   const index = chat.messages.length - 1;
   const node = messageNode(message, index);
@@ -376,8 +380,8 @@ async function reply(previous = null) {
     showError(error.message);
     if (message.content) message.interrupted = true;
     else {
-      chat.messages.pop();  // nothing came: the question stays, ready for Regenerate,
-      if (previous) chat.messages.push(previous);  // or the reply it was to replace
+      chat.messages.pop();  // nothing came: the question stays, ready for Retry,
+      if (replaced) putBack(chat.messages, replaced);  // or the reply it was to replace
     }
   } finally {
     setRunning(null);
@@ -457,74 +461,55 @@ function send() {
   reply();
 }
 
-// The last reply made again; the one before is kept as an earlier version of it.
-function regenerate() {
-  const messages = state.chat.messages;
-  const last = messages[messages.length - 1];
-  if (state.running || last?.role !== "assistant") return;
-  messages.pop();
+// A reply made again; the one before, and what followed it, stay as its earlier version.
+function regenerate(index) {
+  if (state.running || state.chat.messages[index]?.role !== "assistant") return;
+  const replaced = cutAt(state.chat.messages, index);
   renderMessages();
-  reply(last);
+  reply(replaced);
 }
 
-// ---- versions of the last reply (Regenerate keeps the ones before) ----
+// ---- branches: ‹ › at a message moves between its versions, each with what followed ----
 
-// What makes one version of a reply. The version shown lives in the message itself; the
-// others in message.versions (null at the shown one's place), so nothing is stored twice.
-const VERSION_FIELDS = ["content", "spec", "seed", "details", "stats", "reasoning", "interrupted"];
-
-function versionOf(message) {
-  return Object.fromEntries(VERSION_FIELDS.filter((f) => message[f] !== undefined)
-    .map((f) => [f, message[f]]));
-}
-
-// `message` (a new reply) takes the versions of `previous`, and comes after them.
-function followVersions(message, previous) {
-  const versions = [...(previous.versions || [null])];
-  versions[previous.shown ?? 0] = versionOf(previous);
-  message.versions = [...versions, null];
-  message.shown = versions.length;
-}
-
-function showVersion(message, index) {
-  if (state.running || index < 0 || index >= message.versions.length) return;
-  message.versions[message.shown] = versionOf(message);
-  for (const f of VERSION_FIELDS) delete message[f];
-  Object.assign(message, message.versions[index]);
-  message.versions[index] = null;
-  message.shown = index;
+function switchVersion(index, target) {
+  const message = state.chat.messages[index];
+  if (state.running || target < 0 || target >= message.versions.length) return;
+  showVersion(state.chat.messages, index, target);
   persist();
   renderMessages();
 }
 
-function versionNav(message) {
+function versionNav(message, index) {
   const nav = el("span", "versions");
-  const back = nav.appendChild(button("‹", () => showVersion(message, message.shown - 1),
+  const back = nav.appendChild(button("‹", () => switchVersion(index, message.shown - 1),
     "earlier"));
   back.setAttribute("aria-label", "The version before");
   back.disabled = message.shown === 0;
   nav.append(el("span", "version-count", `${message.shown + 1}/${message.versions.length}`));
-  const next = nav.appendChild(button("›", () => showVersion(message, message.shown + 1),
+  const next = nav.appendChild(button("›", () => switchVersion(index, message.shown + 1),
     "later"));
   next.setAttribute("aria-label", "The version after");
   next.disabled = message.shown === message.versions.length - 1;
   return nav;
 }
 
-// The last question, edited in place and sent again (its reply goes).
+// A question edited in place and sent as a new version of it; the question before, with
+// its reply and what followed, stays as the version before.
 function editMessage(index) {
   if (state.running) return;
   const node = $("messages").querySelector(`.message[data-index="${index}"]`);
   const content = node.querySelector(".content");
   const area = el("textarea", "edit-area");
-  area.value = state.chat.messages[index].content;
+  const question = state.chat.messages[index];
+  area.value = question.typed ?? question.content;
+  area.setAttribute("aria-label", "The question, edited");
   content.replaceChildren(area);
   const bar = node.querySelector(".actions");
   bar.replaceChildren(
     button("Send", () => {
       if (!area.value.trim()) return;
-      state.chat.messages.splice(index);
-      state.chat.messages.push({ role: "user", content: area.value });
+      const replaced = cutAt(state.chat.messages, index);
+      state.chat.messages.push(branchFrom(retyped(question, area.value), replaced));
       renderMessages();
       reply();
     }, "resend"),
@@ -810,6 +795,11 @@ function wire() {
 async function start() {
   applyTheme();
   wire();
+  try {
+    state.chats = await loadChats();
+  } catch (error) {
+    showError(`The chats kept in this browser cannot be read: ${error?.message}`);
+  }
   const open = sessionStorage.getItem(OPEN_CHAT);
   state.chat = state.chats.find((c) => c.id === open) || state.chats[0] || null;
   selectChat(state.chat);

@@ -33,3 +33,13 @@ function fenceFor(text) {
   const runs = (text.match(/`+/g) || []).map((run) => run.length);
   return "`".repeat(Math.max(2, ...runs) + 1);
 }
+
+// `question` with its text typed again; the files it carried stay attached.
+export function retyped(question, typed) {
+  if (!question.files) return { role: "user", content: typed };
+  // the files' blocks: what withAttachments wrote after the text typed then
+  const blocks = question.typed.trim() ? question.content.slice(question.typed.length + 2)
+    : question.content;
+  const content = [typed.trim() ? typed : "", blocks].filter(Boolean).join("\n\n");
+  return { role: "user", content, typed, files: question.files };
+}

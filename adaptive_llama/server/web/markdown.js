@@ -3,8 +3,10 @@
 // onerror attribute shows as those characters. Links keep only http(s) and mailto targets.
 //
 // Blocks: fenced code (``` or ~~~, with its language shown), headings (#), lists (-, *, +,
-// 1.), block quotes (>), rules (---), tables (| a | b |) and paragraphs. Inline: `code`,
-// **bold**, *italic* and _italic_, ~~struck~~, [links](https://...) and bare https:// links.
+// 1.), block quotes (>), rules (---), tables (| a | b |), display math ($$ ... $$ or
+// \[ ... \]) and paragraphs. Inline: `code`, **bold**, *italic* and _italic_, ~~struck~~,
+// math ($...$ or \(...\); a $ before a digit is money, not math), [links](https://...) and
+// bare https:// links. Code and math show as written until typeset.js has them typeset.
 
 const FENCE = /^\s{0,3}(`{3,}|~{3,})\s*([\w+#.-]*)/;
 const HEADING = /^\s{0,3}(#{1,6})\s+(.*?)\s*#*\s*$/;
@@ -14,6 +16,7 @@ const RULE = /^\s{0,3}([-*_])(\s*\1){2,}\s*$/;
 const TABLE_ROW = /^\s*\|.*\|\s*$/;
 const TABLE_RULE = /^\s*\|?(\s*:?-{1,}:?\s*\|)+\s*:?-*:?\s*\|?\s*$/;
 const SAFE_LINK = /^(https?:\/\/|mailto:)/i;
+const DISPLAY_MATH = /^\s{0,3}(\$\$|\\\[)/;
 
 export function el(tag, className, text) {
   const node = document.createElement(tag);
@@ -23,21 +26,23 @@ export function el(tag, className, text) {
 }
 
 // Inline markup of one line or paragraph, appended to `parent` as nodes.
-const INLINE = /(`+)([\s\S]*?[^`])\1(?!`)|\*\*(?=\S)([\s\S]*?\S)\*\*|~~(?=\S)([\s\S]*?\S)~~|\*(?=[^\s*])([\s\S]*?[^\s*])\*|\b_(?=\S)([\s\S]*?\S)_\b|\[([^\]\n]+)\]\(([^)\s]+)\)|(https?:\/\/[^\s<>()]+[^\s<>().,;:!?'"])/g;
+const INLINE = /(`+)([\s\S]*?[^`])\1(?!`)|\*\*(?=\S)([\s\S]*?\S)\*\*|~~(?=\S)([\s\S]*?\S)~~|\*(?=[^\s*])([\s\S]*?[^\s*])\*|\b_(?=\S)([\s\S]*?\S)_\b|\[([^\]\n]+)\]\(([^)\s]+)\)|(https?:\/\/[^\s<>()]+[^\s<>().,;:!?'"])|\$\$([^$]+?)\$\$|\\\(([\s\S]+?)\\\)|\$(?=[^\s$])([^$\n]*?[^\s$\\])\$(?!\d)/g;
 
 export function renderInline(text, parent) {
   let last = 0;
   for (const match of text.matchAll(INLINE)) {
     if (match.index > last) parent.append(text.slice(last, match.index));
     last = match.index + match[0].length;
-    const [, ticks, code, bold, struck, star, under, label, href, bare] = match;
+    const [, ticks, code, bold, struck, star, under, label, href, bare, shown, paren, dollar] =
+      match;
     if (ticks) parent.append(el("code", "", code.replace(/^ (.*) $/s, "$1")));
     else if (bold !== undefined) renderInline(bold, parent.appendChild(el("strong")));
     else if (struck !== undefined) renderInline(struck, parent.appendChild(el("del")));
     else if (star !== undefined || under !== undefined) {
       renderInline(star ?? under, parent.appendChild(el("em")));
     } else if (label !== undefined) parent.append(link(label, href));
-    else parent.append(link(bare, bare));
+    else if (bare !== undefined) parent.append(link(bare, bare));
+    else parent.append(formula(shown ?? paren ?? dollar, shown !== undefined, match[0]));
   }
   if (last < text.length) parent.append(text.slice(last));
   return parent;
@@ -52,6 +57,30 @@ function link(label, href) {
   return a;
 }
 
+// A formula, shown as written (`source`) until it is typeset.
+function formula(tex, display, source) {
+  const node = el(display ? "div" : "span", display ? "math display" : "math", source);
+  node.dataset.tex = tex.trim();
+  return node;
+}
+
+// Display math from line `i`: {node, next}, or null when the line only starts inline math
+// ($$a$$ and more text). A formula still streaming (no closing yet) runs to the end.
+function displayMath(lines, i) {
+  const first = lines[i].trim();
+  const close = first.startsWith("$$") ? "$$" : "\\]";
+  const body = [first.slice(2)];
+  if (body[0].includes(close) && !body[0].trimEnd().endsWith(close)) return null;
+  for (let j = i; j < lines.length; j += 1) {
+    if (j > i) body.push(lines[j]);
+    const text = body.join("\n").trimEnd();
+    if (text.endsWith(close)) {
+      return { node: formula(text.slice(0, -2), true, `${first.slice(0, 2)}${text}`), next: j + 1 };
+    }
+  }
+  return { node: formula(body.join("\n"), true, lines.slice(i).join("\n")), next: lines.length };
+}
+
 function codeBlock(language, lines) {
   const figure = el("div", "code-block");
   const bar = figure.appendChild(el("div", "code-bar"));
@@ -59,7 +88,9 @@ function codeBlock(language, lines) {
   const copy = bar.appendChild(el("button", "copy-code", "Copy"));
   copy.type = "button";
   const pre = figure.appendChild(el("pre"));
-  pre.appendChild(el("code", language ? `language-${language}` : "", lines.join("\n")));
+  const code = pre.appendChild(el("code", language ? `language-${language}` : "",
+    lines.join("\n")));
+  if (language) code.dataset.language = language;
   return figure;
 }
 
@@ -124,6 +155,12 @@ export function renderMarkdown(text) {
       continue;
     }
     if (RULE.test(line)) { out.append(el("hr")); i += 1; continue; }
+    const math = DISPLAY_MATH.test(line) && displayMath(lines, i);
+    if (math) {
+      out.append(math.node);
+      i = math.next;
+      continue;
+    }
     if (TABLE_ROW.test(line) && i + 1 < lines.length && TABLE_RULE.test(lines[i + 1])) {
       const rows = [];
       while (i < lines.length && TABLE_ROW.test(lines[i])) rows.push(lines[i++]);
@@ -153,7 +190,8 @@ export function renderMarkdown(text) {
     }
     const paragraph = [];
     while (i < lines.length && lines[i].trim() && !FENCE.test(lines[i])
-           && !HEADING.test(lines[i]) && !BULLET.test(lines[i]) && !QUOTE.test(lines[i])) {
+           && !HEADING.test(lines[i]) && !BULLET.test(lines[i]) && !QUOTE.test(lines[i])
+           && !(paragraph.length && DISPLAY_MATH.test(lines[i]))) {
       paragraph.push(lines[i++]);
     }
     const p = el("p");

@@ -2,16 +2,17 @@
 // the reply streaming now, and the lines that say what went wrong or what just happened.
 
 import { el } from "./markdown.js";
-import { loadChats, loadSettings, saveChats, saveSettings } from "./store.js";
+import { loadSettings, saveChats, saveSettings } from "./store.js";
 import { specOf } from "./spec.js";
 
 export const $ = (id) => document.getElementById(id);
+window.adaptiveLlama = { ...(window.adaptiveLlama || {}), saved: Promise.resolve() };
 export const DEFAULTS = { sampler: "adaptive", params: {}, modifiers: {}, temperature: "", seed: "",
   maxTokens: 512, system: "", tokenView: false, theme: "", model: "" };
 
 export const state = {
   settings: { ...DEFAULTS, ...loadSettings() },
-  chats: loadChats(),
+  chats: [],        // every chat, newest first (loaded from IndexedDB at start)
   chat: null,
   table: [],        // the server's samplers and modifiers (/web/samplers.json)
   running: null,    // the AbortController of the reply streaming now
@@ -43,9 +44,11 @@ export function showNotice(message, undo) {
   if (message) noticeTimer = setTimeout(() => showNotice(""), 10_000);
 }
 
+// Keeps the chats and settings; the chats are written in the background, in order
+// (window.adaptiveLlama.saved settles when the latest write has ended).
 export function persist() {
+  window.adaptiveLlama.saved = saveChats(state.chats).catch((error) => showError(error.message));
   try {
-    saveChats(state.chats);
     saveSettings(state.settings);
   } catch (error) {
     showError(error.message);

@@ -8,6 +8,7 @@
 
 import { renderMarkdown } from "./markdown.js";
 import { plot, renderTokens } from "./tokens.js";
+import { typeset } from "./typeset.js";
 
 export const renderCost = { tokens: 0, ms: 0, worstMs: 0 };
 window.adaptiveLlama = { ...(window.adaptiveLlama || {}), render: renderCost };
@@ -26,7 +27,10 @@ export function showMessage(content, message, tokenView) {
     content.removeAttribute("aria-label");
   }
   if (tokens) renderTokens(content, message.details);
-  else if (message.role === "assistant") content.append(renderMarkdown(message.content));
+  else if (message.role === "assistant") {
+    content.append(renderMarkdown(message.content));
+    typeset(content);
+  }
   // what the user typed, as typed (its attached files are shown by name beside it)
   else content.textContent = message.typed ?? message.content;
 }
@@ -129,6 +133,7 @@ export class LiveReply {
       const cut = finishedBlocks(text, this.stable);
       if (cut > this.stable) {
         this.head.append(renderMarkdown(text.slice(this.stable, cut)));
+        typeset(this.head);  // the finished blocks' code and math, typeset while it streams
         this.stable = cut;
       }
       this.tail.replaceChildren(renderMarkdown(text.slice(this.stable)));

@@ -1,9 +1,14 @@
-// Conversations kept in the browser (localStorage), and their export and import as the
-// REPL's /save JSON: {version, model, sampler, seed, max_tokens, system, messages}, where a
-// message is {role: "user"|"assistant", content, interrupted?}. A file exported here loads
-// in the REPL (/load FILE, or run --resume FILE), and a /save file imports here.
+// Conversations kept in the browser (IndexedDB, one record per chat), and their export and
+// import as the REPL's /save JSON: {version, model, sampler, seed, max_tokens, system,
+// messages}, where a message is {role: "user"|"assistant", content, interrupted?}. A file
+// exported here loads in the REPL (/load FILE, or run --resume FILE), and a /save file
+// imports here.
 
-const CHATS = "adaptive-llama.chats";
+import { everyVersion } from "./branches.js";
+
+const DATABASE = "adaptive-llama";
+const CHATS = "chats";
+const OLD_CHATS = "adaptive-llama.chats";  // where earlier versions of the page kept them
 const SETTINGS = "adaptive-llama.settings";
 const MAX_IMPORT_BYTES = 64 * 2 ** 20;  // the REPL's limit on a chat file
 
@@ -15,24 +20,76 @@ export function newChat(settings) {
   };
 }
 
-export function loadChats() {
+let database = null;
+function openDatabase() {
+  database ??= new Promise((resolve, reject) => {
+    const request = indexedDB.open(DATABASE, 1);
+    request.onupgradeneeded = () => request.result.createObjectStore(CHATS, { keyPath: "id" });
+    request.onsuccess = () => resolve(request.result);
+    request.onerror = () => reject(request.error);
+  });
+  return database;
+}
+
+// Settles when the transaction has ended: its error if it failed (a full storage aborts it).
+function ended(transaction) {
+  return new Promise((resolve, reject) => {
+    transaction.oncomplete = () => resolve();
+    transaction.onabort = transaction.onerror = () => reject(transaction.error);
+  });
+}
+
+const written = new Map();  // chat id -> its JSON as last written: only changes are written
+
+// The chats as they are stored, the newest first.
+export async function storedChats() {
+  const transaction = (await openDatabase()).transaction(CHATS);
+  const request = transaction.objectStore(CHATS).getAll();
+  await ended(transaction);
+  return request.result.filter((c) => c && Array.isArray(c.messages))
+    .sort((a, b) => (a.id < b.id ? 1 : -1));  // ids begin with the time they were made
+}
+
+export async function loadChats() {
+  let chats = await storedChats();
+  if (!chats.length) chats = await movedFromLocalStorage();
+  for (const chat of chats) written.set(chat.id, JSON.stringify(chat));
+  return chats;
+}
+
+// The chats an earlier version of the page kept in localStorage, moved here.
+async function movedFromLocalStorage() {
+  let chats;
   try {
-    const chats = JSON.parse(localStorage.getItem(CHATS) || "[]");
-    return Array.isArray(chats) ? chats.filter((c) => c && Array.isArray(c.messages)) : [];
+    chats = JSON.parse(localStorage.getItem(OLD_CHATS) || "[]");
   } catch {
     return [];
   }
+  chats = Array.isArray(chats) ? chats.filter((c) => c && Array.isArray(c.messages)) : [];
+  if (chats.length) await saveChats(chats);
+  localStorage.removeItem(OLD_CHATS);
+  return chats;
 }
 
 // Keeps every chat; when the browser's quota is reached, the per-token details of the
 // oldest replies go first (the text stays), then an error says that nothing more fits.
-export function saveChats(chats) {
+export async function saveChats(chats) {
   for (;;) {
+    const texts = new Map(chats.map((chat) => [chat.id, JSON.stringify(chat)]));
+    const transaction = (await openDatabase()).transaction(CHATS, "readwrite");
+    const store = transaction.objectStore(CHATS);
+    for (const chat of chats) if (written.get(chat.id) !== texts.get(chat.id)) store.put(chat);
+    for (const id of written.keys()) if (!texts.has(id)) store.delete(id);
     try {
-      localStorage.setItem(CHATS, JSON.stringify(chats));
+      await ended(transaction);
+      written.clear();
+      texts.forEach((text, id) => written.set(id, text));
       return;
     } catch (error) {
-      if (!dropOldestDetails(chats)) throw new Error(`the browser's storage is full: ${error.message}`);
+      if (error?.name !== "QuotaExceededError") {
+        throw new Error(`The chats could not be kept: ${error?.message}`);
+      }
+      if (!dropOldestDetails(chats)) throw new Error(`The browser's storage is full: ${error.message}`);
     }
   }
 }
@@ -40,9 +97,8 @@ export function saveChats(chats) {
 function dropOldestDetails(chats) {
   const byAge = [...chats].sort((a, b) => a.updated - b.updated);
   for (const chat of byAge) {
-    // a reply's earlier versions (Regenerate) count as its own, shown one
-    const replies = chat.messages.flatMap((m) => [...(m.versions || []).filter(Boolean), m]);
-    const reply = replies.find((m) => m.details);
+    // a reply's earlier versions (Regenerate, an edited question) go before the one shown
+    const reply = [...everyVersion(chat.messages)].find((m) => m.details);
     if (reply) {
       delete reply.details;
       return true;
