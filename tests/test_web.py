@@ -534,7 +534,14 @@ def test_the_token_view_shows_each_tokens_k_and_candidates(page):
     spans.nth(2).hover()
     card = page.tab.inner_text("#card")
     assert f"k = {details[2]['k']}" in card and "kept mass" in card
-    assert page.tab.locator("#card li").count() == len(details[2]["top"]) == 5
+    assert page.tab.locator("#card li:not(.cut)").count() == len(details[2]["top"]) == 5
+    # the sampler's cut drawn under the k-th candidate, where it falls among those shown
+    cut_at = next(i for i, d in enumerate(details) if 1 <= d["k"] < 5)
+    spans.nth(cut_at).hover()
+    above = page.tab.evaluate("[...document.querySelectorAll('#card li')]"
+                              ".findIndex((li) => li.classList.contains('cut'))")
+    assert above == details[cut_at]["k"]
+    assert page.tab.inner_text("#card .cut") == f"cut: the {details[cut_at]['k']} above kept"
     points = page.tab.get_attribute(".message.assistant .plot-k", "points").split()
     assert len(points) == len(details)
     page.tab.mouse.move(0, 0)
@@ -566,8 +573,21 @@ def test_compare_marks_the_first_token_where_two_samplers_part(page):
     assert [marked.nth(i).get_attribute("data-i") for i in range(2)] == [str(part)] * 2
     assert page.tab.locator(".comparison .column").nth(1).inner_text().endswith(
         greedy["choices"][0]["message"]["content"][-20:])
+    # kept with its reply: a reload draws it again, the same mark where they part
+    page.tab.reload()
+    page.tab.wait_for_selector(".comparison .verdict")
+    assert page.tab.inner_text(".verdict") == f"They part at token {part + 1}."
+    assert [page.tab.locator(".comparison .tok.diverge").nth(i).get_attribute("data-i")
+            for i in range(2)] == [str(part)] * 2
+    kept = page.messages()[-1]["comparison"]
+    assert (kept["spec"], kept["seed"]) == ("greedy", 21) and "left" not in kept
+    # the sampler is picked from the server's list, or typed with its parameters
+    listed = page.tab.eval_on_selector_all("#compare-samplers option", "os => os.map(o => o.value)")
+    assert {"greedy", "adaptive", "min-p", "p-less", "top-h"} <= set(listed)
+    assert not {"penalties", "dry", "xtc"} & set(listed)  # modifiers are no samplers alone
     # The same sampler and seed again: the same reply, token for token.
     page.tab.click(".message.assistant .compare")
+    assert page.tab.input_value("#compare-spec") == "greedy"  # the last one compared
     page.tab.fill("#compare-spec", original["stats"]["sampler"])
     page.tab.click("#compare-run")
     page.wait_reply()

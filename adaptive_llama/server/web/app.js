@@ -6,13 +6,14 @@
 import { Api, ApiError } from "./api.js";
 import { readAttachment, retyped, withAttachments } from "./attach.js";
 import { branchFrom, cutAt, putBack, showVersion } from "./branches.js";
+import { listSamplers, openCompare, setupCompare, showComparison } from "./compare.js";
 import { el } from "./markdown.js";
 import { $, button, persist, showError, showNotice, spec, state } from "./page.js";
 import { LiveReply, showMessage, showPlot, thinkingBlock } from "./reply.js";
 import { buildSettings, showSettings, wireSettings } from "./settings.js";
 import { parseSpec } from "./spec.js";
 import { exported, imported, loadChats, newChat, titleOf } from "./store.js";
-import { fillCard, firstDifference, kLegend, renderTokens } from "./tokens.js";
+import { fillCard, kLegend } from "./tokens.js";
 import { useApi } from "./typeset.js";
 
 // The chat open in this tab, kept across a reload (a new tab opens the newest).
@@ -249,6 +250,7 @@ function messageNode(message, index) {
     node.append(metaLine(message));
   }
   node.append(actions(message, index));
+  if (message.comparison) showComparison(node, message);
   return node;
 }
 
@@ -523,80 +525,6 @@ function editMessage(index) {
   area.focus();
 }
 
-// ---- compare: the same turn with another sampler and the same seed ----
-
-function openCompare(index) {
-  if (state.running) return;
-  const message = state.chat.messages[index];
-  const current = message.stats?.sampler || message.spec || spec();
-  $("compare-a").textContent = current;
-  $("compare-spec").value = current.startsWith("greedy") ? "adaptive" : "greedy";
-  $("compare-dialog").dataset.index = index;
-  $("compare-dialog").showModal();
-  $("compare-spec").focus();
-}
-
-async function runCompare() {
-  const dialog = $("compare-dialog");
-  dialog.close();
-  const index = Number(dialog.dataset.index);
-  const original = state.chat.messages[index];
-  const other = $("compare-spec").value.trim();
-  const known = seedOf(original);  // none for a reply imported without one
-  const seed = known ?? freshSeed();
-  const history = state.chat.messages.slice(0, index);
-  const node = $("messages").querySelector(`.message[data-index="${index}"]`);
-  node.querySelector(".comparison")?.remove();
-  const panel = node.appendChild(el("div", "comparison"));
-  const columns = panel.appendChild(el("div", "columns"));
-  const verdict = panel.appendChild(el("div", "verdict", "Comparing…"));
-  const column = (title) => {
-    const holder = columns.appendChild(el("div", "column"));
-    holder.append(el("div", "column-title", title));
-    return holder.appendChild(el("div", "content token-view"));
-  };
-  const left = column(`${original.stats?.sampler || original.spec || spec()} · seed ${seed}`);
-  const right = column(`${other} · seed ${seed}`);
-  const controller = new AbortController();
-  setRunning(controller);
-  showError("");
-  const viewWas = state.settings.tokenView;
-  state.settings.tokenView = true;  // both sides as tokens, for the mark where they part
-  try {
-    let a = original;
-    if (!original.details || known == null) {  // made again, same sampler, this seed
-      a = { role: "assistant", content: "", details: [] };
-      left.details = a.details;
-      await stream(requestBody(history, original.spec || spec(), seed), a, left, controller);
-    } else {
-      left.details = original.details;
-      renderTokens(left, original.details);
-    }
-    const b = { role: "assistant", content: "", details: [] };
-    right.details = b.details;
-    await stream(requestBody(history, other, seed), b, right, controller);
-    markDifference(a, b, left, right, verdict);
-  } catch (error) {
-    showError(error.message);
-    verdict.textContent = "The comparison failed.";
-  } finally {
-    state.settings.tokenView = viewWas;
-    setRunning(null);
-  }
-}
-
-function markDifference(a, b, left, right, verdict) {
-  const texts = (m) => (m.details || []).map((d) => d.text);
-  const at = firstDifference(texts(a), texts(b));
-  if (at < 0) {
-    verdict.textContent = "Same text, token for token.";
-    return;
-  }
-  for (const side of [left, right]) side.querySelector(`.tok[data-i="${at}"]`)?.classList.add("diverge");
-  verdict.textContent = `They part at token ${at + 1}.`;
-  verdict.dataset.at = at;
-}
-
 // ---- the token card (hover, or tap on a touch screen) ----
 
 // A token's details: a compared reply's column holds its own (they are not in the chat).
@@ -771,11 +699,7 @@ function wire() {
     const open = document.body.classList.toggle("sidebar-open");
     $("toggle-sidebar").setAttribute("aria-expanded", String(open));
   });
-  $("compare-run").addEventListener("click", runCompare);
-  $("compare-cancel").addEventListener("click", () => $("compare-dialog").close());
-  $("compare-spec").addEventListener("keydown", (event) => {
-    if (event.key === "Enter") runCompare();
-  });
+  setupCompare({ stream, requestBody, setRunning, seedOf, freshSeed, showError });
   $("chat-search").addEventListener("input", renderChatList);
   document.addEventListener("keydown", (event) => {
     if (event.key === "Escape") escape();
@@ -807,6 +731,7 @@ async function start() {
     await loadModels();
     state.table = await api.samplers();
     buildSettings();
+    listSamplers();
   } catch (error) {
     showError(error instanceof ApiError ? error.message : `The server did not answer: ${error.message}`);
   }

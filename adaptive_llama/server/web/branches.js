@@ -7,7 +7,7 @@
 // that followed it as `rest`, so nothing is stored twice.
 
 const VERSION_FIELDS = ["content", "typed", "files", "spec", "seed", "details", "stats",
-  "reasoning", "interrupted"];
+  "reasoning", "interrupted", "comparison"];
 
 function versionOf(message, rest) {
   const version = Object.fromEntries(VERSION_FIELDS.filter((f) => message[f] !== undefined)

@@ -97,10 +97,11 @@ export async function saveChats(chats) {
 function dropOldestDetails(chats) {
   const byAge = [...chats].sort((a, b) => a.updated - b.updated);
   for (const chat of byAge) {
-    // a reply's earlier versions (Regenerate, an edited question) go before the one shown
-    const reply = [...everyVersion(chat.messages)].find((m) => m.details);
+    // a reply's earlier versions (Regenerate, an edited question) go before the one shown,
+    // a reply's comparison before its own tokens
+    const reply = [...everyVersion(chat.messages)].find((m) => m.details || m.comparison);
     if (reply) {
-      delete reply.details;
+      delete reply[reply.comparison ? "comparison" : "details"];
       return true;
     }
   }

@@ -70,7 +70,7 @@ export function fillCard(card, detail) {
   line.textContent = figures.join(" · ");
   const list = card.appendChild(document.createElement("ol"));
   list.className = "card-candidates";
-  for (const candidate of detail.top) {
+  detail.top.forEach((candidate, i) => {
     const item = list.appendChild(document.createElement("li"));
     const bar = item.appendChild(document.createElement("meter"));
     bar.min = 0;
@@ -80,7 +80,12 @@ export function fillCard(card, detail) {
     text.textContent = visible(candidate.text);
     item.append(` ${percent(candidate.p)}`);
     if (candidate.text === detail.text) item.className = "chosen";
-  }
+    // the sampler's cut: the k candidates above it were kept, those below it dropped
+    if (i + 1 === detail.k && i + 1 < detail.top.length) {
+      list.appendChild(document.createElement("li")).className = "cut";
+      list.lastChild.textContent = `cut: the ${detail.k} above kept`;
+    }
+  });
 }
 
 // An SVG plot of k (and entropy, where known) along the reply.
