@@ -93,7 +93,9 @@ def test_every_step_runs_on_the_cpu_and_writes_its_figures(dry_run):
     assert steps["bench_gemma3-270m"] == {"skipped": "the model gemma3-270m has not come"}
     # prompt lookup on the code edit: each mode against no drafts, the text the same
     spec = steps["speculative_smollm2"]["results"]
-    assert set(spec) == {"code_edit greedy", "code_edit adaptive:temp=0.7"}
+    assert set(spec) == {"code_edit adaptive:temp=0.7"}  # on the card: greedy too
+    card = dict((name, args) for name, args, _ in run.plan(dry_run=False))
+    assert card["speculative_smollm2"][-2:] == ["--samplers", "greedy,adaptive:temp=0.7"]
     for row in spec.values():
         assert {"none", "ngram", "fixed-4", "fixed-16"} <= set(row)
         assert all(row[mode]["same_text"] for mode in ("ngram", "fixed-4", "fixed-16"))

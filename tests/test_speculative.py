@@ -23,8 +23,10 @@ from adaptive_llama.runtime.speculation import DraftLength, RowCost, Speculation
 from adaptive_llama.runtime.models import ModelError
 from adaptive_llama.runtime.request import InvalidArgument
 
-# The numba pass of `make test` runs these again (tests/test_marks.py).
-pytestmark = pytest.mark.backend
+# The numba pass of `make test` runs again the tests whose outcome depends on the sampler's
+# implementation (marked `backend`, tests/test_marks.py): every sampler through the chain
+# with drafts, the chain's own choices and a grammar. The rest (attention, logits, the draft
+# rule, the drafters, the refusals) are the same code under either backend.
 
 LONG = ("The history of the river Danube is long and full of events. " * 20
         + "Tell me about the sea:")  # 266 tokens
@@ -202,6 +204,7 @@ def test_a_workers_backend_takes_the_tiled_kernel_from_a_whole_chunks_rows(monke
 
 # ---- same text ----
 
+@pytest.mark.backend
 @pytest.mark.parametrize("sampler", SAMPLERS)
 def test_every_sampler_gives_the_same_reply_with_drafts(engine, ngram_engine, model_engine,
                                                         always_draft, sampler):
@@ -237,6 +240,7 @@ def test_past_512_cached_cells_the_reply_is_the_same(engine, ngram_engine, alway
         assert reply(ngram_engine, text, sampler).tokens == reply(engine, text, sampler).tokens
 
 
+@pytest.mark.backend
 def test_stop_strings_logprobs_and_a_grammar_give_the_same_result(engine, ngram_engine,
                                                                   always_draft):
     from adaptive_llama.llama.grammar import json_grammar
@@ -288,6 +292,7 @@ def test_the_cache_holds_only_the_kept_tokens_after_a_reply(ngram_engine, always
     assert llama_cpp.llama_memory_seq_pos_max(memory, slot.index) == len(slot.tokens) - 1
 
 
+@pytest.mark.backend
 def test_the_next_turn_after_a_drafted_reply_is_the_same_too(engine, ngram_engine,
                                                              always_draft):
     from adaptive_llama import Chat
@@ -711,6 +716,7 @@ def test_vocabulary_sizes_may_differ_by_128_either_way_and_no_more(engine):
             drafting.check_vocabularies(_Sized(model, n + diff), model, "d.gguf")
 
 
+@pytest.mark.backend
 def test_acceptance_counts_only_the_drafts_the_chain_chose(engine, ngram_engine,
                                                            monkeypatch, always_draft):
     class Wrong(drafting.NgramDrafter):
