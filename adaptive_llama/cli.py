@@ -20,6 +20,7 @@ from pathlib import Path
 import click
 from click.core import ParameterSource
 
+from .eval.config import GRIDS, TEMPERATURE_METHODS
 from .runtime import config
 from .runtime.limits import MAX_CTX, MAX_THREADS
 from .runtime.models import ModelError, describe_models, resolve_model
@@ -476,11 +477,10 @@ def _continue(repl, store, name: str) -> None:
 @click.option("--tasks", default="wiki,stories,ablation,latency,gsm8k", show_default=True,
               help="Comma-separated: wiki, stories, ablation, penalties, latency, gsm8k.")
 @click.option("--methods", default=None,
-              help="Comma-separated subset of greedy, top-k, top-p, typical, min-p, mirostat, "
-                   "eta, adaptive (default: all).")
+              help=f"Comma-separated subset of {', '.join(GRIDS)} (default: all).")
 @click.option("--temperatures", default=None,
-              help="Comma-separated temperatures (e.g. 0.7,1.0,1.5,2.0) at which top-p, min-p, "
-                   "eta and adaptive run again at their tuned values.")
+              help="Comma-separated temperatures (e.g. 0.7,1.0,1.5,2.0) at which "
+                   f"{', '.join(TEMPERATURE_METHODS)} run again at their tuned values.")
 @click.option("--batch", type=click.IntRange(1, 64), default=16, show_default=True,
               help="Texts generated together (one decode step each); models of 1B and more "
                    "gain from 32 on a CPU.")

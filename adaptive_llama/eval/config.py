@@ -30,6 +30,10 @@ GRIDS = {
     "adaptive-p": ["adaptive-p:target=0.5", "adaptive-p:target=0.3", "adaptive-p:target=0.7",
                    "adaptive-p:target=0.9"],
 }
+# The methods the temperature study runs at every temperature (the min-p paper's claim is
+# about these).
+TEMPERATURE_METHODS = ("top-p", "min-p", "eta", "adaptive", "p-less", "top-h", "top-n-sigma",
+                       "adaptive-p")
 
 TASKS = ("wiki", "stories", "ablation", "penalties", "latency", "gsm8k")
 METHODS = tuple(GRIDS)

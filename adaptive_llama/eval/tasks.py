@@ -23,7 +23,7 @@ from ..runtime.engine import Engine
 from ..runtime.models import BUNDLED
 from ..samplers import parse_spec
 from . import data, metrics
-from .config import GRIDS, EvalConfig
+from .config import GRIDS, TEMPERATURE_METHODS, EvalConfig
 from .data import Prompt
 from .timing import sampler_latency_us
 
@@ -55,9 +55,6 @@ class Runner(Protocol):
 # Metrics of the paired comparison, and whether more is better.
 PAIRED_METRICS = {"rep2": False, "rep3": False, "rep4": False, "diversity": True,
                   "coherence": True, "mauve": True}
-# The methods the temperature study runs (the min-p paper's claim is about these).
-TEMPERATURE_METHODS = ("top-p", "min-p", "eta", "adaptive", "p-less", "top-h", "top-n-sigma",
-                       "adaptive-p")
 ABLATION_EPS = (0.001, 0.005, 0.01, 0.02)
 # GSM8K: greedy once (temperature does not change it), the sampling methods at each temperature.
 GSM8K_SPECS = ("greedy", "top-p:p=0.95", "min-p:p=0.1", "adaptive:eps=0.0005", "p-less",
