@@ -2,8 +2,11 @@
 Pygments' pieces always add up to the code, and only MathML built from fixed lists of tags
 and attributes ever leaves, whatever TeX the model wrote."""
 
+from xml.etree import ElementTree
+
 import pytest
 
+from adaptive_llama.server import typeset
 from adaptive_llama.server.typeset import (
     LONGEST_CODE,
     DEEPEST_MATH,
@@ -23,6 +26,7 @@ def test_python_is_cut_into_kinds_that_add_up_to_the_code():
     assert kinds["def"] == kinds["return"] == "keyword"
     assert kinds["f"] == "function" and kinds["'a'"] == "string"
     assert kinds["1"] == "number" and kinds["# one"] == "comment"
+    assert kinds["(x):"] == ""  # plain text has no kind
     # neighbours of one kind are merged: no two pieces in a row share it
     assert all(a[0] != b[0] for a, b in zip(pieces, pieces[1:]))
 
@@ -32,6 +36,11 @@ def test_the_usual_fence_names_are_known_and_lose_no_character(language):
     code = "a = 1\n\tb\n  'x' // y # z\n-old\n+new\n"
     pieces = highlight(language, code)
     assert pieces is not None and "".join(text for _, text in pieces) == code
+
+
+def test_code_without_a_last_newline_gets_none_added():
+    pieces = highlight("python", "x = 1")
+    assert "".join(text for _, text in pieces) == "x = 1"
 
 
 def test_an_unknown_language_or_a_block_too_long_stays_plain():
@@ -59,11 +68,23 @@ def test_a_formula_is_typeset_up_to_the_depth_allowed_and_no_deeper():
 
 
 def test_a_formula_becomes_a_tree_of_mathml():
+    assert mathml("x^2", display=False) == [
+        "math", {"display": "inline"}, ["mrow", {}, ["msup", {}, ["mi", {}, "x"], ["mn", {}, "2"]]]]
     tree = mathml(r"\frac{a}{b} + \sqrt{x^2}", display=False)
     assert tree[0] == "math" and tree[1] == {"display": "inline"}
     tags, _ = tags_and_attributes(tree)
     assert {"mfrac", "msqrt", "msup", "mi", "mn", "mo"} <= tags
     assert mathml("E = mc^2", display=True)[1] == {"display": "block"}
+
+
+def test_text_between_elements_stays_in_its_place():
+    markup = '<math xmlns="http://www.w3.org/1998/Math/MathML">a<mi>b</mi>c<mo>d</mo>e</math>'
+    assert typeset._tree(ElementTree.fromstring(markup)) == [
+        "math", {}, "a", ["mi", {}, "b"], "c", ["mo", {}, "d"], "e"]
+
+
+def test_a_formula_as_long_as_allowed_is_typeset():
+    assert mathml("x" * LONGEST_TEX, display=False) is not None
 
 
 @pytest.mark.parametrize("tex", [
