@@ -763,6 +763,9 @@ def test_code_is_highlighted_and_math_typeset_and_hostile_tex_stays_text(page, t
     typeset = [r for r in page.requests if r.url.endswith("/web/typeset")]
     assert len(typeset) == 1  # the reply's blocks and formulas asked for together
     assert page.errors == []
+    if os.environ.get("ADAPTIVE_LLAMA_SCREENSHOTS"):
+        page.tab.locator(".message.assistant").screenshot(path=os.path.join(
+            os.environ["ADAPTIVE_LLAMA_SCREENSHOTS"], "web-code-math.png"))
 
 
 def test_the_key_is_asked_once_per_tab(browser, keyed_server):
