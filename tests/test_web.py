@@ -468,6 +468,26 @@ def test_a_question_sent_after_a_refused_one_takes_its_place(page):
     assert [m["role"] for m in page.messages()] == ["user", "assistant"]
 
 
+def test_a_question_sent_after_a_refused_edit_keeps_the_branch_the_edit_replaced(page):
+    page.open()
+    page.settings(max_tokens=4)
+    page.send("Name a colour.")
+    before = shown_texts(page)
+    page.settings(**{"adaptive.eps": 2})  # the edited question's reply is refused
+    page.tab.click(".message.user .edit")
+    page.tab.fill(".edit-area", "Name a fruit.")
+    page.tab.click(".resend")
+    page.tab.wait_for_selector("#error", state="visible")
+    page.wait_reply()
+    page.settings(**{"adaptive.eps": 0.01})
+    page.send("Name a tree.")  # takes the unanswered question's place
+    assert [m["content"] for m in page.messages()][0] == "Name a tree."
+    assert page.tab.inner_text(".message.user .version-count") == "3/3"
+    page.tab.click(".message.user .earlier")
+    page.tab.click(".message.user .earlier")
+    assert shown_texts(page) == before  # the first branch, whole
+
+
 def test_the_model_picker_lists_the_servers_models_and_sends_the_choice(page):
     page.open()
     options = page.tab.eval_on_selector_all("#model option", "os => os.map(o => o.value)")

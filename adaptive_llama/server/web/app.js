@@ -303,11 +303,17 @@ function send() {
     return;
   }
   const chat = currentChat();
-  // A question left unanswered (its reply was refused) gives way to the one sent now: the
-  // model never gets two questions in a row.
-  if (chat.messages[chat.messages.length - 1]?.role === "user") chat.messages.pop();
-  chat.messages.push(files.length ? { role: "user", content: withAttachments(text, files),
-    typed: text, files: files.map((f) => f.name) } : { role: "user", content: text });
+  const question = files.length ? { role: "user", content: withAttachments(text, files),
+    typed: text, files: files.map((f) => f.name) } : { role: "user", content: text };
+  const last = chat.messages.length - 1;
+  if (chat.messages[last]?.role === "user") {
+    // A question left unanswered (its reply was refused) gives way to the one sent now: the
+    // model never gets two questions in a row. An edited one's earlier versions stay.
+    const replaced = cutAt(chat.messages, last);
+    chat.messages.push(replaced.previous.versions ? branchFrom(question, replaced) : question);
+  } else {
+    chat.messages.push(question);
+  }
   if (chat.title === "New chat") chat.title = titleOf(chat.messages) || chat.title;
   state.attachments = [];
   renderAttachments();
