@@ -119,26 +119,45 @@ SAMPLERS = ["greedy", "adaptive:temp=0.7", "adaptive:temp=1.0"]
 FIXED = (1, 2, 4, 8, 16)  # the fixed lengths the rule is measured against
 
 
-def row_costs(engine: Engine, rounds: int = 5) -> dict[str, float]:
+def row_costs(engine: Engine, rounds: int = 5) -> dict[str, dict[str, float]]:
     """Milliseconds of one decode of n rows of one sequence (the fed token and n - 1
-    drafts), medians; the rows are taken out of the cache again after each."""
+    drafts), medians, each step timed to its end (llama_synchronize); the rows are taken out
+    of the cache again after each. "steady": n rows after n rows; "after one row": n rows
+    right after a step of one row, and "one row after": one row right after n rows, as the
+    draft rule's steps alternate. On CUDA a batch of another shape than the last resets
+    ggml's CUDA-graph warm-up (ggml-cuda.cu), which the steady figures would not show."""
     prompt = engine.tokenize(ARTICLE)[:300]
     engine.clear_cache()
     engine.prefill(prompt)
     decoder, slot = engine.decoder, engine.decoder.slots[0]
     memory = llama_cpp.llama_get_memory(engine.ctx)
-    costs = {}
+
+    def step(n: int) -> float:
+        for j in range(n):
+            decoder._put(j, prompt[j], slot, j, True)
+        decoder._batch.n_tokens = n
+        started = time.perf_counter()
+        decoder._decode()
+        llama_cpp.llama_synchronize(engine.ctx)
+        seconds = time.perf_counter() - started
+        llama_cpp.llama_memory_seq_rm(memory, slot.index, len(slot.tokens), -1)
+        return seconds
+
+    def ms(times: list[float]) -> float:
+        return round(statistics.median(times) * 1000, 2)
+
+    costs = {"steady": {}, "after one row": {}, "one row after": {}}
     for n in (1, 2, 4, 8, 16):
-        times = []
-        for _ in range(rounds):
-            for j in range(n):
-                decoder._put(j, prompt[j], slot, j, True)
-            decoder._batch.n_tokens = n
-            started = time.perf_counter()
-            decoder._decode()
-            times.append(time.perf_counter() - started)
-            llama_cpp.llama_memory_seq_rm(memory, slot.index, len(slot.tokens), -1)
-        costs[str(n)] = round(statistics.median(times) * 1000, 2)
+        step(n)  # the shape's first step, not counted
+        costs["steady"][str(n)] = ms([step(n) for _ in range(rounds)])
+        if n > 1:
+            after, before = [], []
+            for _ in range(rounds):
+                step(1)
+                after.append(step(n))
+                before.append(step(1))
+            costs["after one row"][str(n)] = ms(after)
+            costs["one row after"][str(n)] = ms(before)
     engine.clear_cache()
     return costs
 

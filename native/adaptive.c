@@ -53,6 +53,10 @@
 #include <immintrin.h>
 #endif
 
+#ifdef _OPENMP
+#include <omp.h>
+#endif
+
 #include "adaptive.h"
 
 /* ---- mirrors of llama.h (llama-cpp-python 0.3.36); layouts checked from Python ---- */
@@ -95,7 +99,8 @@ struct al_workspace {
     double *tail;   size_t cap_t;     /* suffix sums: tail[j] = mass after candidate j */
     al_token_data *kept; size_t cap_k;  /* kept entries while they move to the front */
     unsigned char *mark; size_t cap_m;  /* flags: candidate tokens, or front slots kept */
-    float *gmax, *gsum;  size_t cap_g;  /* per GROUP of weights: their max and their sum */
+    float *gmax, *gsum, *gwd; size_t cap_g;  /* per GROUP of weights: their max, their sum
+                                                and sum w_i (x_i - m) */
 };
 
 #define EXP_ARG_MIN (-87.3f)  /* below, exp() is subnormal in float32: weigh 0 (masked tokens) */
@@ -126,16 +131,17 @@ AL_EXPORT al_workspace *al_workspace_new(void) { return calloc(1, sizeof(al_work
 AL_EXPORT void al_workspace_free(al_workspace *ws) {
     if (!ws) return;
     free(ws->w); free(ws->x); free(ws->cand); free(ws->tmp); free(ws->tail); free(ws->ids);
-    free(ws->kept); free(ws->mark); free(ws->gmax); free(ws->gsum);
+    free(ws->kept); free(ws->mark); free(ws->gmax); free(ws->gsum); free(ws->gwd);
     free(ws);
 }
 
 /* The per-token buffers: weights, and one flag per token (collect; move_to_front reuses it). */
 static int reserve(al_workspace *ws, size_t n) {
-    size_t groups = n / GROUP + 1, cap = ws->cap_g;
+    size_t groups = n / GROUP + 1, cap = ws->cap_g, cap2 = ws->cap_g;
     return grow((void **)&ws->w, &ws->cap_w, n, sizeof(float)) &&
            grow((void **)&ws->mark, &ws->cap_m, n, 1) &&
            grow((void **)&ws->gmax, &cap, groups, sizeof(float)) &&
+           grow((void **)&ws->gwd, &cap2, groups, sizeof(float)) &&
            grow((void **)&ws->gsum, &ws->cap_g, groups, sizeof(float));
 }
 
@@ -148,6 +154,46 @@ static int reserve_candidates(al_workspace *ws, size_t n) {
     return grow((void **)&ws->tail, &ws->cap_t, n + 1, sizeof(double)) &&
            grow((void **)&ws->ids, &ws->cap_i, n + COLLECT_SPILL, sizeof(int32_t));
 }
+
+/* ---- host threads for the passes over every token ---- */
+
+/*
+ * The passes over all V tokens (the max, the temperature, the weights) may run on several
+ * threads: while the host samples, llama.cpp's own threads (the same OpenMP pool, libgomp,
+ * which libggml-cpu uses) wait for the next decode. Each thread takes whole GROUPs and every
+ * sum is added in group order afterwards, so the results are the same bits on any number
+ * of threads. A pass uses at most one thread per MIN_TOKENS_PER_THREAD tokens (waking a
+ * thread costs about a microsecond), and runs on one thread while another call holds the
+ * pool (chains sampled from several Python threads at once).
+ */
+#define MIN_TOKENS_PER_THREAD 16384
+static int pass_threads_max = 1; /* al_set_threads */
+static int pool_busy;
+
+/* How many threads the passes may use (1: none besides the caller's). Returns the number
+ * set, which is 1 where the library was built without OpenMP. */
+AL_EXPORT int al_set_threads(int n) {
+#ifdef _OPENMP
+    pass_threads_max = n > 1 ? n : 1;
+#else
+    (void)n;
+#endif
+    return pass_threads_max;
+}
+
+/* Threads for a pass over n tokens; a result above 1 holds the pool until release_threads. */
+static int claim_threads(size_t n) {
+    size_t fit = n / MIN_TOKENS_PER_THREAD;
+    int t = (size_t)pass_threads_max < fit ? pass_threads_max : (int)fit;
+    if (t <= 1 || __atomic_exchange_n(&pool_busy, 1, __ATOMIC_ACQUIRE)) return 1;
+    return t;
+}
+
+static void release_threads(int t) {
+    if (t > 1) __atomic_store_n(&pool_busy, 0, __ATOMIC_RELEASE);
+}
+
+static size_t group_count(size_t n) { return (n + GROUP - 1) / GROUP; }
 
 /* ---- pass 1 and 2: max, weights, normaliser (and optionally the entropy sum) ---- */
 
@@ -178,8 +224,16 @@ static inline float exp_weight(float d) {
 }
 
 static float max_f32(const float *x, size_t n) {
+    const int t = claim_threads(n);
     float m = x[0];
-    for (size_t i = 1; i < n; i++) m = x[i] > m ? x[i] : m;
+#pragma omp parallel for num_threads(t) if (t > 1) schedule(static) reduction(max : m)
+    for (size_t g = 0; g < group_count(n); g++) {
+        const size_t b = g * GROUP, end = b + GROUP < n ? b + GROUP : n;
+        float group_max = x[b];
+        for (size_t i = b; i < end; i++) group_max = x[i] > group_max ? x[i] : group_max;
+        m = group_max > m ? group_max : m;
+    }
+    release_threads(t);
     return m;
 }
 
@@ -192,9 +246,11 @@ static float max_f32(const float *x, size_t n) {
 #define DEFINE_PASSES(T, SUFFIX)                                                            \
     static double weights_##SUFFIX(const T *x, size_t n, T m, al_workspace *ws) {           \
         float *w = ws->w;                                                                    \
-        double s = 0.0;                                                                      \
-        for (size_t g = 0, b = 0; b < n; g++, b += GROUP) {                                  \
-            const size_t end = b + GROUP < n ? b + GROUP : n;                                \
+        const size_t groups = group_count(n);                                                \
+        const int t = claim_threads(n);                                                      \
+        _Pragma("omp parallel for num_threads(t) if (t > 1) schedule(static)")               \
+        for (size_t g = 0; g < groups; g++) {                                                \
+            const size_t b = g * GROUP, end = b + GROUP < n ? b + GROUP : n;                 \
             float group_sum = 0.0f, group_max = 0.0f;                                        \
             for (size_t i = b; i < end; i++) {                                               \
                 float v = exp_weight((float)(x[i] - m));                                     \
@@ -204,8 +260,10 @@ static float max_f32(const float *x, size_t n) {
             }                                                                                \
             ws->gsum[g] = group_sum;                                                         \
             ws->gmax[g] = group_max;                                                         \
-            s += (double)group_sum;                                                          \
         }                                                                                    \
+        release_threads(t);                                                                  \
+        double s = 0.0;                                                                      \
+        for (size_t g = 0; g < groups; g++) s += (double)ws->gsum[g];                        \
         return s;                                                                            \
     }                                                                                        \
     /* As weights_, and *wd = sum w_i (x_i - m), so H = ln S - wd / S: one more float32     \
@@ -215,9 +273,11 @@ static float max_f32(const float *x, size_t n) {
     static double weights_entropy_##SUFFIX(const T *x, size_t n, T m, al_workspace *ws,     \
                                            double *wd) {                                     \
         float *w = ws->w;                                                                    \
-        double s = 0.0, sd = 0.0;                                                            \
-        for (size_t g = 0, b = 0; b < n; g++, b += GROUP) {                                  \
-            const size_t end = b + GROUP < n ? b + GROUP : n;                                \
+        const size_t groups = group_count(n);                                                \
+        const int t = claim_threads(n);                                                      \
+        _Pragma("omp parallel for num_threads(t) if (t > 1) schedule(static)")               \
+        for (size_t g = 0; g < groups; g++) {                                                \
+            const size_t b = g * GROUP, end = b + GROUP < n ? b + GROUP : n;                 \
             float group_sum = 0.0f, group_max = 0.0f, group_wd = 0.0f;                       \
             for (size_t i = b; i < end; i++) {                                               \
                 float d = (float)(x[i] - m);                                                 \
@@ -230,8 +290,13 @@ static float max_f32(const float *x, size_t n) {
             }                                                                                \
             ws->gsum[g] = group_sum;                                                         \
             ws->gmax[g] = group_max;                                                         \
-            s += (double)group_sum;                                                          \
-            sd += (double)group_wd;                                                          \
+            ws->gwd[g] = group_wd;                                                           \
+        }                                                                                    \
+        release_threads(t);                                                                  \
+        double s = 0.0, sd = 0.0;                                                            \
+        for (size_t g = 0; g < groups; g++) {                                                \
+            s += (double)ws->gsum[g];                                                        \
+            sd += (double)ws->gwd[g];                                                        \
         }                                                                                    \
         *wd = sd;                                                                            \
         return s;                                                                            \
@@ -773,7 +838,13 @@ static void adaptive_apply(struct llama_sampler *smpl, al_token_data_array *cur)
  */
 __attribute__((optimize("no-fast-math")))
 static void scale_row(const float *logits, size_t n, float temp, float *x) {
-    for (size_t i = 0; i < n; i++) x[i] = logits[i] / temp;
+    const int t = claim_threads(n);
+#pragma omp parallel for num_threads(t) if (t > 1) schedule(static)
+    for (size_t g = 0; g < group_count(n); g++) {
+        const size_t b = g * GROUP, end = b + GROUP < n ? b + GROUP : n;
+        for (size_t i = b; i < end; i++) x[i] = logits[i] / temp;
+    }
+    release_threads(t);
 }
 
 /* choose_argmax on the row: the first token with the highest logit / temp (true

@@ -405,3 +405,22 @@ def test_dconf_of_head_with_the_tail_is_the_full_formula():
     for K in (1, 10, 400, 3000):
         np.testing.assert_allclose(dconf_of_head(p[:K], p[K:][::-1].sum(), 3000), full[:K],
                                    rtol=1e-9, atol=1e-15)
+
+
+def test_the_array_api_gives_the_same_bits_on_any_number_of_threads():
+    """k*, the kept mass and the entropy of rows from 16,384 to 262,144 tokens (one thread
+    per 16,384 tokens at most), float32 and float64, on 1, 3 and 8 threads."""
+    rng = np.random.default_rng(5)
+    rows = [rng.normal(0, s, n) for n, s in ((16_384, 1.0), (50_000, 4.0), (262_144, 3.0))]
+    rows.append(np.where(rng.random(200_001) < 0.3, -np.inf, rng.normal(0, 2, 200_001)))
+    try:
+        for x in rows:
+            for dtype in (np.float32, np.float64):
+                for eps in (5e-4, 5e-3):
+                    got = []
+                    for threads in (1, 3, 8):
+                        assert native.set_pass_threads(threads) == threads
+                        got.append(native.adaptive_native(x.astype(dtype), eps, True))
+                    assert got[0] == got[1] == got[2], (x.shape, dtype, eps)
+    finally:
+        native.set_pass_threads(1)

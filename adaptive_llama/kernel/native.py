@@ -73,6 +73,8 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.al_toph_sampler_new.argtypes = [dbl, ctypes.c_size_t]
     lib.al_adaptive_sample_row.restype = ctypes.c_int32
     lib.al_adaptive_sample_row.argtypes = [vp, vp, sz, ctypes.c_float]
+    lib.al_set_threads.restype = ctypes.c_int
+    lib.al_set_threads.argtypes = [ctypes.c_int]
     lib.al_greedy_row.restype = ctypes.c_int32
     lib.al_greedy_row.argtypes = [vp, sz]
     for name in ("al_sizeof_token_data", "al_sizeof_token_data_array",
@@ -126,3 +128,14 @@ def adaptive_native(x: np.ndarray, eps: float, want_stats: bool):
     if k < 1:
         raise MemoryError("the adaptive kernel could not allocate its buffers")
     return k, kept, entropy
+
+
+def set_pass_threads(threads: int) -> int:
+    """How many threads the C kernel's passes over every token may use (the max, the
+    temperature, the weights; at most one per 16,384 tokens), in the whole process. The
+    decoder sets it to llama.cpp's thread count, whose threads wait while the host samples;
+    the results are the same on any number. Returns the number set: 1 without the C library
+    or where it was built without OpenMP."""
+    lib, _ = load()
+    return lib.al_set_threads(threads) if lib is not None else 1
+

@@ -43,6 +43,7 @@ from dataclasses import dataclass, field, replace
 import llama_cpp
 import numpy as np
 
+from ..kernel.native import set_pass_threads
 from ..llama.chain import SamplerChain
 from .prefix import shared_prefix
 from .reasoning import ANSWER, THINKING, ThinkingSplitter, Thought
@@ -312,6 +313,7 @@ class Decoder:
         self.parallel_from_s = PARALLEL_FROM_S
         self.share_from = SHARE_FROM
         self._chain_s = 0.0  # one chain's CPU time to choose a token, at the last measure
+        self._pass_threads = 0  # what this decoder last let the kernel's passes use
         self._steps = 0
         self._joins = 0
         self.speculation = speculation
@@ -610,6 +612,7 @@ class Decoder:
                 and self._steps % MEASURE_EVERY != 0):
             rows = [(i, chain, ctypes.addressof(llama_cpp.llama_get_logits_ith(ctx, index)
                                                 .contents)) for i, chain, index in cpu]
+            self._use_pass_threads(1)  # the chains themselves are spread over the cores
             running = [self._samplers.submit(_run_chains, rows[g::groups])
                        for g in range(groups)]
             try:
@@ -625,12 +628,19 @@ class Decoder:
             # share the cores with llama.cpp's spinning workers and take several times the
             # CPU time (about 5 ms a chain instead of 1 for adaptive at 262,144 tokens),
             # which would keep cheap chains in threads once they got there.
+            self._use_pass_threads(self.tuner.threads)
             started = time.thread_time()
             for i, chain, index in cpu:
                 tokens[i] = chain.sample(ctx, index)
             if len(cpu) > 1:  # a step of several chains: the only kind the choice is for
                 self._chain_s = (time.thread_time() - started) / len(cpu)
         return tokens
+
+    def _use_pass_threads(self, threads: int) -> None:
+        """Let the C kernel's passes over every token use ``threads`` threads: llama.cpp's,
+        which wait while the host samples (the same OpenMP pool)."""
+        if threads != self._pass_threads:
+            self._pass_threads = set_pass_threads(threads)
 
     def _take(self, generation: Generation, index: int, token: int, decoded: float) -> None:
         """Record the chosen token: timings, text, stop conditions, the next step's input."""
