@@ -275,6 +275,26 @@ def test_chains_sampled_in_threads_choose_what_one_thread_would(smollm2_path, mo
         engine.close()
 
 
+def test_the_kernels_passes_take_llamas_threads_only_where_the_layers_are_elsewhere(
+        smollm2_path, monkeypatch):
+    """With every layer on this CPU the passes stay on one thread (under 1% of a decode to
+    gain, a stall to risk on a loaded machine); with the layers on a GPU or workers they take
+    llama.cpp's thread count, which waits while the host samples."""
+    asked = []
+    monkeypatch.setattr(decoder, "set_pass_threads", lambda n: asked.append(n) or n)
+    engine = Engine(smollm2_path, n_ctx=256, n_threads=2)
+    try:
+        assert not engine.decodes_elsewhere and not engine.decoder.passes_on_threads
+        first = engine.generate("Hi", max_tokens=4, seed=1).tokens
+        assert asked and set(asked) == {1}
+        asked.clear()
+        engine.decoder.passes_on_threads = True  # as an engine with its layers on a GPU
+        assert engine.generate("Hi", max_tokens=4, seed=1).tokens == first
+        assert asked and set(asked) == {engine.decoder.tuner.threads}
+    finally:
+        engine.close()
+
+
 def test_sequences_finish_independently(batched):
     # A stop string ends one sequence early; the others go on to max_tokens in the same run.
     greedy = [batched.generate(p, sampler="greedy", max_tokens=25).text for p in PROMPTS[:3]]

@@ -133,8 +133,9 @@ def adaptive_native(x: np.ndarray, eps: float, want_stats: bool):
 def set_pass_threads(threads: int) -> int:
     """How many threads the C kernel's passes over every token may use (the max, the
     temperature, the weights; at most one per 16,384 tokens), in the whole process. The
-    decoder sets it to llama.cpp's thread count, whose threads wait while the host samples;
-    the results are the same on any number. Returns the number set: 1 without the C library
+    decoder of a model whose layers are on a GPU or workers sets it to llama.cpp's thread
+    count, whose threads wait while the host samples; the results are the same on any
+    number. Returns the number set: 1 without the C library
     or where it was built without OpenMP."""
     lib, _ = load()
     return lib.al_set_threads(threads) if lib is not None else 1

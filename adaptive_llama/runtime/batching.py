@@ -296,7 +296,8 @@ class Decoder:
 
     def __init__(self, ctx, vocab: Vocab, n_slots: int, n_ctx_seq: int, n_batch: int,
                  tuner: ThreadTuner, *, speculation: Speculation | None = None,
-                 attention_switch=None, watchdog=None, step_rows: int | None = None):
+                 attention_switch=None, watchdog=None, step_rows: int | None = None,
+                 passes_on_threads: bool = False):
         self._vocab = vocab
         self._ctx = ctx
         self._memory = llama_cpp.llama_get_memory(self._ctx)
@@ -313,7 +314,11 @@ class Decoder:
         self.parallel_from_s = PARALLEL_FROM_S
         self.share_from = SHARE_FROM
         self._chain_s = 0.0  # one chain's CPU time to choose a token, at the last measure
-        self._pass_threads = 0  # what this decoder last let the kernel's passes use
+        # The C kernel's passes over every token on llama.cpp's threads while chains run one
+        # after another: for a model whose layers are elsewhere (a GPU, workers), where the
+        # host's time is a large share of a token. On a CPU it would save under 1% of a
+        # decode, and on a loaded machine a pool thread without a core stalls the pass.
+        self.passes_on_threads = passes_on_threads
         self._steps = 0
         self._joins = 0
         self.speculation = speculation
@@ -612,7 +617,7 @@ class Decoder:
                 and self._steps % MEASURE_EVERY != 0):
             rows = [(i, chain, ctypes.addressof(llama_cpp.llama_get_logits_ith(ctx, index)
                                                 .contents)) for i, chain, index in cpu]
-            self._use_pass_threads(1)  # the chains themselves are spread over the cores
+            set_pass_threads(1)  # the chains themselves are spread over the cores
             running = [self._samplers.submit(_run_chains, rows[g::groups])
                        for g in range(groups)]
             try:
@@ -628,19 +633,14 @@ class Decoder:
             # share the cores with llama.cpp's spinning workers and take several times the
             # CPU time (about 5 ms a chain instead of 1 for adaptive at 262,144 tokens),
             # which would keep cheap chains in threads once they got there.
-            self._use_pass_threads(self.tuner.threads)
+            # every step: another engine in this process may have set it since
+            set_pass_threads(self.tuner.threads if self.passes_on_threads else 1)
             started = time.thread_time()
             for i, chain, index in cpu:
                 tokens[i] = chain.sample(ctx, index)
             if len(cpu) > 1:  # a step of several chains: the only kind the choice is for
                 self._chain_s = (time.thread_time() - started) / len(cpu)
         return tokens
-
-    def _use_pass_threads(self, threads: int) -> None:
-        """Let the C kernel's passes over every token use ``threads`` threads: llama.cpp's,
-        which wait while the host samples (the same OpenMP pool)."""
-        if threads != self._pass_threads:
-            self._pass_threads = set_pass_threads(threads)
 
     def _take(self, generation: Generation, index: int, token: int, decoded: float) -> None:
         """Record the chosen token: timings, text, stop conditions, the next step's input."""

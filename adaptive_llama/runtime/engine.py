@@ -265,6 +265,10 @@ class Engine:
         # CPU workers, yes (see _new_context); with layers on a GPU, llama.cpp's kernels
         # depend on the batch (a worker's device is not known here: docs/distributed.md).
         self.batch_invariant = n_gpu_layers == 0 or (bool(self.rpc) and gpus == 0)
+        # Whether this machine's CPU waits while the model's layers compute (on a GPU or on
+        # the workers): its threads then take the sampler's passes too (Decoder).
+        self.decodes_elsewhere = bool(self.rpc) or (
+            n_gpu_layers != 0 and llama_cpp.llama_supports_gpu_offload())
         self.n_gpu_layers = n_gpu_layers
         set_llama_log(verbose)
         self._model, layers = load_model(
@@ -287,7 +291,8 @@ class Engine:
                        ThreadTuner(self.ctx, threads, adaptive=adaptive),
                        speculation=speculation, attention_switch=self._attention_switch,
                        watchdog=watchdog if self.rpc else None,
-                       step_rows=min(n_batch, CHUNK - 1) if workers_rule else None)
+                       step_rows=min(n_batch, CHUNK - 1) if workers_rule else None,
+                       passes_on_threads=self.decodes_elsewhere)
 
     def _speculation(self, draft, draft_max: int, threads: int, watchdog) -> Speculation:
         try:
