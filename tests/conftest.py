@@ -23,7 +23,10 @@ def pytest_configure(config):
     worker, count = os.environ.get("PYTEST_XDIST_WORKER"), os.environ.get(
         "PYTEST_XDIST_WORKER_COUNT")
     if worker and count and ALL_CPUS is not None and int(count) <= len(ALL_CPUS):
-        os.sched_setaffinity(0, sorted(ALL_CPUS)[int(worker.removeprefix("gw"))::int(count)])
+        # a worker that replaces a crashed one is numbered on (gw2 of 2): it takes the
+        # crashed one's cores, so that the crash is reported instead of an empty core list
+        first = int(worker.removeprefix("gw")) % int(count)
+        os.sched_setaffinity(0, sorted(ALL_CPUS)[first::int(count)])
 
 
 @pytest.fixture(autouse=True)
