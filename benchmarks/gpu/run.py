@@ -280,7 +280,7 @@ def run_speculative(args) -> dict:
     """Prompt lookup on the code edit: the draft rule against no drafts and fixed lengths."""
     cmd = [sys.executable, str(ROOT / "benchmarks" / "bench_speculative.py"),
            "--model", str(model_path(args.model)), "--n-gpu-layers", "-1",
-           "--tasks", "code_edit", "--fixed", "4,16", "--rounds", str(args.rounds),
+           "--tasks", "code_edit", "--fixed", args.fixed, "--rounds", str(args.rounds),
            "--max-tokens", str(args.tokens), "--samplers", args.samplers]
     if args.model in CHAT_TEMPLATES:
         cmd += ["--chat-template", CHAT_TEMPLATES[args.model]]
@@ -444,13 +444,15 @@ def plan(dry_run: bool) -> list[tuple[str, list[str], float]]:
     for model, bench_s in (("smollm2", 100), ("gemma3-270m", 90)):
         steps.append((f"bench_{model}", ["--model", model, "--tokens", tokens, "--rounds",
                                          rounds, "--parallel", parallel], bench_s))
-    # a dry run checks that drafts keep the text with one sampler: the kit's slowest step
-    # on a CPU, where a whole code-edit prompt is read once per sampler and mode
+    # a dry run checks that drafts keep the text with one sampler and one fixed length: the
+    # kit's slowest step on a CPU, where a whole code-edit prompt is read once per sampler
+    # and mode
     samplers = "adaptive:temp=0.7" if dry_run else SPECULATIVE_SAMPLERS
     for model in ("smollm2", "gemma3-270m"):
         steps.append((f"speculative_{model}", ["--model", model, "--rounds", rounds,
                                                "--tokens", "16" if dry_run else "700",
-                                               "--samplers", samplers], 60))
+                                               "--samplers", samplers,
+                                               "--fixed", "4" if dry_run else "4,16"], 60))
     steps.append(("rpc", ["--tokens", tokens, "--rounds", rounds], 40))
     row_model = "smollm2" if dry_run else "gemma3-270m"  # V 262,144 where it counts
     steps.append((f"row_{row_model}", ["--model", row_model, "--rounds", rounds,
@@ -549,6 +551,7 @@ def main(argv=None):
     parser.add_argument("--timeout", type=float, default=40.0)
     parser.add_argument("--threads", type=int, default=None)
     parser.add_argument("--samplers", default=SPECULATIVE_SAMPLERS)
+    parser.add_argument("--fixed", default="4,16", help="speculative: fixed draft lengths")
     args = parser.parse_args(argv)
     if args.step:
         print(json.dumps(STEPS[args.step](args)))
