@@ -87,7 +87,7 @@ ASAN_DIR := build/asan
 asan: $(VENV)/.installed-test
 	set -e; for isa in portable avx2; do \
 	    mkdir -p $(ASAN_DIR)/$$isa; \
-	    gcc -O1 -g -fsanitize=address,undefined -fno-omit-frame-pointer -std=c11 -shared -fPIC \
+	    gcc -O1 -g -fsanitize=address,undefined -fno-omit-frame-pointer -std=c11 -shared -fPIC -fopenmp \
 	        -fvisibility=hidden $$([ $$isa = avx2 ] && echo -mavx2 -mfma) \
 	        -I"$$($(PY) -c 'import sysconfig; print(sysconfig.get_paths()["include"])')" \
 	        native/adaptive.c native/module.c -o $(ASAN_DIR)/$$isa/_adaptive_native.so -lmvec -lm; \
