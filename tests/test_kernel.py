@@ -424,3 +424,8 @@ def test_the_array_api_gives_the_same_bits_on_any_number_of_threads():
                     assert got[0] == got[1] == got[2], (x.shape, dtype, eps)
     finally:
         native.set_pass_threads(1)
+
+
+def test_without_the_c_library_the_passes_have_one_thread(monkeypatch):
+    monkeypatch.setattr(native, "load", lambda: (None, "the C library was not built"))
+    assert native.set_pass_threads(4) == 1
