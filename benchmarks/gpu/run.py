@@ -20,11 +20,13 @@ budget: 5 minutes of device time must not be lost to one step that hangs.
 - exact_*: the graph's self-check over real generations (graph.self_check), and the same
   seed giving the same reply on the default path and in the graph;
 - speculative_*: prompt lookup on the code edit, against no drafts and fixed lengths
-  (benchmarks/bench_speculative.py), where a batch of rows costs little more than one;
+  (benchmarks/bench_speculative.py), where a batch of rows costs little more than one, and
+  what a step of n rows costs steady and right after a step of another shape (CUDA graphs);
 - rpc: one `adaptive-llama rpc-worker` holding every layer on the GPU, the host on the CPU,
   against the model alone on the GPU (benchmarks/bench_rpc.py --gpu);
 - row_*: the host's time to choose a token from the logits row, greedy and adaptive
-  (benchmarks/bench_row.py) at V 262,144;
+  (benchmarks/bench_row.py) at V 262,144, the kernel's passes on one thread and on the
+  engine's (all the host's cores);
 - huge_context: n_ctx = 10,000,000 has to fail fast with the one-line error;
 - profile: time per CUDA kernel of decoding in the graph, adaptive against greedy (ncu; on
   one H200 it did not finish in 150 s for 16 tokens, so last, capped and bounded).
