@@ -73,14 +73,18 @@ async function errorText(response) {
 
 // The data of each server-sent event in a byte stream.
 export async function* events(stream) {
-  const reader = stream.pipeThrough(new TextDecoderStream()).getReader();
+  // The bytes are read straight from the body and decoded here: read through a
+  // TextDecoderStream pipe, a finished stream was reported as aborted (net::ERR_ABORTED)
+  // whenever the machine was busy, though every byte had come.
+  const reader = stream.getReader();
+  const decoder = new TextDecoder();
   let buffer = "";
   let ended = false;
   try {
     for (;;) {
       const { value, done } = await reader.read();
       if ((ended = done)) return;
-      buffer += value;  // the server separates events with "\n\n"
+      buffer += decoder.decode(value, { stream: true });  // events end with "\n\n"
       let end;
       while ((end = buffer.indexOf("\n\n")) >= 0) {
         const event = buffer.slice(0, end);
