@@ -4,12 +4,11 @@ through ctypes) and the array API as a CPython function (native/module.c).
 The library is optional: without a C compiler the package still installs and the numba
 kernel runs (the package says so at import). The compile flags let GCC vectorise the passes
 (the kernel's own expf, and log/log1p/exp through glibc's vector math library) and split the
-passes over every token among threads (OpenMP); -march=native
-because the library is built on the machine that runs it, with a portable fallback when the
-compiler refuses it; 512-bit vectors where the CPU has them (-march=native alone prefers 256
-bits on AVX-512 machines: the kernel then took 1.25x as long at V 262,144). -ffast-math is for
-compiling only: linked with it, GCC would add crtfastmath.o, which flushes subnormal numbers to
-zero in the whole process.
+passes over every token among threads (OpenMP); -march=native because the library is built
+on the machine that runs it, with a portable fallback when the compiler refuses it; 512-bit
+vectors where the CPU has them (-march=native alone prefers 256 bits on AVX-512 machines: the
+kernel then took 1.25x as long at V 262,144). -ffast-math is for compiling only: linked with
+it, GCC would add crtfastmath.o, which flushes subnormal numbers to zero in the whole process.
 """
 
 from setuptools import Extension, setup

@@ -224,10 +224,11 @@ static inline float exp_weight(float d) {
 }
 
 static float max_f32(const float *x, size_t n) {
+    const size_t groups = group_count(n);
     const int t = claim_threads(n);
     float m = x[0];
 #pragma omp parallel for num_threads(t) if (t > 1) schedule(static) reduction(max : m)
-    for (size_t g = 0; g < group_count(n); g++) {
+    for (size_t g = 0; g < groups; g++) {
         const size_t b = g * GROUP, end = b + GROUP < n ? b + GROUP : n;
         float group_max = x[b];
         for (size_t i = b; i < end; i++) group_max = x[i] > group_max ? x[i] : group_max;
@@ -838,9 +839,10 @@ static void adaptive_apply(struct llama_sampler *smpl, al_token_data_array *cur)
  */
 __attribute__((optimize("no-fast-math")))
 static void scale_row(const float *logits, size_t n, float temp, float *x) {
+    const size_t groups = group_count(n);
     const int t = claim_threads(n);
 #pragma omp parallel for num_threads(t) if (t > 1) schedule(static)
-    for (size_t g = 0; g < group_count(n); g++) {
+    for (size_t g = 0; g < groups; g++) {
         const size_t b = g * GROUP, end = b + GROUP < n ? b + GROUP : n;
         for (size_t i = b; i < end; i++) x[i] = logits[i] / temp;
     }

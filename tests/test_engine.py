@@ -295,6 +295,20 @@ def test_the_kernels_passes_take_llamas_threads_only_where_the_layers_are_elsewh
         engine.close()
 
 
+def test_a_kernel_without_openmp_says_so_where_its_threads_would_be_used(
+        smollm2_path, monkeypatch, caplog):
+    from adaptive_llama.runtime import engine as engine_module
+
+    monkeypatch.setattr(llama_cpp, "llama_supports_gpu_offload", lambda: True)  # as CUDA
+    monkeypatch.setattr(engine_module, "set_pass_threads", lambda n: 1)  # built without
+    engine = Engine(smollm2_path, n_ctx=256, n_threads=2, n_gpu_layers=-1)
+    try:
+        assert engine.decodes_elsewhere and engine.decoder.passes_on_threads
+        assert "built without OpenMP" in caplog.text
+    finally:
+        engine.close()
+
+
 def test_sequences_finish_independently(batched):
     # A stop string ends one sequence early; the others go on to max_tokens in the same run.
     greedy = [batched.generate(p, sampler="greedy", max_tokens=25).text for p in PROMPTS[:3]]

@@ -34,6 +34,7 @@ import llama_cpp  # noqa: E402  (after .chain, which checks its version)
 from llama_cpp import _internals  # noqa: E402
 
 from ..endpoints import parse_endpoints
+from ..kernel.native import set_pass_threads
 from ..llama import cpu_attention
 from ..llama import rpc as ggml_rpc
 from ..llama.chain import SamplerChain, check_in_graph
@@ -285,6 +286,10 @@ class Engine:
     def _decoder(self, threads: int, adaptive: bool, watchdog,
                  speculation: Speculation | None) -> Decoder:
         n_batch = min(N_BATCH, self.n_ctx * self.parallel)
+        if self.decodes_elsewhere and threads > 1 and set_pass_threads(threads) == 1:
+            log.warning("the C kernel was built without OpenMP: its passes over the "
+                        "vocabulary run on one thread while the layers compute elsewhere "
+                        "(reinstall with a compiler that has OpenMP, such as GCC)")
         # the workers' rule (cpu_attention): no batch but a whole prompt chunk has CHUNK rows
         workers_rule = self.rpc and self.attention == "reference"
         return Decoder(self.ctx, self.vocab, self.parallel, self.n_ctx, n_batch,
