@@ -323,8 +323,7 @@ def test_engine_replies_are_llama_sampler_samples_choices(engine, backend):
                             seed=21, max_tokens=16).tokens
     assert len(reply) >= 8  # a reply of several tokens (this one may end before 16)
     with SamplerChain(spec, seed=21, n_vocab=engine.n_vocab) as theirs:
-        for i, token in enumerate(reply):
-            engine.prefill(prompt + reply[:i], generated=i)
+        for token in engine.replay(prompt, reply):
             assert llama_cpp.llama_sampler_sample(theirs.pointer, engine.ctx, -1) == token
 
 

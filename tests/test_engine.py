@@ -141,6 +141,30 @@ def test_begin_needs_a_free_slot_and_a_generation_runs_by_steps(engine):
         engine.cancel(generation)
 
 
+def logits_row(engine):
+    return list(llama_cpp.llama_get_logits_ith(engine.ctx, -1)[:engine.n_vocab])
+
+
+def test_replay_holds_in_one_pass_the_rows_that_prefill_holds_token_by_token(engine):
+    prompt, made = engine.tokenize("The sea is"), [4141, 284, 253, 1694]
+    replayed = [(token, logits_row(engine)) for token in engine.replay(prompt, made)]
+    assert [token for token, _ in replayed] == made
+    for i, (_, row) in enumerate(replayed):
+        engine.prefill(prompt + made[:i], generated=i)
+        assert logits_row(engine) == row, i
+    # left after two tokens, the engine goes on from what it decoded
+    rows = engine.replay(prompt, made)
+    next(rows), next(rows)
+    rows.close()
+    assert engine.generate("The sea is", sampler="greedy", max_tokens=2).completion_tokens == 2
+    generation = engine.begin(engine.request(prompt, sampler="greedy", max_tokens=2))
+    try:
+        with pytest.raises(RuntimeError, match="replay needs an idle engine"):
+            engine.replay(prompt, made)
+    finally:
+        engine.cancel(generation)
+
+
 def test_a_refused_reply_request_leaves_the_chat_unchanged(engine):
     chat = Chat(engine, sampler="greedy", max_tokens=4, seed=1)
     chat.send("Hi").text()

@@ -133,13 +133,9 @@ def graph_engine(smollm2_path):
 def replay_logits(engine, prompt, tokens):
     """The raw logits before each token of ``tokens``, from an engine sampling on the CPU
     (the generated tokens decoded one at a time, as the generation did)."""
-    rows, context = [], engine.prompt_tokens(prompt)
-    for generated, token in enumerate(tokens):
-        engine.prefill(context, generated)
-        rows.append(np.ctypeslib.as_array(llama_cpp.llama_get_logits_ith(engine.ctx, -1),
-                                          shape=(engine.n_vocab,)).copy())
-        context = context + [token]
-    return rows
+    return [np.ctypeslib.as_array(llama_cpp.llama_get_logits_ith(engine.ctx, -1),
+                                  shape=(engine.n_vocab,)).copy()
+            for _ in engine.replay(engine.prompt_tokens(prompt), tokens)]
 
 
 @pytest.mark.parametrize("spec,eps,uniform", [("adaptive:eps=0.0005", 0.0005, False),

@@ -39,6 +39,7 @@ import time
 from concurrent import futures
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
+from typing import Iterator
 
 import llama_cpp
 import numpy as np
@@ -366,8 +367,15 @@ class Decoder:
         a shared prefix); the logits of the last one stay in the context. The last
         ``generated`` tokens are decoded one at a time, as a generation decodes the tokens it
         made, so that the logits are those that generation saw."""
+        split = len(tokens) - generated
+        for _ in self.replay(tokens[:split], tokens[split:]):
+            pass
+
+    def replay(self, prompt: list[int], made: list[int]) -> Iterator[int]:
+        """Evaluate ``prompt`` in the first slot as :meth:`evaluate` does, then decode
+        ``made`` a token at a time; each token of ``made`` is yielded while the context holds
+        the logits it follows, the row a generation sampled it from."""
         slot = self.slots[0]
-        prompt, made = tokens[:len(tokens) - generated], tokens[len(tokens) - generated:]
         rest = self._reuse(slot, prompt)
         try:
             while rest:
@@ -375,7 +383,10 @@ class Decoder:
                 self._evaluate_chunk(slot, chunk, last=len(chunk) == len(rest))
                 del rest[:len(chunk)]
             for token in made:  # one row each, never canonical
+                yield token
                 self._evaluate_chunk(slot, [token], last=True)
+        except GeneratorExit:
+            raise  # left between two tokens: the slot holds what was decoded
         except BaseException:
             self._forget(slot)
             raise

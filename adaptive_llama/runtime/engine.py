@@ -589,9 +589,21 @@ class Engine:
         The last ``generated`` of them are decoded one at a time, as a generation decodes
         the tokens it made: the logits are then those that generation sampled from. For
         measurements and tests; generation does this itself."""
-        if self.decoder.live:
-            raise RuntimeError("prefill needs an idle engine: generations are running")
+        self._require_idle("prefill")
         self.decoder.evaluate(tokens, generated)
+
+    def replay(self, prompt: list[int], made: list[int]) -> Iterator[int]:
+        """Evaluate ``prompt`` in the first slot, then decode the reply ``made`` a token at a
+        time, as the generation that made it did. Each token of ``made`` is yielded while the
+        context holds the logits it was sampled from (``llama_get_logits_ith(ctx, -1)``):
+        in one pass what ``prefill(prompt + made[:i], generated=i)`` holds for each i. For
+        measurements and tests."""
+        self._require_idle("replay")
+        return self.decoder.replay(prompt, made)
+
+    def _require_idle(self, what: str) -> None:
+        if self.decoder.live:
+            raise RuntimeError(f"{what} needs an idle engine: generations are running")
 
     def request(self, prompt_tokens: list[int], *, sampler: SamplerSpec | str = "adaptive",
                 max_tokens: int | None = 256, seed: int | None = None,
