@@ -43,6 +43,24 @@ def test_mauve_of_identical_versus_disjoint_feature_sets():
     assert metrics.mauve_score(p, p + 10.0) < 0.1
 
 
+@pytest.mark.parametrize("n,d,shift,seed", [(6, 8, 0.0, 0), (40, 8, 0.3, 1), (80, 16, 0.0, 2),
+                                             (120, 32, 1.0, 3), (200, 24, 10.0, 4)])
+def test_mauve_is_the_float_mauve_texts_compute_mauve_gives(n, d, shift, seed):
+    """The divergence curve and its areas, written with numpy, against the package's own
+    function: from a few texts (2 clusters) to sets far apart (disjoint histograms)."""
+    import mauve
+
+    rng = np.random.default_rng(seed)
+    p, q = rng.normal(size=(n, d)) + shift, rng.normal(size=(n, d))
+    for k_seed in (25, 26):
+        theirs = mauve.compute_mauve(p_features=p.astype(np.float32), q_features=q.astype(
+            np.float32), num_buckets=max(2, n // 10), seed=k_seed, verbose=False).mauve
+        assert metrics.mauve_score(p, q, seed=k_seed) == theirs
+    assert metrics.mauve_score(p, p) == mauve.compute_mauve(
+        p_features=p.astype(np.float32), q_features=p.astype(np.float32),
+        num_buckets=max(2, n // 10), verbose=False).mauve
+
+
 def test_mauve_keeps_faiss_warnings_out_of_stderr_and_restores_it(capfd):
     # 80 points in 8 centroids: fewer than faiss's 39 per centroid, so it would warn
     rng = np.random.default_rng(1)
