@@ -55,7 +55,8 @@ chat: $(VENV)/.installed-default-model
 # The whole suite with the backend a normal install picks (C), then the tests whose outcome
 # depends on the backend (marked `backend`; tests/test_marks.py keeps the mark on every test
 # that uses the kernel or the chain) with the numba kernel and in-chain samplers forced, as
-# on a machine without a C compiler. One pytest-xdist worker per core, each on cores of its
+# on a machine without a C compiler; cases that pick C or numba themselves ran in the first
+# pass and are left out there (tests/conftest.py). One pytest-xdist worker per core, each on cores of its
 # own (tests/conftest.py): TEST_WORKERS=1 runs them one at a time.
 TEST_WORKERS ?= auto
 test: $(VENV)/.installed-test chromium

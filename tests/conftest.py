@@ -29,6 +29,21 @@ def pytest_configure(config):
         os.sched_setaffinity(0, sorted(ALL_CPUS)[first::int(count)])
 
 
+def pytest_collection_modifyitems(config, items):
+    """The numba pass of ``make test`` (ADAPTIVE_LLAMA_IMPL=numba) leaves out the cases that
+    choose the backend themselves (a ``backend`` parameter, C or numba, which sets
+    ``kernel.BACKEND``): they run there exactly as they ran in the first pass."""
+    if os.environ.get("ADAPTIVE_LLAMA_IMPL") != "numba":
+        return
+    def chooses(item) -> bool:
+        return "backend" in getattr(getattr(item, "callspec", None), "params", {})
+
+    chosen = [item for item in items if chooses(item)]
+    if chosen:
+        config.hook.pytest_deselected(items=chosen)
+        items[:] = [item for item in items if not chooses(item)]
+
+
 @pytest.fixture(autouse=True)
 def every_core_for_threads_tests(request):
     """A test marked ``all_cores`` (it runs llama.cpp on more threads than a worker's

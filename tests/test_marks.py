@@ -71,3 +71,17 @@ def test_the_check_finds_an_unmarked_test(tmp_path):
     assert unmarked_backend_tests(path) == ["test_x.py::test_a", "test_x.py::test_c"]
     path.write_text("import pytest\npytestmark = pytest.mark.backend\n" + path.read_text())
     assert unmarked_backend_tests(path) == []
+
+
+def test_the_cases_the_numba_pass_leaves_out_choose_the_backend_themselves():
+    """conftest leaves out of the numba pass every case with a `backend` parameter: each
+    fixture of that name takes C and numba as parameters and sets kernel.BACKEND to its
+    own, so such a case runs the same in both passes."""
+    fixtures = [node for path in sorted(TESTS.glob("test_*.py"))
+                for node in ast.walk(ast.parse(path.read_text()))
+                if isinstance(node, ast.FunctionDef) and node.name == "backend"]
+    assert fixtures
+    for fixture in fixtures:
+        source = ast.unparse(fixture)
+        assert "params=['c', 'numba']" in source, source
+        assert "monkeypatch.setattr(kernel, 'BACKEND', request.param)" in source, source
