@@ -170,6 +170,8 @@ def main():
     parser.add_argument("--fixed", default=",".join(map(str, FIXED)),
                         help="fixed draft lengths to measure the rule against")
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--row-rounds", type=int, default=5,
+                        help="timed decodes of each shape in decode_ms_by_rows")
     parser.add_argument("--tasks", default=",".join(TASKS))
     parser.add_argument("--threads", type=int, default=None)
     parser.add_argument("--seed", type=int, default=1)
@@ -240,7 +242,8 @@ def main():
                       "threads": engines["none"].threads, "rounds": args.rounds,
                       "n_gpu_layers": args.n_gpu_layers,
                       "attention": engines["none"].attention,
-                      "decode_ms_by_rows": row_costs(engines["none"]), "results": table,
+                      "decode_ms_by_rows": row_costs(engines["none"], args.row_rounds),
+                      "results": table,
                       "rule_worst": {
                           "vs_best_fixed": min(r["rule"]["vs_best_fixed"] for r in table.values()),
                           "vs_none": min(r["rule"]["vs_none"] for r in table.values())}}))

@@ -97,6 +97,8 @@ def test_every_step_runs_on_the_cpu_and_writes_its_figures(dry_run):
     card = dict((name, args) for name, args, _ in run.plan(dry_run=False))
     assert card["speculative_smollm2"][-4:] == ["--samplers", "greedy,adaptive:temp=0.7",
                                                 "--fixed", "4,16"]
+    spec_args = card["speculative_smollm2"]
+    assert spec_args[spec_args.index("--row-rounds") + 1] == "5"  # the dry run times one
     rows = steps["speculative_smollm2"]["decode_ms_by_rows"]  # steady and alternating shapes
     assert set(rows["steady"]) == {"1", "2", "4", "8", "16"}
     assert set(rows["after one row"]) == set(rows["one row after"]) == {"2", "4", "8", "16"}
