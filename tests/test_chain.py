@@ -392,10 +392,15 @@ def without_extra_buffer_types(monkeypatch):
 
 def test_use_sampler_with_a_users_own_llama(smollm2_path, monkeypatch):
     from adaptive_llama.runtime.engine import set_llama_log
+    from adaptive_llama.runtime.threads import default_threads
 
     set_llama_log(False)
     without_extra_buffer_types(monkeypatch)
-    llm = llama_cpp.Llama(model_path=str(smollm2_path), n_ctx=256, verbose=False, seed=1)
+    # Llama reads prompts on every core of the machine unless told: under make test's
+    # workers, each on a core of its own, those threads would spin against each other
+    threads = default_threads()
+    llm = llama_cpp.Llama(model_path=str(smollm2_path), n_ctx=256, verbose=False, seed=1,
+                          n_threads=threads, n_threads_batch=threads)
     try:
         texts = []
         for _ in range(2):
