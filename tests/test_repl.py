@@ -214,15 +214,17 @@ def test_interrupted_flag_survives_save_and_load(tmp_path):
 
 
 def test_long_conversation_drops_oldest_turns_but_keeps_them_for_save(tmp_path):
-    lines = [f"Tell me fact number {i} about the ocean in detail." for i in range(14)]
+    lines = [f"Tell me fact number {i} about the ocean in detail." for i in range(9)]
     path = tmp_path / "all.json"
     result = CliRunner().invoke(main, ["run", "--ctx", "256", "--max-tokens", "40",
                                        "--system", "You are helpful."],
                                 input="\n".join(lines + ["/show", f"/save {path}"]) + "\n")
     assert result.exit_code == 0 and "Traceback" not in result.output
     assert result.output.count("oldest messages are being dropped") == 1
-    assert "of 256 tokens" in result.output and "outside the window" in result.output
-    assert len(json.loads(path.read_text())["messages"]) == 28
+    assert "of 256 tokens" in result.output
+    outside = int(re.search(r"(\d+) outside the window", result.output)[1])
+    assert outside >= 4  # several turns dropped, one notice
+    assert len(json.loads(path.read_text())["messages"]) == 18
 
 
 def test_a_message_too_long_for_the_window_is_refused_and_history_stays():
