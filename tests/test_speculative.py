@@ -24,9 +24,10 @@ from adaptive_llama.runtime.models import ModelError
 from adaptive_llama.runtime.request import InvalidArgument
 
 # The numba pass of `make test` runs again the tests whose outcome depends on the sampler's
-# implementation (marked `backend`, tests/test_marks.py): every sampler through the chain
-# with drafts, the chain's own choices and a grammar. The rest (attention, logits, the draft
-# rule, the drafters, the refusals) are the same code under either backend.
+# implementation (marked `backend`, tests/test_marks.py): every sampler a backend runs,
+# through the chain with drafts, the chain's own choices and a grammar. The rest (attention,
+# logits, the draft rule, the drafters, the refusals, llama.cpp's samplers) are the same
+# code under either backend.
 
 LONG = ("The history of the river Danube is long and full of events. " * 20
         + "Tell me about the sea:")  # 266 tokens
@@ -37,6 +38,11 @@ SAMPLERS = ["greedy", "top-k:k=20,temp=0.8", "top-p:p=0.9", "typical:p=0.9",
             "adaptive:temp=0.7", "adaptive:mode=uniform", "adaptive+penalties:repeat=1.3",
             "adaptive+dry:multiplier=1.5", "adaptive+xtc:probability=0.9",
             "dist+top-n-sigma:n=1.5"]
+# The ones a backend (C or numba) runs: the kernel's samplers, and greedy alone, which
+# chooses from the row; llama.cpp's own samplers are the same in either pass.
+ON_THE_BACKEND = {"greedy", "eta", "adaptive", "adaptive:temp=0.7", "adaptive:mode=uniform",
+                  "adaptive+penalties:repeat=1.3", "adaptive+dry:multiplier=1.5",
+                  "adaptive+xtc:probability=0.9"}
 
 
 @pytest.fixture
@@ -205,7 +211,28 @@ def test_a_workers_backend_takes_the_tiled_kernel_from_a_whole_chunks_rows(monke
 # ---- same text ----
 
 @pytest.mark.backend
-@pytest.mark.parametrize("sampler", SAMPLERS)
+def test_the_samplers_on_the_backend_are_those_whose_chain_asks_it(engine, monkeypatch):
+    """ON_THE_BACKEND, which the numba pass runs again, holds each spec whose chain takes a
+    sampler from the backend: the rest run there as they did in the first pass."""
+    from adaptive_llama.llama import chain
+
+    asked = []
+
+    class Recording:
+        def __getattr__(self, name):
+            asked.append(name)
+            return getattr(chain._CSamplers(), name)
+
+    monkeypatch.setattr(chain, "in_chain_samplers", Recording)
+    for spec in SAMPLERS:
+        asked.clear()
+        with chain.SamplerChain(spec, seed=1, n_vocab=engine.n_vocab,
+                                vocab_model=engine._model):
+            assert bool(asked) == (spec in ON_THE_BACKEND), (spec, asked)
+
+
+@pytest.mark.parametrize("sampler", [
+    pytest.param(s, marks=pytest.mark.backend) if s in ON_THE_BACKEND else s for s in SAMPLERS])
 def test_every_sampler_gives_the_same_reply_with_drafts(engine, ngram_engine, model_engine,
                                                         always_draft, sampler):
     plain = reply(engine, QUOTE, sampler)
