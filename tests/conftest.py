@@ -35,6 +35,7 @@ def pytest_collection_modifyitems(config, items):
     ``kernel.BACKEND``): they run there exactly as they ran in the first pass."""
     if os.environ.get("ADAPTIVE_LLAMA_IMPL") != "numba":
         return
+
     def chooses(item) -> bool:
         return "backend" in getattr(getattr(item, "callspec", None), "params", {})
 

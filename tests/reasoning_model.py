@@ -19,13 +19,13 @@ from __future__ import annotations
 
 import functools
 import glob
-import mmap
-import struct
 import sysconfig
 from pathlib import Path
 
 import gguf
 import numpy as np
+
+from adaptive_llama.runtime.gguf_header import read_header
 
 N_EMBD = 32
 MARGIN = 40.0  # the next token's logit over every other's
@@ -60,9 +60,6 @@ def header_file() -> Path:
     return Path(found[0])
 
 
-# GGUF's value types (gguf.GGUFValueType) -> struct formats; 8 is a string, 9 an array
-_SCALARS = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?",
-            10: "<Q", 11: "<q", 12: "<d"}
 _FIELDS = ("tokenizer.ggml.model", "tokenizer.ggml.pre", "tokenizer.ggml.tokens",
            "tokenizer.ggml.token_type", "tokenizer.ggml.merges", "tokenizer.ggml.bos_token_id",
            "tokenizer.ggml.eos_token_id", "tokenizer.ggml.padding_token_id",
@@ -71,50 +68,11 @@ _FIELDS = ("tokenizer.ggml.model", "tokenizer.ggml.pre", "tokenizer.ggml.tokens"
 
 @functools.cache
 def _header() -> dict:
-    """The header's fields this module uses, read once from its key-value pairs (GGUF v3:
-    magic, version, tensor count, key count, then key, type, value for each). gguf's own
-    GGUFReader gives the same values but takes about 10 s over its 152,064 tokens and 151,387
-    merges, once in every test worker; this takes a fraction of a second."""
-    with header_file().open("rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as m:
-        data = memoryview(m)
-        try:
-            assert bytes(data[:4]) == b"GGUF", "not a GGUF file"
-            (count,), pos = struct.unpack_from("<Q", data, 16), 24
-            fields = {}
-            for _ in range(count):
-                key, pos = _string(data, pos)
-                (kind,), pos = struct.unpack_from("<I", data, pos), pos + 4
-                value, pos = _value(data, pos, kind)
-                if key in _FIELDS:
-                    fields[key] = value
-            return fields
-        finally:
-            data.release()
-
-
-def _string(data, pos: int) -> tuple[str, int]:
-    (size,), pos = struct.unpack_from("<Q", data, pos), pos + 8
-    return str(data[pos:pos + size], "utf-8"), pos + size
-
-
-def _value(data, pos: int, kind: int):
-    """(the value of ``kind`` at ``pos``, where the next one starts)."""
-    if kind == 8:
-        return _string(data, pos)
-    if kind == 9:
-        item, count = struct.unpack_from("<IQ", data, pos)
-        pos += 12
-        if item in _SCALARS:
-            size = struct.calcsize(_SCALARS[item])
-            values = np.frombuffer(data, _SCALARS[item], count, pos).tolist()
-            return values, pos + size * count
-        values = []
-        for _ in range(count):
-            value, pos = _value(data, pos, item)
-            values.append(value)
-        return values, pos
-    (value,) = struct.unpack_from(_SCALARS[kind], data, pos)
-    return value, pos + struct.calcsize(_SCALARS[kind])
+    """The header's fields this module uses, read once by the package's own header reader
+    (gguf's GGUFReader gives the same values but takes about 10 s over the 152,064 tokens
+    and 151,387 merges, in every test worker)."""
+    metadata = read_header(header_file(), whole=frozenset(_FIELDS)).metadata
+    return {name: metadata[name] for name in _FIELDS}
 
 
 def deepseek_template() -> str:

@@ -123,6 +123,11 @@ def test_the_header_says_what_llama_cpp_says(engine, smollm2_path):
     assert header.metadata["llama.context_length"] == 8192
     assert header.chat_template == engine.metadata["tokenizer.chat_template"]
     assert "tokenizer.ggml.tokens" not in header.metadata  # 49,152 strings, skipped
+    whole = read_header(smollm2_path, whole=frozenset({"tokenizer.ggml.tokens"})).metadata
+    tokens = whole["tokenizer.ggml.tokens"]  # unless asked for
+    assert len(tokens) == engine.n_vocab and tokens[:3] == [
+        engine.piece(t, special=True).decode() for t in range(3)]
+    assert "tokenizer.ggml.merges" not in whole
 
 
 def test_a_damaged_header_is_a_model_error(smollm2_path, tmp_path):

@@ -66,9 +66,10 @@ class GGUFHeader:
         return self.metadata.get("tokenizer.chat_template", "")
 
 
-def read_header(path: Path) -> GGUFHeader:
-    """The header of the GGUF at ``path``; ModelError naming the file when it is not one or
-    ends early."""
+def read_header(path: Path, whole: frozenset[str] = frozenset()) -> GGUFHeader:
+    """The header of the GGUF at ``path``, with the arrays of the keys in ``whole`` kept
+    however long they are (the vocabulary, for a tool that writes a model); ModelError
+    naming the file when it is not one or ends early."""
     try:
         with Path(path).open("rb") as f:
             if f.read(4) != GGUF_MAGIC:
@@ -81,7 +82,7 @@ def read_header(path: Path) -> GGUFHeader:
             metadata = {}
             for _ in range(n_keys):
                 key = _string(f)
-                value = _value(f, _unpack(f, "<I")[0])
+                value = _value(f, _unpack(f, "<I")[0], keep_long=key in whole)
                 if value is not _SKIPPED:
                     metadata[key] = value
             n_params = sum(_tensor_elements(f) for _ in range(n_tensors))
@@ -119,7 +120,7 @@ def _string(f: BinaryIO) -> str:
     return data.decode("utf-8")
 
 
-def _value(f: BinaryIO, kind: int):
+def _value(f: BinaryIO, kind: int, keep_long: bool = False):
     if kind in _SCALARS:
         return _unpack(f, _SCALARS[kind])[0]
     if kind == _STRING:
@@ -128,7 +129,7 @@ def _value(f: BinaryIO, kind: int):
         item_kind, count = _unpack(f, "<IQ")
         if count > MAX_ENTRIES * 16 or item_kind == _ARRAY:
             raise _Corrupt(f"an array of {count} entries of type {item_kind}")
-        if count > MAX_KEPT_ARRAY:
+        if count > MAX_KEPT_ARRAY and not keep_long:
             _skip_array(f, item_kind, count)
             return _SKIPPED
         return [_value(f, item_kind) for _ in range(count)]
