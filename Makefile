@@ -1,6 +1,6 @@
 # Quick start: `make chat` (set up, then chat with the bundled model) and `make test`.
 # Both create .venv when missing and install what they need; the first install compiles
-# llama.cpp from source (about 8 minutes on 2 cores; pip caches the wheel afterwards).
+# llama.cpp from source (about 5 minutes on 2 cores; the wheel is kept afterwards).
 
 SHELL := /bin/bash
 .SHELLFLAGS := -o pipefail -ec
@@ -11,7 +11,7 @@ DEPS := pyproject.toml setup.py native/adaptive.c constraints.txt
 # Every install takes the versions CI tested (constraints.txt), so that a green CI means a
 # green fresh machine; `make constraints` rewrites it from .venv, on purpose.
 PIN := -c constraints.txt
-# Show the llama.cpp build's progress ([n/193] lines) instead of minutes of silence.
+# Show the llama.cpp build's progress ([n/144] lines) instead of minutes of silence.
 PROGRESS := grep --line-buffered -E '^\s*\[[0-9]+/[0-9]+\]|Successfully installed|rror' | cut -c1-110
 
 .PHONY: chat test chromium bench eval asan sanitize clean constraints
@@ -20,18 +20,19 @@ $(PY):
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade $(PIN) pip
 
-# llama.cpp always with its RPC backend (docs/distributed.md), plus whatever CMAKE_ARGS adds
-# (-DGGML_CUDA=on for an NVIDIA GPU). pip's wheel cache ignores CMake flags, so an earlier
+# llama.cpp always with its RPC backend (docs/distributed.md), without the multimodal library
+# (libmtmd: llama-cpp-python loads it only for image chat handlers, which the package does not
+# use; a quarter of the build), plus whatever CMAKE_ARGS adds (-DGGML_CUDA=on for an NVIDIA GPU). pip's wheel cache ignores CMake flags, so an earlier
 # build without RPC would be reused silently: the wheel is built here without pip's cache,
 # once per version and set of flags, and kept in a folder of its own.
 LLAMA_VERSION := $(shell sed -n 's/^llama_cpp_python==//p' constraints.txt)
-LLAMA_CMAKE_ARGS := -DGGML_RPC=ON $(CMAKE_ARGS)
+LLAMA_CMAKE_ARGS := -DGGML_RPC=ON -DLLAVA_BUILD=OFF $(CMAKE_ARGS)
 LLAMA_KEY := $(LLAMA_VERSION)-$(shell echo '$(LLAMA_CMAKE_ARGS) '"$$($(PYTHON) -c 'import sys; print(sys.implementation.cache_tag)')" | md5sum | cut -c1-10)
 LLAMA_WHEELS ?= $(HOME)/.cache/adaptive-llama/wheels/$(LLAMA_KEY)
 
 $(VENV)/.llama-$(LLAMA_KEY): constraints.txt | $(PY)
 	if ! ls $(LLAMA_WHEELS)/llama_cpp_python-$(LLAMA_VERSION)-*.whl >/dev/null 2>&1; then \
-	    echo "Building llama-cpp-python $(LLAMA_VERSION) with $(LLAMA_CMAKE_ARGS) (about 8 minutes on 2 cores, once)..."; \
+	    echo "Building llama-cpp-python $(LLAMA_VERSION) with $(LLAMA_CMAKE_ARGS) (about 5 minutes on 2 cores, once)..."; \
 	    CMAKE_ARGS="$(LLAMA_CMAKE_ARGS)" $(PY) -m pip wheel -v --no-deps --no-cache-dir \
 	        -w $(LLAMA_WHEELS).tmp "llama-cpp-python==$(LLAMA_VERSION)" 2>&1 | $(PROGRESS); \
 	    mkdir -p $(LLAMA_WHEELS) && mv $(LLAMA_WHEELS).tmp/llama_cpp_python-*.whl $(LLAMA_WHEELS)/ && rmdir $(LLAMA_WHEELS).tmp; \
@@ -43,7 +44,7 @@ $(VENV)/.llama-$(LLAMA_KEY): constraints.txt | $(PY)
 	rm -f $(VENV)/.llama-* && touch $@
 
 $(VENV)/.installed-%: $(DEPS) $(VENV)/.llama-$(LLAMA_KEY) | $(PY)
-	@echo "Installing adaptive-llama[$*] into $(VENV). A first install compiles llama.cpp (about 8 minutes on 2 cores)..."
+	@echo "Installing adaptive-llama[$*] into $(VENV). A first install compiles llama.cpp (about 5 minutes on 2 cores)..."
 	$(PY) -m pip install -v $(PIN) -e ".[$*]" 2>&1 | $(PROGRESS)
 	@# The evaluation's Wikipedia/TinyStories text; the package's torch is not needed.
 	if [[ "$*" == test || "$*" == eval ]]; then $(PY) -m pip install --quiet --no-deps "exllamav2==0.3.2"; fi
