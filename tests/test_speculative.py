@@ -434,19 +434,24 @@ def linear(c, n_max=16):
 
 
 @pytest.mark.parametrize("c", [0.2, 0.5, 0.8])
-def test_one_token_drafts_pay_exactly_when_acceptance_beats_the_row_cost(c):
-    # one drafted token yields 1 + a tokens for 1 + c decodes: it pays when a > c
+def test_one_token_drafts_are_made_exactly_when_they_promise_the_minimum_gain(c):
+    # one drafted token yields 1 + a tokens for 1 + c decodes: made when
+    # (1 + a) / (1 + c) > MIN_GAIN, that is a > MIN_GAIN * (1 + c) - 1
+    threshold = speculation.MIN_GAIN * (1 + c) - 1
     above, below = DraftLength(n_max=1), DraftLength(n_max=1)
-    above.accepted, above.drafted = c + 0.01, 1.0
-    below.accepted, below.drafted = c - 0.01, 1.0
+    above.accepted, above.drafted = threshold + 0.01, 1.0
+    below.accepted, below.drafted = threshold - 0.01, 1.0
     assert above.next_length(linear(c)) == 1
     assert below.next_length(linear(c)) == 0
 
 
-def test_a_draft_that_only_breaks_even_is_not_made():
+def test_a_draft_that_pays_less_than_the_minimum_gain_is_not_made():
     even = DraftLength(n_max=1)
     even.accepted, even.drafted = 0.5, 1.0  # 1.5 tokens for 1.5 decodes
     assert even.next_length(linear(0.5)) == 0
+    slim = DraftLength(n_max=1)  # 1.6 tokens for 1.5 decodes: 7% more, within the noise
+    slim.accepted, slim.drafted = 0.6, 1.0
+    assert slim.next_length(linear(0.5)) == 0
 
 
 def test_probes_come_often_again_once_drafts_pay():
@@ -529,7 +534,7 @@ def test_a_free_drafter_counts_acceptance_in_the_shadow_of_steps_that_do_not_dra
     step()  # no plain step measured yet: nothing is drafted, but 4, 5, 6, 7 in the shadow
     made += [4, 5]  # two tokens as the shadow had them: not settled yet
     step()
-    assert not length.reached.any()
+    assert not any(length.reached)
     made.append(9)  # the third differs: three compared, two kept
     step()
     assert list(length.reached) == [1, 1, 1, 0] and list(length.kept) == [1, 1, 0, 0]
@@ -571,8 +576,35 @@ def test_the_row_cost_is_what_drafted_rows_add_to_a_step():
     assert cost.extra(2, 10)[4:] == pytest.approx([2.126, 2.653, 3.18, 3.706, 4.233,
                                                    np.inf], abs=1e-3)
     assert cost.extra(2, 4, draft_s=0.001)[3] == pytest.approx(2.4)
-    cost.observe(0.020, rows=2)  # a running average: 10 ms + 0.2 * 10 ms
-    assert cost.step_s[2] == pytest.approx(0.012)
+    cost.observe(0.020, rows=6)  # a running average: 18 ms + 0.2 * 2 ms
+    assert cost.step_s[6] == pytest.approx(0.0184)
+
+
+def test_the_step_back_to_fewer_rows_counts_to_the_drafts_cost():
+    cost = RowCost(prior=0.1)
+    cost.observe(0.010, rows=1)
+    cost.observe(0.016, rows=2)
+    assert cost.extra(1, 1) == pytest.approx([0.6])
+    cost.observe(0.0115, rows=1)  # llama.cpp builds the one-row graph again: 1.5 ms more
+    assert cost.return_s == pytest.approx(0.0015)
+    assert cost.step_s[1] == pytest.approx(0.010)  # kept out of the plain step's time
+    assert cost.extra(1, 1) == pytest.approx([0.75])  # and added to the draft's cost
+    cost.observe(0.013, rows=1)  # one row after one row: the plain step's running average
+    assert cost.step_s[1] == pytest.approx(0.0106) and cost.return_s == pytest.approx(0.0015)
+    noisy = RowCost(prior=0.1)
+    for seconds, rows in [(0.010, 1), (0.016, 2), (0.009, 1)]:
+        noisy.observe(seconds, rows)
+    assert noisy.return_s == pytest.approx(-0.001)
+    assert noisy.extra(1, 1) == pytest.approx([0.6])  # never a discount on drafts
+    fresh = RowCost(prior=0.1)
+    fresh.observe(0.020, rows=4)
+    fresh.observe(0.010, rows=2)  # fewer rows, but their first step: measured as it is
+    assert fresh.return_s is None and fresh.step_s[2] == 0.010
+    fresh.reshaped()  # a prompt chunk: the next step builds its graph again, not counted
+    fresh.observe(0.030, rows=2)
+    assert fresh.step_s[2] == 0.010 and fresh.return_s is None
+    fresh.observe(0.015, rows=2)
+    assert fresh.step_s[2] == pytest.approx(0.011)
 
 
 def test_the_vocabulary_check_names_the_first_token_that_differs(smollm2_path,
@@ -803,3 +835,17 @@ def test_a_round_shares_its_room_and_each_sequence_keeps_to_what_it_has_left():
     speculation.plan(generations, room=100, left=[2, 100, 0])
     assert asked[0] == [2, 4, 0]  # (then the third, drafting nothing, drafts in the shadow)
     assert asked[1:] == [[4]]
+
+
+def test_the_step_after_a_prompt_chunk_is_not_counted_in_what_rows_cost(ngram_engine,
+                                                                        monkeypatch):
+    """Each prompt chunk tells the row costs that the next step builds its graph again: the
+    rule does not count that step, so a long prompt never makes drafts look dearer."""
+    chunks, steps = [], []
+    row_cost = ngram_engine.decoder.speculation.row_cost
+    monkeypatch.setattr(row_cost, "reshaped", lambda: chunks.append(len(steps)))
+    monkeypatch.setattr(row_cost, "observe", lambda seconds, rows: steps.append(rows))
+    ngram_engine.clear_cache()
+    reply(ngram_engine, LONG, "greedy", max_tokens=4)
+    assert len(chunks) >= 2 and chunks == [0] * len(chunks)  # 266 tokens: several chunks
+    assert steps  # and the steps after them were observed

@@ -585,6 +585,8 @@ class Decoder:
         self._batch.n_tokens = len(chunk)
         self._attention_for(whole_chunk=len(chunk) == CHUNK)
         self._decode()
+        if self.speculation is not None:
+            self.speculation.prompt_evaluated()
         if len(chunk) == CHUNK and slot.canonical == len(slot.tokens):
             slot.canonical += CHUNK
         slot.tokens += chunk

@@ -14,10 +14,14 @@ speculation; where the model computes a row the same way in any batch (the CPU:
 S(n)`` tokens on average, ``S(j)`` being the chance that its first j tokens are all kept;
 it costs ``1 + c(n)`` single-token decodes, ``c(n)`` being what n more rows (and drafting
 them) add to a step, as measured (:class:`RowCost`). Each sequence drafts the n that yields
-most per cost, and none where no draft pays. ``S(j)`` is the product of the rates ``h(i)``
-at which the i-th drafted token was kept given the ones before it were, counted per
-position with recent rounds weighing more: drafts that copy a passage tend to be kept
-whole once their first tokens are, which one rate for every position would miss.
+most per cost, and none where no draft promises ``MIN_GAIN`` (10%) more tokens per cost than
+decoding alone: the rates come from a few recent rounds, and right after a run of kept
+drafts, which is where drafting starts, they overstate what the next draft keeps (on 2 cores
+with SmolLM2, chat at temperature 0.7, drafts that promised less cost 2 to 4% and won
+nothing). ``S(j)`` is the product of the rates ``h(i)`` at which the i-th drafted token was
+kept given the ones before it were, counted per position with recent rounds weighing more:
+drafts that copy a passage tend to be kept whole once their first tokens are, which one rate
+for every position would miss.
 
 **Acceptance without paying for it.** A drafter whose drafts cost nothing worth counting
 (prompt lookup) also drafts in the shadow of steps that do not draft: the draft is compared
@@ -29,14 +33,15 @@ to 64), so that it notices when drafts start to pay again.
 
 from __future__ import annotations
 
+import bisect
+import math
 from dataclasses import dataclass, field
 from typing import Protocol
-
-import numpy as np
 
 from .prefix import shared_prefix
 
 MAX_DRAFT = 16           # tokens per round at most (llama.cpp's --draft-max default)
+MIN_GAIN = 1.1           # tokens per cost a draft has to promise (see DraftLength)
 PROBE_EVERY = 8          # rounds between one-token drafts while drafting does not pay,
 MAX_PROBE_EVERY = 64     # doubling after each probe up to this
 POSITION_WEIGHT = 2.0    # a position's own rate weighs in after this many rounds reached it
@@ -134,39 +139,48 @@ class DraftLength:
     # decaying counts over every position: a prior of one kept in two
     drafted: float = 2.0
     accepted: float = 1.0
-    reached: np.ndarray = field(default=None)  # per position j: rounds that checked it
-    kept: np.ndarray = field(default=None)     # of them, those that kept it
+    reached: list[float] = field(default=None)  # per position j: rounds that checked it
+    kept: list[float] = field(default=None)     # of them, those that kept it
     idle_rounds: int = 0    # rounds without a draft since the last one
     probe_every: int = PROBE_EVERY
 
     DECAY = 0.9  # each round's counts weigh this much less in the next
 
     def __post_init__(self):
-        self.reached = np.zeros(self.n_max)
-        self.kept = np.zeros(self.n_max)
+        self.reached = [0.0] * self.n_max
+        self.kept = [0.0] * self.n_max
 
     @property
     def rate(self) -> float:
         """The share of drafted tokens kept, over every position."""
         return self.accepted / self.drafted
 
-    def survival(self) -> np.ndarray:
+    # survival() and next_length() run at every step of every drafting sequence, in plain
+    # floats: on 16 entries numpy's calls cost more than the arithmetic (about 150 us a step
+    # with the caches cold from a decode; a GPU's step takes about 1 ms).
+    def survival(self) -> list[float]:
         """S(j) for j = 1..n_max: the chance that a draft's first j tokens are all kept. Each
         position's rate is its own counts with POSITION_WEIGHT rounds at the overall rate."""
-        rates = (self.kept + POSITION_WEIGHT * self.rate) / (self.reached + POSITION_WEIGHT)
-        return np.cumprod(np.minimum(rates, 1.0))
+        prior = POSITION_WEIGHT * self.rate
+        chance, chances = 1.0, []
+        for kept, reached in zip(self.kept, self.reached):
+            chance *= min((kept + prior) / (reached + POSITION_WEIGHT), 1.0)
+            chances.append(chance)
+        return chances
 
-    def next_length(self, costs: np.ndarray) -> int:
+    def next_length(self, costs: list[float]) -> int:
         """The draft length that yields most tokens per cost, ``costs[n - 1]`` being what n
         drafted rows add to a step, relative to decoding one token (at least ``n_max``
         entries). Where none pays: nothing, or for a drafter that costs, a one-token probe
         now and then, less often while probes keep failing."""
-        expected = 1.0 + np.cumsum(self.survival())
-        per_cost = expected / (1.0 + costs[:self.n_max])
-        best = int(per_cost.argmax())
-        if per_cost[best] > 1.0:
+        expected, best, length = 1.0, MIN_GAIN, 0
+        for n, (chance, cost) in enumerate(zip(self.survival(), costs), 1):
+            expected += chance
+            if expected / (1.0 + cost) > best:
+                best, length = expected / (1.0 + cost), n
+        if length:
             self.probe_every = PROBE_EVERY
-            return best + 1
+            return length
         if not self.probes:
             return 0
         self.idle_rounds += 1
@@ -182,10 +196,8 @@ class DraftLength:
             return
         self.drafted = self.drafted * self.DECAY + checked
         self.accepted = self.accepted * self.DECAY + kept
-        self.reached *= self.DECAY
-        self.kept *= self.DECAY
-        self.reached[:checked] += 1
-        self.kept[:kept] += 1
+        self.reached = [r * self.DECAY + (j < checked) for j, r in enumerate(self.reached)]
+        self.kept = [k * self.DECAY + (j < kept) for j, k in enumerate(self.kept)]
 
 
 class RowCost:
@@ -198,44 +210,78 @@ class RowCost:
     by step: at most one more than twice the most drafted rows measured, so that finding
     out what rows cost never costs a step of 16 rows that pays nothing. Until a step of the
     plain rows was measured, drafts are taken to cost without bound: that step comes
-    first."""
+    first.
+
+    A drafted step also costs the step after it: llama.cpp builds its graph again for the
+    new number of rows (on CUDA the CUDA graph warms up again), so a step with fewer rows
+    than the one before takes longer than its kind (measured on 2 cores with SmolLM2: 1.3 ms
+    on an 11.5 ms step, a fifth of what a drafted row adds). That excess is averaged apart
+    (``return_s``), kept out of the plain step's time and added to every draft's cost. The
+    step after a prompt chunk is not counted at all: its graph is built again too, and no
+    draft caused it."""
 
     def __init__(self, prior: float = 0.1):
         self.step_s: dict[int, float] = {}  # rows in the step -> seconds, running average
+        self.return_s: float | None = None  # a step's excess after a step of more rows
         self.prior = prior
         self._steps = 0
         self._measured: dict[int, int] = {}  # rows -> the step it was last measured at
+        self._last_rows = 0         # the rows of the step before
+        self._after_prompt = False  # a prompt chunk was decoded since
+
+    def reshaped(self) -> None:
+        """A decode that is not a step (a prompt chunk) ran."""
+        self._after_prompt = True
 
     def observe(self, seconds: float, rows: int) -> None:
         self._steps += 1
+        after_prompt, self._after_prompt = self._after_prompt, False
+        returning = rows < self._last_rows and rows in self.step_s
+        self._last_rows = rows
+        if after_prompt:
+            return
+        if returning:
+            self.return_s = average(self.return_s, seconds - self.step_s[rows])
+            seconds -= self.return_s
         self.step_s[rows] = average(self.step_s.get(rows), seconds)
         self._measured[rows] = self._steps
         for stale in [r for r, step in self._measured.items()
                       if self._steps - step > MAX_AGE]:
             del self.step_s[stale], self._measured[stale]
 
-    def extra(self, sequences: int, n_max: int, draft_s: float = 0.0) -> np.ndarray:
+    def extra(self, sequences: int, n_max: int, draft_s: float = 0.0) -> list[float]:
         """What 1, 2, ..., ``n_max`` more rows (and drafting them, ``draft_s`` seconds each)
-        add to a step of ``sequences`` single rows, in units of one sequence's share of that
-        step; inf past what may be tried yet."""
-        drafted = np.arange(1, n_max + 1)
+        add to a step of ``sequences`` single rows and to the plain step after it, in units
+        of one sequence's share of that step; inf past what may be tried yet. In plain
+        floats, as DraftLength.next_length."""
         plain = self.step_s.get(sequences)
         if plain is None:
-            return np.full(n_max, np.inf)
+            return [math.inf] * n_max
         share = plain / sequences
-        costs = (self._time(sequences + drafted, share) - plain + drafted * draft_s) / share
+        returning = max(self.return_s or 0.0, 0.0)
         tried = max(self.step_s) - sequences  # the most drafted rows measured
-        costs[drafted > 2 * tried + 1] = np.inf
-        return costs
+        return [(seconds - plain + returning + n * draft_s) / share
+                if n <= 2 * tried + 1 else math.inf
+                for n, seconds in enumerate(self._times(sequences, n_max, share), 1)]
 
-    def _time(self, rows: np.ndarray, share: float) -> np.ndarray:
+    def _times(self, sequences: int, n_max: int, share: float) -> list[float]:
+        """Step times of ``sequences`` + 1 to + ``n_max`` rows: interpolated between the
+        measured row counts, extrapolated past the largest."""
         measured = sorted(self.step_s)
         seconds = [self.step_s[r] for r in measured]
         slope = self.prior * share
         if len(measured) > 1:
             slope = max(slope, (seconds[-1] - seconds[-2]) / (measured[-1] - measured[-2]))
-        beyond = np.maximum(rows - measured[-1], 0)
-        return np.interp(rows, measured, seconds) + slope * beyond
+        times = []
+        for rows in range(sequences + 1, sequences + n_max + 1):
+            above = bisect.bisect_right(measured, rows)
+            if above == len(measured):
+                times.append(seconds[-1] + slope * (rows - measured[-1]))
+            else:  # measured[above - 1] <= rows < measured[above]: the plain rows are measured
+                low, high = measured[above - 1], measured[above]
+                times.append(seconds[above - 1] + (seconds[above] - seconds[above - 1])
+                             * (rows - low) / (high - low))
+        return times
 
 
 def average(old: float | None, new: float, weight: float = 0.2) -> float:
@@ -281,6 +327,10 @@ class Speculation:
     def observe(self, seconds: float, rows: int) -> None:
         """A decode step of ``rows`` rows took ``seconds``."""
         self.row_cost.observe(seconds, rows)
+
+    def prompt_evaluated(self) -> None:
+        """A prompt chunk was decoded between steps."""
+        self.row_cost.reshaped()
 
     def plan(self, generating: list, room: int, left: list[int]) -> DraftRound:
         """This step's round: a draft for each generating sequence, at most ``room`` drafted
