@@ -532,16 +532,58 @@ def test_a_free_drafter_counts_acceptance_in_the_shadow_of_steps_that_do_not_dra
     def step():
         assert not speculation.plan([generation], room=8, left=[100]).drafted
     step()  # no plain step measured yet: nothing is drafted, but 4, 5, 6, 7 in the shadow
-    made += [4, 5]  # two tokens as the shadow had them: not settled yet
+    made += [4, 5]  # two tokens as the shadow had them: counted, the draft not settled yet
     step()
-    assert not any(length.reached)
-    made.append(9)  # the third differs: three compared, two kept
+    assert list(length.reached) == [1, 1, 0, 0] and list(length.kept) == [1, 1, 0, 0]
+    assert length.drafted == pytest.approx(2 * 0.9 + 2)
+    made.append(9)  # the third differs: three compared, two kept, the round decayed once
     step()
     assert list(length.reached) == [1, 1, 1, 0] and list(length.kept) == [1, 1, 0, 0]
     assert length.drafted == pytest.approx(2 * 0.9 + 3)
+    assert length.accepted == pytest.approx(1 * 0.9 + 2)
     made += [1, 2, 3, 4, 5]  # the shadow drafted after 4, 5, 9 had nothing to propose
     step()
     assert list(length.reached) == [1, 1, 1, 0]
+
+
+def test_a_round_recorded_in_parts_counts_as_recorded_at_once():
+    whole, parts = DraftLength(n_max=4), DraftLength(n_max=4)
+    for length in (whole, parts):
+        length.record(1, 0)  # an earlier round, decayed by the next
+    whole.record(3, 2)
+    parts.record(2, 2)
+    parts.record(2, 2, known=2)  # nothing new: no change, no second decay
+    parts.record(3, 2, known=2)
+    for counts in ("drafted", "accepted", "reached", "kept"):
+        assert getattr(parts, counts) == pytest.approx(getattr(whole, counts))
+    assert parts.reached == pytest.approx([1.9, 1, 1, 0])
+    assert parts.kept == pytest.approx([1, 1, 0, 0])
+
+
+def test_a_free_drafter_learns_the_positions_past_what_the_batch_verifies():
+    """Verification checks two drafted tokens; the drafter's other two are compared with the
+    tokens made after them, and the round is counted once."""
+    speculation = Speculation(drafting.NgramDrafter(), draft_max=4)
+    speculation.fixed = 2
+    speculation.start(0, [1, 2, 3, 4, 5, 6, 7, 1, 2, 3])
+    made = []
+    generation = SimpleNamespace(slot=SimpleNamespace(index=0),
+                                 result=SimpleNamespace(tokens=made,
+                                                        draft_tokens=0, draft_accepted=0))
+    length = speculation._sequences[0].length
+    round_ = speculation.plan([generation], room=8, left=[100])
+    assert round_.sequences[0].draft == [4, 5]
+    for token in (4, 5):
+        assert round_.sequences[0].accepts(token)
+    made += [4, 5, 6]  # both kept, then the chain's own token
+    speculation.finish(round_)
+    assert (generation.result.draft_tokens, generation.result.draft_accepted) == (2, 2)
+    speculation.plan([generation], room=8, left=[100])
+    assert list(length.reached) == [1, 1, 1, 0] and list(length.kept) == [1, 1, 1, 0]
+    made += [7]
+    speculation.plan([generation], room=8, left=[100])
+    assert list(length.reached) == [1, 1, 1, 1] and list(length.kept) == [1, 1, 1, 1]
+    assert length.drafted == pytest.approx(2 * 0.9 + 4)
 
 
 def test_where_rows_are_cheap_the_rule_drafts_what_the_shadow_found(
@@ -817,7 +859,8 @@ def test_a_row_count_not_measured_again_is_forgotten_and_tried_anew():
 
 def test_a_round_shares_its_room_and_each_sequence_keeps_to_what_it_has_left():
     """Fixed-length drafts of 4 for three sequences: each gets at most what it has left and
-    what the step's room still holds, in turn; the drafter is asked for just that."""
+    what the step's room still holds, in turn. Prompt lookup costs nothing: it is asked for
+    its longest draft every time, and what the batch does not verify is compared later."""
     speculation = Speculation(drafting.NgramDrafter(), draft_max=4)
     speculation.fixed = 4
     generations = []
@@ -829,12 +872,19 @@ def test_a_round_shares_its_room_and_each_sequence_keeps_to_what_it_has_left():
     draft = speculation.drafter.draft
     speculation.drafter.draft = lambda wants: asked.append([n for _, _, n in wants]) or \
         draft(wants)
-    speculation.plan(generations, room=6, left=[100, 1, 100])
-    assert asked[0] == [4, 1, 1]  # 4 of the room's 6, 1 left to the second, the last 1
+
+    def lengths(round_):
+        return [len(sequence.draft) for sequence in round_.sequences]
+    # 4 of the room's 6, 1 left to the second, the last 1
+    assert lengths(speculation.plan(generations, room=6, left=[100, 1, 100])) == [4, 1, 1]
+    assert lengths(speculation.plan(generations, room=100, left=[2, 100, 0])) == [2, 4, 0]
+    assert asked == [[4, 4, 4]] * 2
+    speculation.drafter = SimpleNamespace(  # as a draft model: each token costs
+        free=False, draft_s=0.0,
+        draft=lambda wants: asked.append([n for _, _, n in wants]) or [[7] * n for *_, n in wants])
     asked.clear()
-    speculation.plan(generations, room=100, left=[2, 100, 0])
-    assert asked[0] == [2, 4, 0]  # (then the third, drafting nothing, drafts in the shadow)
-    assert asked[1:] == [[4]]
+    speculation.plan(generations, room=6, left=[100, 1, 100])
+    assert asked == [[4, 1, 1]]  # a draft model drafts only what the batch verifies
 
 
 def test_the_step_after_a_prompt_chunk_is_not_counted_in_what_rows_cost(ngram_engine,
