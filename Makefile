@@ -1,6 +1,6 @@
 # Quick start: `make chat` (set up, then chat with the bundled model) and `make test`.
 # Both create .venv when missing and install what they need; the first install compiles
-# llama.cpp from source (about 5 minutes on 2 cores; the wheel is kept afterwards).
+# llama.cpp from source (about 2 minutes on 2 cores; the wheel is kept afterwards).
 
 SHELL := /bin/bash
 .SHELLFLAGS := -o pipefail -ec
@@ -11,7 +11,7 @@ DEPS := pyproject.toml setup.py native/adaptive.c constraints.txt
 # Every install takes the versions CI tested (constraints.txt), so that a green CI means a
 # green fresh machine; `make constraints` rewrites it from .venv, on purpose.
 PIN := -c constraints.txt
-# Show the llama.cpp build's progress ([n/144] lines) instead of minutes of silence.
+# Show the llama.cpp build's progress ([n/87] lines) instead of minutes of silence.
 PROGRESS := grep --line-buffered -E '^\s*\[[0-9]+/[0-9]+\]|Successfully installed|rror' | cut -c1-110
 
 .PHONY: chat test chromium bench eval asan sanitize clean constraints
@@ -30,12 +30,24 @@ LLAMA_CMAKE_ARGS := -DGGML_RPC=ON -DLLAVA_BUILD=OFF $(CMAKE_ARGS)
 LLAMA_KEY := $(LLAMA_VERSION)-$(shell echo '$(LLAMA_CMAKE_ARGS) '"$$($(PYTHON) -c 'import sys; print(sys.implementation.cache_tag)')" | md5sum | cut -c1-10)
 LLAMA_WHEELS ?= $(HOME)/.cache/adaptive-llama/wheels/$(LLAMA_KEY)
 
+# llama-cpp-python also forces on llama.cpp's common library, which only libmtmd links: it is
+# built from its source with that one switch off (or as it is, with a note, where a later
+# version moved the line).
+LLAMA_COMMON_ON := set(LLAMA_BUILD_COMMON ON CACHE BOOL
+
 $(VENV)/.llama-$(LLAMA_KEY): constraints.txt | $(PY)
 	if ! ls $(LLAMA_WHEELS)/llama_cpp_python-$(LLAMA_VERSION)-*.whl >/dev/null 2>&1; then \
-	    echo "Building llama-cpp-python $(LLAMA_VERSION) with $(LLAMA_CMAKE_ARGS) (about 5 minutes on 2 cores, once)..."; \
+	    echo "Building llama-cpp-python $(LLAMA_VERSION) with $(LLAMA_CMAKE_ARGS) (about 2 minutes on 2 cores, once)..."; \
+	    rm -rf $(LLAMA_WHEELS).tmp && mkdir -p $(LLAMA_WHEELS).tmp; \
+	    $(PY) -m pip download --quiet --no-deps --no-binary :all: -d $(LLAMA_WHEELS).tmp "llama-cpp-python==$(LLAMA_VERSION)"; \
+	    tar -xzf $(LLAMA_WHEELS).tmp/*.tar.gz -C $(LLAMA_WHEELS).tmp; \
+	    source=$$(ls -d $(LLAMA_WHEELS).tmp/*/); \
+	    if grep -qF '$(LLAMA_COMMON_ON)' $$source/CMakeLists.txt; then \
+	        sed -i 's/$(LLAMA_COMMON_ON)/set(LLAMA_BUILD_COMMON OFF CACHE BOOL/' $$source/CMakeLists.txt; \
+	    else echo "Note: llama-cpp-python $(LLAMA_VERSION) builds llama.cpp's common library too (a longer build)."; fi; \
 	    CMAKE_ARGS="$(LLAMA_CMAKE_ARGS)" $(PY) -m pip wheel -v --no-deps --no-cache-dir \
-	        -w $(LLAMA_WHEELS).tmp "llama-cpp-python==$(LLAMA_VERSION)" 2>&1 | $(PROGRESS); \
-	    mkdir -p $(LLAMA_WHEELS) && mv $(LLAMA_WHEELS).tmp/llama_cpp_python-*.whl $(LLAMA_WHEELS)/ && rmdir $(LLAMA_WHEELS).tmp; \
+	        -w $(LLAMA_WHEELS).tmp $$source 2>&1 | $(PROGRESS); \
+	    mkdir -p $(LLAMA_WHEELS) && mv $(LLAMA_WHEELS).tmp/llama_cpp_python-*.whl $(LLAMA_WHEELS)/ && rm -rf $(LLAMA_WHEELS).tmp; \
 	fi
 	@# This build in place of any other of the same version, then what it needs.
 	$(PY) -m pip install --quiet --force-reinstall --no-deps $(LLAMA_WHEELS)/llama_cpp_python-$(LLAMA_VERSION)-*.whl
@@ -44,7 +56,7 @@ $(VENV)/.llama-$(LLAMA_KEY): constraints.txt | $(PY)
 	rm -f $(VENV)/.llama-* && touch $@
 
 $(VENV)/.installed-%: $(DEPS) $(VENV)/.llama-$(LLAMA_KEY) | $(PY)
-	@echo "Installing adaptive-llama[$*] into $(VENV). A first install compiles llama.cpp (about 5 minutes on 2 cores)..."
+	@echo "Installing adaptive-llama[$*] into $(VENV). A first install compiles llama.cpp (about 2 minutes on 2 cores)..."
 	$(PY) -m pip install -v $(PIN) -e ".[$*]" 2>&1 | $(PROGRESS)
 	@# The evaluation's Wikipedia/TinyStories text; the package's torch is not needed.
 	if [[ "$*" == test || "$*" == eval ]]; then $(PY) -m pip install --quiet --no-deps "exllamav2==0.3.2"; fi
