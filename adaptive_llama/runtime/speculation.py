@@ -68,7 +68,7 @@ class Drafter(Protocol):
 
     name: str      # "ngram" or the draft model's file
     draft_s: float  # seconds per drafted token, as measured (0 for a lookup)
-    free: bool     # whether drafting costs nothing worth counting (shadow drafts)
+    free: bool     # drafting costs nothing worth counting: its longest, every step
 
     def start(self, slot: int, tokens: list[int]) -> DraftState:
         """The state of a sequence that starts in ``slot`` with ``tokens``."""
@@ -303,7 +303,7 @@ class _Sequence:
     state: DraftState
     length: DraftLength
     made: int = 0                 # of the generation's tokens, those the state holds
-    shadow: list[int] = field(default_factory=list)  # a draft not made, to compare
+    shadow: list[int] = field(default_factory=list)  # a whole draft, compared with what is made
     shadow_from: int = 0          # the generation's token count when it was drafted
     shadow_known: int = 0         # of its tokens, those recorded as kept so far
 
