@@ -532,8 +532,11 @@ def test_a_free_drafter_counts_acceptance_in_the_shadow_of_steps_that_do_not_dra
     def step():
         assert not speculation.plan([generation], room=8, left=[100]).drafted
     step()  # no plain step measured yet: nothing is drafted, but 4, 5, 6, 7 in the shadow
-    made += [4, 5]  # two tokens as the shadow had them: counted, the draft not settled yet
-    step()
+    step()  # nothing made since: nothing counted
+    assert length.drafted == 2.0 and not any(length.reached)
+    for token in (4, 5):  # two tokens as the shadow had them, one a step: counted as they
+        made.append(token)  # come, the draft not settled yet, the round decayed once
+        step()
     assert list(length.reached) == [1, 1, 0, 0] and list(length.kept) == [1, 1, 0, 0]
     assert length.drafted == pytest.approx(2 * 0.9 + 2)
     made.append(9)  # the third differs: three compared, two kept, the round decayed once
@@ -580,10 +583,30 @@ def test_a_free_drafter_learns_the_positions_past_what_the_batch_verifies():
     assert (generation.result.draft_tokens, generation.result.draft_accepted) == (2, 2)
     speculation.plan([generation], room=8, left=[100])
     assert list(length.reached) == [1, 1, 1, 0] and list(length.kept) == [1, 1, 1, 0]
-    made += [7]
+    made += [7]  # the whole draft kept: settled, and this step's draft (1, 2, 3, 4) is next
     speculation.plan([generation], room=8, left=[100])
     assert list(length.reached) == [1, 1, 1, 1] and list(length.kept) == [1, 1, 1, 1]
     assert length.drafted == pytest.approx(2 * 0.9 + 4)
+    made += [9]  # its first token differs: one compared, none kept, a round of its own
+    speculation.plan([generation], room=8, left=[100])
+    assert length.drafted == pytest.approx((2 * 0.9 + 4) * 0.9 + 1)
+    assert length.reached == pytest.approx([1.9, 0.9, 0.9, 0.9])
+
+
+def test_each_sequence_settles_its_own_draft_in_the_same_step():
+    speculation = Speculation(drafting.NgramDrafter(), draft_max=4)
+    generations = []
+    for slot in range(2):
+        speculation.start(slot, [1, 2, 3, 4, 5, 6, 7, 1, 2, 3])
+        generations.append(SimpleNamespace(slot=SimpleNamespace(index=slot),
+                                           result=SimpleNamespace(tokens=[])))
+    speculation.plan(generations, room=8, left=[100, 100])  # both drafted 4, 5, 6, 7
+    generations[0].result.tokens += [4]  # agrees so far
+    generations[1].result.tokens += [8]  # differs at once: settled
+    speculation.plan(generations, room=8, left=[100, 100])
+    first, second = (speculation._sequences[slot].length for slot in range(2))
+    assert list(first.reached) == [1, 0, 0, 0] and list(first.kept) == [1, 0, 0, 0]
+    assert list(second.reached) == [1, 0, 0, 0] and list(second.kept) == [0, 0, 0, 0]
 
 
 def test_where_rows_are_cheap_the_rule_drafts_what_the_shadow_found(
