@@ -381,7 +381,7 @@ class Speculation:
                 kept = shared_prefix(record.shadow, since)
                 if kept == len(since) and kept < len(record.shadow):  # not settled yet
                     record.length.record(kept, kept, record.shadow_known)
-                    record.shadow_known = max(record.shadow_known, kept)
+                    record.shadow_known = kept  # a prefix that agrees only grows
                     continue
                 record.length.record(min(kept + 1, len(record.shadow)), kept,
                                      record.shadow_known)
