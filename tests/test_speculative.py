@@ -475,11 +475,12 @@ def test_a_free_drafter_never_probes():
 def test_each_positions_rate_is_its_counts_with_two_rounds_at_the_overall_rate():
     length = DraftLength(n_max=3)
     length.record(3, 3)
+    length.forget(4)  # the counts decay by 0.95 a token made: that draft made 4
     length.record(2, 1)
-    # counts decay by 0.9 a round: drafted 2 -> 4.8 -> 6.32, accepted 1 -> 3.9 -> 4.51
-    rate = (0.9 * (0.9 * 1 + 3) + 1) / (0.9 * (0.9 * 2 + 3) + 2)
+    decay = 0.95 ** 4  # drafted 2 -> 5 -> 5d + 2, accepted 1 -> 4 -> 4d + 1
+    rate = (4 * decay + 1) / (5 * decay + 2)
     assert length.rate == pytest.approx(rate)
-    reached, kept = [1.9, 1.9, 0.9], [1.9, 0.9, 0.9]
+    reached, kept = [decay + 1, decay + 1, decay], [decay + 1, decay, decay]
     rates = [(k + 2 * rate) / (r + 2) for r, k in zip(reached, kept)]
     assert length.survival() == pytest.approx(np.cumprod(rates))
 
@@ -491,9 +492,9 @@ def test_drafts_kept_whole_or_not_at_all_are_judged_by_their_first_token():
         copies.record(16, 16)
     pooled = DraftLength(n_max=16)
     pooled.accepted, pooled.drafted = copies.accepted, copies.drafted
-    # One rate for every position (0.95) would draft 4 at 0.6 decodes a row: 1.32 tokens
+    # One rate for every position (0.94) would draft 3 at 0.6 decodes a row: 1.32 tokens
     # per cost; what these drafts yield is about 1 + 0.5 n, which no length pays for.
-    assert pooled.next_length(linear(0.6)) == 4
+    assert pooled.next_length(linear(0.6)) == 3
     assert copies.next_length(linear(0.6)) <= 1
     # cheaper rows: copies pay at length, longer than one rate for every position would say
     assert copies.next_length(linear(0.3)) >= 12 > pooled.next_length(linear(0.3))
@@ -521,51 +522,56 @@ def test_drafts_grow_with_acceptance_and_stop_when_they_do_not_pay():
     assert list(gaps[:4]) == [8, 16, 32, 64] and set(gaps[4:]) == {64}
 
 
-def test_a_free_drafter_counts_acceptance_in_the_shadow_of_steps_that_do_not_draft():
+def test_a_free_drafter_counts_every_steps_draft_against_the_tokens_made_after_it():
     speculation = Speculation(drafting.NgramDrafter(), draft_max=4)
     speculation.start(0, [1, 2, 3, 4, 5, 6, 7, 1, 2, 3])  # 1, 2, 3 came before 4, 5, 6, 7
     made = []
     generation = SimpleNamespace(slot=SimpleNamespace(index=0),
                                  result=SimpleNamespace(tokens=made))
-    length = speculation._sequences[0].length
+    record = speculation._sequences[0]
+    length = record.length
 
     def step():
         assert not speculation.plan([generation], room=8, left=[100]).drafted
-    step()  # no plain step measured yet: nothing is drafted, but 4, 5, 6, 7 in the shadow
-    step()  # nothing made since: nothing counted
+    step()  # no plain step measured yet: nothing is drafted, but 4, 5, 6, 7 is pending
+    step()  # nothing made since: nothing counted, no second draft from the same place
     assert length.drafted == 2.0 and not any(length.reached)
-    for token in (4, 5):  # two tokens as the shadow had them, one a step: counted as they
-        made.append(token)  # come, the draft not settled yet, the round decayed once
-        step()
-    assert list(length.reached) == [1, 1, 0, 0] and list(length.kept) == [1, 1, 0, 0]
-    assert length.drafted == pytest.approx(2 * 0.9 + 2)
-    made.append(9)  # the third differs: three compared, two kept, the round decayed once
+    assert [pending.draft for pending in record.pending] == [[4, 5, 6, 7]]
+    made.append(4)  # a token made: the counts decay by 0.95, then the first draft's first
+    step()          # token counts as kept
+    assert length.reached == [1, 0, 0, 0] and length.kept == [1, 0, 0, 0]
+    assert length.drafted == pytest.approx(2 * 0.95 + 1)
+    assert [pending.draft for pending in record.pending] == [[4, 5, 6, 7], [5, 6, 7, 1]]
+    made.append(5)  # the first draft's second token, the second draft's first
     step()
-    assert list(length.reached) == [1, 1, 1, 0] and list(length.kept) == [1, 1, 0, 0]
-    assert length.drafted == pytest.approx(2 * 0.9 + 3)
-    assert length.accepted == pytest.approx(1 * 0.9 + 2)
-    made += [1, 2, 3, 4, 5]  # the shadow drafted after 4, 5, 9 had nothing to propose
-    step()
-    assert list(length.reached) == [1, 1, 1, 0]
+    assert length.reached == pytest.approx([1.95, 1, 0, 0])
+    assert length.kept == pytest.approx([1.95, 1, 0, 0])
+    made.append(9)  # settles all three: the first at its third token, the second at its
+    step()          # second, the third (6, 7, 1, 2) at its first
+    assert record.pending == []  # and nothing followed a 9 before: nothing more pending
+    assert length.reached == pytest.approx([1.95 * 0.95 + 1, 0.95 + 1, 1, 0])
+    assert length.kept == pytest.approx([1.95 * 0.95, 0.95, 0, 0])
+    assert length.drafted == pytest.approx(((2 * 0.95 + 1) * 0.95 + 2) * 0.95 + 3)
+    assert length.accepted == pytest.approx(((1 * 0.95 + 1) * 0.95 + 2) * 0.95)
 
 
 def test_a_round_recorded_in_parts_counts_as_recorded_at_once():
     whole, parts = DraftLength(n_max=4), DraftLength(n_max=4)
     for length in (whole, parts):
-        length.record(1, 0)  # an earlier round, decayed by the next
+        length.record(1, 0)  # an earlier draft
     whole.record(3, 2)
     parts.record(2, 2)
-    parts.record(2, 2, known=2)  # nothing new: no change, no second decay
+    parts.record(2, 2, known=2)  # nothing new: no change
     parts.record(3, 2, known=2)
     for counts in ("drafted", "accepted", "reached", "kept"):
         assert getattr(parts, counts) == pytest.approx(getattr(whole, counts))
-    assert parts.reached == pytest.approx([1.9, 1, 1, 0])
+    assert parts.reached == pytest.approx([2, 1, 1, 0])
     assert parts.kept == pytest.approx([1, 1, 0, 0])
 
 
 def test_a_free_drafter_learns_the_positions_past_what_the_batch_verifies():
     """Verification checks two drafted tokens; the drafter's other two are compared with the
-    tokens made after them, and the round is counted once."""
+    tokens made after them, and the draft is counted as one round."""
     speculation = Speculation(drafting.NgramDrafter(), draft_max=4)
     speculation.fixed = 2
     speculation.start(0, [1, 2, 3, 4, 5, 6, 7, 1, 2, 3])
@@ -581,16 +587,16 @@ def test_a_free_drafter_learns_the_positions_past_what_the_batch_verifies():
     made += [4, 5, 6]  # both kept, then the chain's own token
     speculation.finish(round_)
     assert (generation.result.draft_tokens, generation.result.draft_accepted) == (2, 2)
+    round_ = speculation.plan([generation], room=8, left=[100])
+    assert length.reached == [1, 1, 1, 0] and length.kept == [1, 1, 1, 0]
+    assert length.drafted == pytest.approx(2 * 0.95 ** 3 + 3)  # three tokens made
+    assert round_.sequences[0].draft == [7, 1]  # from 7, 1, 2, 3, pending too
+    made += [7, 1, 2]  # the first draft kept whole, then the second's first three tokens
     speculation.plan([generation], room=8, left=[100])
-    assert list(length.reached) == [1, 1, 1, 0] and list(length.kept) == [1, 1, 1, 0]
-    made += [7]  # the whole draft kept: settled, and this step's draft (1, 2, 3, 4) is next
-    speculation.plan([generation], room=8, left=[100])
-    assert list(length.reached) == [1, 1, 1, 1] and list(length.kept) == [1, 1, 1, 1]
-    assert length.drafted == pytest.approx(2 * 0.9 + 4)
-    made += [9]  # its first token differs: one compared, none kept, a round of its own
-    speculation.plan([generation], room=8, left=[100])
-    assert length.drafted == pytest.approx((2 * 0.9 + 4) * 0.9 + 1)
-    assert length.reached == pytest.approx([1.9, 0.9, 0.9, 0.9])
+    decay = 0.95 ** 3
+    assert length.reached == pytest.approx([decay + 1, decay + 1, decay + 1, 1])
+    assert length.kept == pytest.approx([decay + 1, decay + 1, decay + 1, 1])
+    assert length.drafted == pytest.approx((2 * decay + 3) * decay + 1 + 3)
 
 
 def test_each_sequence_settles_its_own_draft_in_the_same_step():
@@ -643,6 +649,15 @@ def test_the_row_cost_is_what_drafted_rows_add_to_a_step():
     assert cost.extra(2, 4, draft_s=0.001)[3] == pytest.approx(2.4)
     cost.observe(0.020, rows=6)  # a running average: 18 ms + 0.2 * 2 ms
     assert cost.step_s[6] == pytest.approx(0.0184)
+
+
+def test_past_the_rows_measured_the_cost_follows_a_line_through_the_drafted_ones():
+    cost = RowCost(prior=0.1)
+    for rows, ms in [(1, 10), (2, 13), (3, 16), (4, 22)]:  # the last step a noisy one
+        cost.observe(ms / 1000, rows)
+    # least squares through 2, 3 and 4 rows: 4.5 ms a row, where the last two say 6
+    assert cost.extra(1, 5)[3:] == pytest.approx([(26.5 - 10) / 10, (31 - 10) / 10])
+    assert cost.extra(1, 3) == pytest.approx([0.3, 0.6, 1.2])  # measured: as measured
 
 
 def test_the_step_back_to_fewer_rows_counts_to_the_drafts_cost():

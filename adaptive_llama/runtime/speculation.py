@@ -15,24 +15,29 @@ S(n)`` tokens on average, ``S(j)`` being the chance that its first j tokens are 
 it costs ``1 + c(n)`` single-token decodes, ``c(n)`` being what n more rows (and drafting
 them) add to a step, as measured (:class:`RowCost`). Each sequence drafts the n that yields
 most per cost, and none where no draft promises ``MIN_GAIN`` (10%) more tokens per cost than
-decoding alone: the rates come from a few recent rounds, and right after a run of kept
+decoding alone: the rates come from the last few dozen tokens, and right after a run of kept
 drafts, which is where drafting starts, they overstate what the next draft keeps (on 2 cores
 with SmolLM2, chat at temperature 0.7, drafts that promised less cost 2 to 4% and won
 nothing). ``S(j)`` is the product of the rates ``h(i)`` at which the i-th drafted token was
-kept given the ones before it were, counted per position with recent rounds weighing more:
-drafts that copy a passage tend to be kept whole once their first tokens are, which one rate
-for every position would miss.
+kept given the ones before it were, counted per position: drafts that copy a passage tend
+to be kept whole once their first tokens are, which one rate for every position would miss.
+Each count weighs 5% less with every token the sequence makes after it: what the next draft
+keeps depends on the text of late, not on the last few drafts (a rule that forgot once per
+draft forgot slowest where drafts are long, and after one miss in a copied passage held
+back for half of a code edit).
 
 **Acceptance without paying for it.** A drafter whose drafts cost nothing worth counting
 (prompt lookup) drafts its longest at every step, whatever part of it the batch verifies, and
 each such draft is compared with the tokens the sequence then makes: they are the tokens
-verification chose or would have chosen. So every position's rate is measured from the
-first rounds on, also past the drafts' current length and while nothing is drafted: a
-rule that learnt the far positions only from drafts that reach them would grow into long
-drafts slowly (on a code edit with Qwen2.5-Coder-1.5B it took 16 steps, a third of the
-reply). A drafter that costs (a draft model) instead drafts one token after
-``PROBE_EVERY`` idle rounds (then twice as many, up to 64), so that it notices when drafts
-start to pay again.
+verification chose or would have chosen. Every step's draft counts as a round of its own,
+settled token by token as the sequence goes on, several at once. So every position's rate
+is measured at every step where the rule decides, also past the drafts' current length and
+while nothing is drafted: a rule that learnt the far positions only from drafts that reach
+them would grow into long drafts slowly (on a code edit with Qwen2.5-Coder-1.5B it took 16
+steps, a third of the reply), and one that waited for a draft to settle before the next
+would count mostly the steps after a draft failed, and expect too little. A drafter that
+costs (a draft model) instead drafts one token after ``PROBE_EVERY`` idle rounds (then twice
+as many, up to 64), so that it notices when drafts start to pay again.
 """
 
 from __future__ import annotations
@@ -148,7 +153,7 @@ class DraftLength:
     idle_rounds: int = 0    # rounds without a draft since the last one
     probe_every: int = PROBE_EVERY
 
-    DECAY = 0.9  # each round's counts weigh this much less in the next
+    DECAY = 0.95  # the counts weigh this much less with each token the sequence makes
 
     def __post_init__(self):
         self.reached = [0.0] * self.n_max
@@ -195,30 +200,36 @@ class DraftLength:
         self.probe_every = min(self.probe_every * 2, MAX_PROBE_EVERY)
         return 1
 
+    def forget(self, tokens: int) -> None:
+        """The sequence made ``tokens`` more: every count weighs less."""
+        decay = self.DECAY ** tokens
+        self.drafted *= decay
+        self.accepted *= decay
+        self.reached = [r * decay for r in self.reached]
+        self.kept = [k * decay for k in self.kept]
+
     def record(self, checked: int, kept: int, known: int = 0) -> None:
-        """A round that compared ``checked`` drafted tokens and kept the first ``kept``, of
-        which the first ``known`` were recorded before (a draft settled as its tokens are
-        made: the round's counts decay the others once, at its first part)."""
+        """A draft of which ``checked`` tokens were compared and the first ``kept`` kept, the
+        first ``known`` of them recorded before (a draft settled as its tokens are made)."""
         if checked <= known:
             return
-        decay = self.DECAY if not known else 1.0
-        self.drafted = self.drafted * decay + checked - known
-        self.accepted = self.accepted * decay + kept - known
-        self.reached = [r * decay + (known <= j < checked) for j, r in enumerate(self.reached)]
-        self.kept = [k * decay + (known <= j < kept) for j, k in enumerate(self.kept)]
+        self.drafted += checked - known
+        self.accepted += kept - known
+        self.reached = [r + (known <= j < checked) for j, r in enumerate(self.reached)]
+        self.kept = [k + (known <= j < kept) for j, k in enumerate(self.kept)]
 
 
 class RowCost:
     """What drafted rows add to a decode step, from running averages of the step's time by
     its number of rows, each forgotten when not measured again within ``MAX_AGE`` steps. A
     row count not measured is interpolated between the nearest measured ones, and past the
-    largest extrapolated along the two largest (each row at least ``prior`` of a sequence's
-    share of the step: on a CPU bound by arithmetic 16 rows cost about 10 single-row
-    decodes, on a GPU not much more than one). Drafts grow into what was not measured step
-    by step: at most one more than twice the most drafted rows measured, so that finding
-    out what rows cost never costs a step of 16 rows that pays nothing. Until a step of the
-    plain rows was measured, drafts are taken to cost without bound: that step comes
-    first.
+    largest extrapolated along a line through the drafted ones (each row at least ``prior``
+    of a sequence's share of the step: on a CPU bound by arithmetic 16 rows cost about 10
+    single-row decodes, on a GPU not much more than one). Drafts grow into what was not
+    measured step by step: at most one more than twice the most drafted rows measured, so
+    that finding out what rows cost never costs a step of 16 rows that pays nothing. Until
+    a step of the plain rows was measured, drafts are taken to cost without bound: that
+    step comes first.
 
     A drafted step also costs the step after it: llama.cpp builds its graph again for the
     new number of rows (on CUDA the CUDA graph warms up again), so a step with fewer rows
@@ -277,9 +288,7 @@ class RowCost:
         measured row counts, extrapolated past the largest."""
         measured = sorted(self.step_s)
         seconds = [self.step_s[r] for r in measured]
-        slope = self.prior * share
-        if len(measured) > 1:
-            slope = max(slope, (seconds[-1] - seconds[-2]) / (measured[-1] - measured[-2]))
+        slope = max(self.prior * share, self._slope(measured, seconds, sequences))
         times = []
         for rows in range(sequences + 1, sequences + n_max + 1):
             above = bisect.bisect_right(measured, rows)
@@ -291,9 +300,47 @@ class RowCost:
                              * (rows - low) / (high - low))
         return times
 
+    @staticmethod
+    def _slope(measured: list[int], seconds: list[float], sequences: int) -> float:
+        """Seconds per row past the largest row count measured: the least-squares line
+        through the drafted row counts measured, or through the two largest counts while
+        fewer than two drafted ones were. Two neighbours alone are at the mercy of noise: on 2
+        cores with Qwen2.5-Coder-1.5B, 9 rows measured 53 ms over 8, where rows cost 37 ms on
+        average, and a draft of 16 looked a fifth dearer than it is."""
+        points = [(r, t) for r, t in zip(measured, seconds) if r > sequences]
+        if len(points) < 2:
+            points = list(zip(measured, seconds))[-2:]
+        if len(points) < 2:
+            return 0.0
+        mean_rows = sum(r for r, _ in points) / len(points)
+        mean_time = sum(t for _, t in points) / len(points)
+        return (sum((r - mean_rows) * (t - mean_time) for r, t in points)
+                / sum((r - mean_rows) ** 2 for r, _ in points))
+
 
 def average(old: float | None, new: float, weight: float = 0.2) -> float:
     return new if old is None else old + weight * (new - old)
+
+
+@dataclass
+class _Pending:
+    """A free drafter's whole draft, compared with the tokens made after it."""
+
+    draft: list[int]
+    start: int      # the generation's token count when it was drafted
+    known: int = 0  # of its tokens, those recorded as kept so far
+
+    def settle(self, made: list[int], length: DraftLength) -> bool:
+        """Record in ``length`` what the tokens made since settle; whether the draft is
+        settled (a token differs, or every drafted token was made)."""
+        since = made[self.start + self.known:self.start + len(self.draft)]
+        kept = self.known + shared_prefix(self.draft[self.known:], since)
+        if kept == self.known + len(since) and kept < len(self.draft):
+            length.record(kept, kept, self.known)
+            self.known = kept  # a prefix that agrees only grows
+            return False
+        length.record(min(kept + 1, len(self.draft)), kept, self.known)
+        return True
 
 
 @dataclass
@@ -303,9 +350,8 @@ class _Sequence:
     state: DraftState
     length: DraftLength
     made: int = 0                 # of the generation's tokens, those the state holds
-    shadow: list[int] = field(default_factory=list)  # a whole draft, compared with what is made
-    shadow_from: int = 0          # the generation's token count when it was drafted
-    shadow_known: int = 0         # of its tokens, those recorded as kept so far
+    counted: int = 0              # of them, those the counts were decayed for
+    pending: list[_Pending] = field(default_factory=list)  # oldest first
 
 
 class Speculation:
@@ -370,22 +416,17 @@ class Speculation:
         return record
 
     def _shadow(self, generating: list, drafts: list[list[int]]) -> None:
-        """For each sequence: compare its pending draft with the tokens made since it was
-        drafted, record what they settle, and once it is settled, take this step's whole
-        draft as the next one."""
+        """For each sequence: settle its pending drafts against the tokens made since each
+        was drafted, and add this step's whole draft to them."""
         for generation, draft in zip(generating, drafts):
             record = self._sequences[generation.slot.index]
             made = generation.result.tokens
-            if record.shadow:
-                since = made[record.shadow_from:]
-                kept = shared_prefix(record.shadow, since)
-                if kept == len(since) and kept < len(record.shadow):  # not settled yet
-                    record.length.record(kept, kept, record.shadow_known)
-                    record.shadow_known = kept  # a prefix that agrees only grows
-                    continue
-                record.length.record(min(kept + 1, len(record.shadow)), kept,
-                                     record.shadow_known)
-            record.shadow, record.shadow_from, record.shadow_known = draft, len(made), 0
+            record.length.forget(len(made) - record.counted)
+            record.counted = len(made)
+            record.pending = [pending for pending in record.pending
+                              if not pending.settle(made, record.length)]
+            if draft and not (record.pending and record.pending[-1].start == len(made)):
+                record.pending.append(_Pending(draft, len(made)))  # one per place drafted from
 
     def finish(self, round_: DraftRound) -> None:
         """After verification: each sequence's counts."""
@@ -395,6 +436,7 @@ class Speculation:
             generation = sequence.generation
             record = self._sequences.get(generation.slot.index)
             if record is not None and not self.drafter.free:  # else settled as a shadow
+                record.length.forget(sequence.kept + 1)
                 record.length.record(sequence.checked, sequence.kept)
             generation.result.draft_tokens += sequence.checked
             generation.result.draft_accepted += sequence.kept
