@@ -593,10 +593,16 @@ def test_a_free_drafter_learns_the_positions_past_what_the_batch_verifies():
     assert round_.sequences[0].draft == [7, 1]  # from 7, 1, 2, 3, pending too
     made += [7, 1, 2]  # the first draft kept whole, then the second's first three tokens
     speculation.plan([generation], room=8, left=[100])
+    # the first is settled and gone; the second waits for its last token, beside this step's
+    assert [pending.start for pending in speculation._sequences[0].pending] == [3, 6]
     decay = 0.95 ** 3
     assert length.reached == pytest.approx([decay + 1, decay + 1, decay + 1, 1])
     assert length.kept == pytest.approx([decay + 1, decay + 1, decay + 1, 1])
     assert length.drafted == pytest.approx((2 * decay + 3) * decay + 1 + 3)
+    made.append(3)  # the second draft's last token: it too was kept whole
+    speculation.plan([generation], room=8, left=[100])
+    assert [pending.start for pending in speculation._sequences[0].pending] == [6, 7]
+    assert length.kept[3] == pytest.approx(length.reached[3])
 
 
 def test_each_sequence_settles_its_own_draft_in_the_same_step():
