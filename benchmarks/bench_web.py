@@ -19,6 +19,10 @@ stutters), the cost per token when the same tokens come back to back with one la
 them (``burst_ms``, and the rate that makes, ``max_tokens_per_s``; against ``text``:
 ``burst_x_text``), and the time to render the whole reply when it ends. Run it on a quiet
 machine.
+
+Beside them, the page's weight: the files the page loads when it opens, in bytes as they
+stand in the package (``source_bytes``), as the server sends them (``sent_bytes``: scripts
+and style minified) and gzipped, as a browser that takes gzip gets them (``gzip_bytes``).
 """
 
 from __future__ import annotations
@@ -120,6 +124,25 @@ def start_server(port: int) -> subprocess.Popen:
     sys.exit("the server did not start")
 
 
+def fetched(url: str, packed: bool) -> bytes:
+    headers = {"Accept-Encoding": "gzip"} if packed else {}
+    with urllib.request.urlopen(urllib.request.Request(url, headers=headers)) as answer:
+        return answer.read()
+
+
+def page_weight(base: str, urls: list[str]) -> dict:
+    """The bytes of the page's own files (``urls``, as it loaded them): in the package,
+    as sent, and gzipped."""
+    from adaptive_llama.server.web import PAGE_FILES
+
+    names = sorted({url.rsplit("/", 1)[-1] or "index.html" for url in urls
+                    if url == base + "/" or url.endswith((".js", ".css"))})
+    return {"files": len(names),
+            "source_bytes": sum(PAGE_FILES[name].stat().st_size for name in names),
+            "sent_bytes": sum(len(fetched(f"{base}/web/{name}", False)) for name in names),
+            "gzip_bytes": sum(len(fetched(f"{base}/web/{name}", True)) for name in names)}
+
+
 def percentile(values: list[float], q: float) -> float:
     ordered = sorted(values)
     return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
@@ -147,8 +170,11 @@ def main() -> None:
                 "--no-sandbox", "--disable-gpu", "--disable-background-networking",
                 "--disable-component-update", "--disable-sync", "--no-first-run"])
             page = browser.new_page(viewport={"width": 1200, "height": 850})
+            loaded = []
+            page.on("response", lambda response: loaded.append(response.url))
             page.goto(f"http://127.0.0.1:{port}/")
             page.wait_for_selector("#model option", state="attached")
+            weight = page_weight(f"http://127.0.0.1:{port}", loaded)
             for _ in range(args.rounds):
                 for mode in modes:
                     # Redrawing is quadratic: fewer tokens keep its run short.
@@ -161,7 +187,7 @@ def main() -> None:
         server.terminate()
         server.wait(timeout=30)
     out = {"rate_asked": args.rate, "tokens": args.tokens, "history": args.history,
-           "rounds": args.rounds, "browser": args.chromium, "modes": {}}
+           "rounds": args.rounds, "browser": args.chromium, "weight": weight, "modes": {}}
     for mode in modes:
         costs = [c for run in runs[mode] for c in run["costs"]]
         # The browser's clock has a 0.1 ms grain with jitter: the mean of many is the figure.

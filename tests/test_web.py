@@ -15,6 +15,7 @@ import string
 import subprocess
 import sys
 import time
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -214,6 +215,30 @@ def test_the_page_files_are_gzipped_for_a_browser_that_takes_it(keyed_server):
         assert "Accept-Encoding" in headers["Vary"] and "default-src 'none'" in \
             headers["Content-Security-Policy"]
         assert gzip.decompress(packed) == plain and len(packed) < len(plain)
+
+
+def test_the_scripts_and_style_are_sent_minified_and_every_module_still_runs(page):
+    """What the browser gets of each script and of the style sheet is its source without
+    comments and layout (a quarter or more fewer bytes), and every module of the page still
+    imports in the browser without an error: a minifier that broke one would show here."""
+    page.open()
+    folder = Path(__file__).parents[1] / "adaptive_llama" / "server" / "web"
+    sources = {path.name: path.read_bytes() for path in folder.iterdir()
+               if path.suffix in (".js", ".css")}
+    for name, source in sources.items():
+        status, _, sent = raw("GET", page.port, f"/web/{name}", key=None, parse=False)
+        assert status == 200 and len(sent) < 0.9 * len(source), name
+        assert b"\n  " in source and b"\n  " not in sent, name  # no indented lines left
+    modules = sorted(name for name in sources if name.endswith(".js"))
+    imported = page.tab.evaluate("""async (names) => {
+        const out = [];
+        for (const name of names) out.push(typeof await import('/web/' + name));
+        return out; }""", modules)
+    assert imported == ["object"] * len(modules) and page.errors == []
+    # the page works on what it was sent: a question gets its reply
+    page.settings(seed=3, max_tokens=8)
+    page.send()
+    assert page.messages()[1]["content"] and page.errors == []
 
 
 # ---- chatting ----

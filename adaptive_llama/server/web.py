@@ -3,6 +3,10 @@
 sampler table the settings panel is built from, and ``POST /web/typeset`` the code and math
 of a reply, highlighted and typeset (:mod:`.typeset`).
 
+The scripts and the style sheet are sent without their comments and layout whitespace
+(rJSmin, rCSSmin: minifiers made to run as a file is served), so the package keeps them
+readable and the page still needs no build step.
+
 The page calls the OpenAI routes of the same server (same origin, so :mod:`.guard`'s Origin and
 Host checks apply unchanged). Its files are served without the API key, since the page holds
 no data and has to load before it can ask for the key; every route it calls still needs it.
@@ -21,6 +25,8 @@ from pathlib import Path
 from fastapi import APIRouter, Request
 from fastapi.responses import Response
 from pydantic import BaseModel, ConfigDict, Field
+from rcssmin import cssmin
+from rjsmin import jsmin
 
 from ..samplers import SAMPLERS, Param
 from .common import parse_body
@@ -53,18 +59,28 @@ def is_page_path(path: str) -> bool:
     return path == "/" or path.startswith("/web/")
 
 
+MINIFIERS = {".js": jsmin, ".css": cssmin}
+
+
+# Keyed on the file's bytes: an edited file is minified and packed again, the same one once.
 @functools.lru_cache(maxsize=64)
-def _gzipped(body: bytes) -> bytes:
-    return gzip.compress(body, mtime=0)
+def served_bytes(body: bytes, suffix: str, packed: bool) -> bytes:
+    """What the browser gets of a page file: minified when it is a script or the style
+    sheet (about 30% fewer bytes), then gzipped when ``packed`` (about a third of those)."""
+    minify = MINIFIERS.get(suffix)
+    if minify is not None:
+        body = minify(body.decode()).encode()
+    return gzip.compress(body, mtime=0) if packed else body
 
 
 def _answer(request: Request, body: bytes, suffix: str) -> Response:
-    """``body`` as a page file, gzipped for a browser that takes it (a third of the bytes)."""
+    """``body`` as a page file, gzipped for a browser that takes it."""
     headers = {**SECURITY_HEADERS, "Vary": "Accept-Encoding"}
-    if "gzip" in request.headers.get("accept-encoding", ""):
-        body = _gzipped(body)
+    packed = "gzip" in request.headers.get("accept-encoding", "")
+    if packed:
         headers["Content-Encoding"] = "gzip"
-    return Response(body, media_type=CONTENT_TYPES[suffix], headers=headers)
+    return Response(served_bytes(body, suffix, packed), media_type=CONTENT_TYPES[suffix],
+                    headers=headers)
 
 
 @router.get("/")
