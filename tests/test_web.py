@@ -1078,6 +1078,18 @@ def test_chats_kept_in_local_storage_by_an_earlier_page_move_to_indexeddb(page):
     page.tab.reload()  # read from IndexedDB now
     page.tab.wait_for_selector("#chat-list .chat-title")
     assert page.tab.locator("#chat-list .chat-title").all_inner_texts() == ["Newer", "Older"]
+    # A move cut short (the tab closed after the chats were written, before the old key
+    # went) ends on the next visit: each chat once, and the one not moved yet moved too.
+    newest = {"id": "old-3", "title": "Newest", "updated": 3, "model": "", "system": "",
+              "messages": [{"role": "user", "content": "Newest question"}]}
+    page.tab.evaluate("(chats) => localStorage.setItem('adaptive-llama.chats', "
+                      "JSON.stringify(chats))", [newest, *old])
+    page.tab.reload()
+    wait_until(page.tab, "document.querySelectorAll('#chat-list .chat-title').length === 3")
+    assert page.tab.locator("#chat-list .chat-title").all_inner_texts() == [
+        "Newest", "Newer", "Older"]
+    assert [c["title"] for c in page.chats()] == ["Newest", "Newer", "Older"]
+    assert page.tab.evaluate("localStorage.getItem('adaptive-llama.chats')") is None
     assert page.errors == []
 
 

@@ -41,31 +41,36 @@ function ended(transaction) {
 
 const written = new Map();  // chat id -> its JSON as last written: only changes are written
 
+const newestFirst = (a, b) => (a.id < b.id ? 1 : -1);  // ids begin with the time they were made
+
 // The chats as they are stored, the newest first.
 export async function storedChats() {
   const transaction = (await openDatabase()).transaction(CHATS);
   const request = transaction.objectStore(CHATS).getAll();
   await ended(transaction);
-  return request.result.filter((c) => c && Array.isArray(c.messages))
-    .sort((a, b) => (a.id < b.id ? 1 : -1));  // ids begin with the time they were made
+  return request.result.filter((c) => c && Array.isArray(c.messages)).sort(newestFirst);
 }
 
 export async function loadChats() {
-  let chats = await storedChats();
-  if (!chats.length) chats = await movedFromLocalStorage();
+  const stored = await storedChats();
+  const moved = await movedFromLocalStorage(new Set(stored.map((chat) => chat.id)));
+  const chats = moved.length ? [...stored, ...moved].sort(newestFirst) : stored;
   for (const chat of chats) written.set(chat.id, JSON.stringify(chat));
   return chats;
 }
 
-// The chats an earlier version of the page kept in localStorage, moved here.
-async function movedFromLocalStorage() {
+// The chats an earlier version of the page kept in localStorage that are not stored here
+// yet (`here`: the ids stored), moved here. A move cut short (the tab closed while it
+// wrote) ends on the next visit, without a chat twice.
+async function movedFromLocalStorage(here) {
   let chats;
   try {
     chats = JSON.parse(localStorage.getItem(OLD_CHATS) || "[]");
   } catch {
     return [];
   }
-  chats = Array.isArray(chats) ? chats.filter((c) => c && Array.isArray(c.messages)) : [];
+  chats = Array.isArray(chats)
+    ? chats.filter((c) => c && Array.isArray(c.messages) && !here.has(c.id)) : [];
   if (chats.length) await saveChats(chats);
   localStorage.removeItem(OLD_CHATS);
   return chats;
