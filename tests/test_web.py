@@ -90,6 +90,8 @@ class Page:
         self.tab = context.new_page()
         self.errors: list[str] = []
         self.requests: list = []
+        self.failed: list[str] = []  # requests the browser counts as failed (or aborted)
+        self.tab.on("requestfailed", lambda r: self.failed.append(f"{r.url} {r.failure}"))
         self.tab.on("console", lambda m: m.type == "error" and self.errors.append(m.text))
         self.tab.on("pageerror", lambda e: self.errors.append(str(e)))
         self.tab.on("request", lambda r: self.requests.append(r))
@@ -343,6 +345,25 @@ def test_stop_ends_the_reply_and_keeps_what_came(page):
             time.monotonic() < deadline:
         time.sleep(0.1)
     assert raw("GET", page.port, "/health", key=None)[2]["running"] == 0
+
+
+def test_the_browser_counts_every_reply_that_ended_as_finished_and_a_stopped_one_aborted(page):
+    """Chromium counted most streams whose body a script read as aborted (net::ERR_ABORTED,
+    as its network panel shows them), though every byte had come: the page now holds each
+    request to its end."""
+    page.open()
+    page.settings(max_tokens=12)
+    for question in ("Say hello.", "Name a colour.", "Count to three.", "Name a river."):
+        page.send(question)
+    wait_until(page.tab, "performance.getEntriesByType('resource').filter((e) =>"
+                         " e.name.endsWith('/v1/chat/completions')).length === 4")
+    assert len(page.messages()) == 8 and page.failed == []
+    page.start_reply("Write a very long story about a lighthouse keeper.", shown=20,
+                     max_tokens=1500)
+    page.tab.click("#stop")
+    page.wait_reply()
+    assert page.failed == [f"{page.base}/v1/chat/completions net::ERR_ABORTED"]
+    assert page.errors == []
 
 
 def test_regenerate_with_a_seed_gives_the_same_reply_and_without_one_a_new_seed(page):
