@@ -47,6 +47,8 @@ def main() -> None:
                 args=["--no-sandbox", "--disable-gpu", "--disable-background-networking",
                       "--disable-component-update", "--disable-sync", "--no-first-run"])
             shoot_token_view(browser, port)
+            shoot_streaming(browser, port)
+            shoot_branches(browser, port)
             shoot_phone(browser, port)
             browser.close()
     finally:
@@ -59,16 +61,22 @@ def settle(page) -> None:
     page.wait_for_selector("#send", state="visible")
 
 
-def ask(page, port: int, seed: int) -> None:
+def ask(page, port: int, seed: int, question: str = QUESTION, max_tokens: int = 90,
+        wait: bool = True) -> None:
     page.goto(f"http://127.0.0.1:{port}/")
     page.wait_for_selector("#model option", state="attached")
     page.click("#open-settings")
     page.fill("#seed", str(seed))
-    page.fill("#max-tokens", "90")
+    page.fill("#max-tokens", str(max_tokens))
     page.click("#close-settings")
-    page.fill("#input", QUESTION)
+    say(page, question, wait)
+
+
+def say(page, question: str, wait: bool = True) -> None:
+    page.fill("#input", question)
     page.press("#input", "Enter")
-    settle(page)
+    if wait:
+        settle(page)
 
 
 def shoot_token_view(browser, port: int) -> None:
@@ -85,6 +93,35 @@ def shoot_token_view(browser, port: int) -> None:
     page.click("#theme")
     page.locator(".comparison").scroll_into_view_if_needed()
     page.screenshot(path=IMAGES / "web-compare.png")
+    page.close()
+
+
+def shoot_streaming(browser, port: int) -> None:
+    """The question, and under it its reply as it streams, markdown drawn."""
+    page = browser.new_page(viewport={"width": 1200, "height": 600}, color_scheme="light")
+    ask(page, port, seed=4, question="Give me three tips for a first trip to Norway, "
+        "as a list.", max_tokens=300, wait=False)
+    # polled from here: the page's policy forbids the string evaluation wait_for_function does
+    while not page.evaluate("document.querySelector('.content.streaming')?.textContent"
+                            ".length > 160"):
+        time.sleep(0.05)
+    page.screenshot(path=IMAGES / "web-streaming.png")
+    settle(page)
+    page.close()
+
+
+def shoot_branches(browser, port: int) -> None:
+    """A question edited after a second turn: the new version, with ‹ 2/2 › back to the
+    branch it replaced."""
+    page = browser.new_page(viewport={"width": 1200, "height": 560}, color_scheme="dark")
+    ask(page, port, seed=5, question="Name a colour.", max_tokens=30)
+    say(page, "And a second one?")
+    page.locator(".message.user .edit").first.click()
+    page.fill(".edit-area", "Name a fruit.")
+    page.press(".edit-area", "Enter")
+    settle(page)
+    page.mouse.move(0, 0)
+    page.screenshot(path=IMAGES / "web-branches.png")
     page.close()
 
 

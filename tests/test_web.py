@@ -274,8 +274,16 @@ def test_the_question_shows_above_its_reply_while_it_streams(page):
         "Write a story about a lighthouse keeper."
     roles = page.tab.eval_on_selector_all(".message", "ms => ms.map(m => m.className)")
     assert roles == ["message user", "message assistant"]
+    # Nothing offers what cannot be done while it streams: no Retry or Edit of the question
+    # being answered, no Copy, Regenerate or Compare of a reply not whole yet.
+    for name in ("retry", "edit"):
+        assert page.tab.is_hidden(f".message.user .{name}")
+    for name in ("copy", "regenerate", "compare"):
+        assert page.tab.is_hidden(f".message.assistant .{name}")
     page.tab.click("#stop")
     page.wait_reply()
+    assert page.tab.is_visible(".message.assistant .copy")
+    assert page.tab.is_visible(".message.assistant .regenerate")
 
 
 def test_the_view_follows_a_reply_that_grows_below_the_fold_on_a_phone(browser, server):
