@@ -19,6 +19,7 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
+from pdf_files import pdf_of
 from test_server import API_KEY, free_port, raw, serving
 
 from adaptive_llama.chat.repl import check_saved_chat
@@ -195,6 +196,8 @@ def test_the_page_files_need_no_key_but_the_api_does(keyed_server):
     assert raw("GET", keyed_server, "/web/secret.py", key=None)[0] == 404
     # the page's typesetting is a POST of the reply's text: it needs the key, as the API does
     assert raw("POST", keyed_server, "/web/typeset", {"code": []}, key=None)[0] == 401
+    assert raw("POST", keyed_server, "/web/pdf-text", {"name": "a.pdf", "data": ""},
+               key=None)[0] == 401
     status, _, answer = raw("POST", keyed_server, "/web/typeset",
                             {"code": [{"language": "python", "text": "x = 1"}],
                              "math": [{"tex": "x^2"}]}, key=KEY)
@@ -1348,13 +1351,13 @@ def test_text_files_are_attached_by_name_and_a_binary_one_is_refused(page, tmp_p
                     "# ```a fence inside```\n")
     notes = tmp_path / "notes.txt"
     notes.write_text("Not this one.")
-    binary = tmp_path / "paper.pdf"
-    binary.write_bytes(b"%PDF-1.7\n\x00\x01\x02 binary")
+    binary = tmp_path / "photo.png"
+    binary.write_bytes(b"\x89PNG\r\n\x1a\n\x00\x00\x00\rIHDR")
     page.open()
     page.settings(max_tokens=8)
     page.tab.set_input_files("#attach-file", [str(code), str(notes), str(binary)])
     page.tab.wait_for_selector("#error", state="visible")
-    assert page.error().startswith("Cannot attach paper.pdf is not text")
+    assert page.error().startswith("Cannot attach photo.png is not text")
     chips = "#attachments .file-chip"
     wait_until(page.tab, f"document.querySelectorAll('{chips}').length === 2")
     page.tab.click("#attachments [aria-label='Remove notes.txt']")  # taken off again
@@ -1370,3 +1373,26 @@ def test_text_files_are_attached_by_name_and_a_binary_one_is_refused(page, tmp_p
     assert page.tab.locator(chips).count() == 0  # the next question carries none
     saved = page.messages()[-2]
     assert saved["content"] == sent and saved["files"] == ["fib.py"]
+
+
+def test_a_pdfs_text_is_attached_and_one_that_cannot_be_read_is_said_in_one_line(page,
+                                                                                   tmp_path):
+    paper = tmp_path / "paper.pdf"
+    paper.write_bytes(pdf_of(["Rivers of Europe", "The Danube flows east."], deflate=True))
+    broken = tmp_path / "broken.pdf"
+    broken.write_bytes(pdf_of(["cut short"])[:80])
+    page.open()
+    page.settings(max_tokens=8)
+    page.tab.set_input_files("#attach-file", [str(broken)])
+    page.tab.wait_for_selector("#error", state="visible")
+    assert page.error().startswith("Cannot attach broken.pdf is not a PDF that can be read (")
+    page.tab.set_input_files("#attach-file", [str(paper)])
+    wait_until(page.tab, "document.querySelectorAll('#attachments .file-chip').length === 1")
+    page.send("Summarise.")
+    sent = page.messages()[-2]
+    assert sent["content"] == ("Summarise.\n\npaper.pdf:\n```\nRivers of Europe\n\n"
+                               "The Danube flows east.\n```")
+    assert sent["files"] == ["paper.pdf"] and page.messages()[-1]["content"]
+    # the browser's own line for the refused one's answer, and nothing else
+    assert page.errors == ["Failed to load resource: the server responded with a status of "
+                           "400 (Bad Request)"]

@@ -1,7 +1,8 @@
 """The chat page: ``GET /`` answers the page, ``GET /web/FILE`` its scripts and style sheet
 (static files shipped in the package, :data:`PAGE_FOLDER`), ``GET /web/samplers.json`` the
-sampler table the settings panel is built from, and ``POST /web/typeset`` the code and math
-of a reply, highlighted and typeset (:mod:`.typeset`).
+sampler table the settings panel is built from, ``POST /web/typeset`` the code and math
+of a reply, highlighted and typeset (:mod:`.typeset`), and ``POST /web/pdf-text`` the text of
+a PDF attached to a question (:mod:`.pdf_text`).
 
 The scripts and the style sheet are sent without their comments and layout whitespace
 (rJSmin, rCSSmin: minifiers made to run as a file is served), so the package keeps them
@@ -31,6 +32,7 @@ from rjsmin import jsmin
 from ..samplers import SAMPLERS, Param
 from .common import parse_body
 from .errors import APIError
+from .pdf_text import MAX_PDF_BYTES, PdfError, pdf_text
 from .typeset import highlight, mathml
 
 PAGE_FOLDER = Path(__file__).with_name("web")
@@ -130,6 +132,22 @@ def _typeset(body: TypesetBody) -> dict:
 async def typeset(request: Request):
     body = await parse_body(request, TypesetBody)
     return await asyncio.to_thread(_typeset, body)
+
+
+class PdfBody(BaseModel):
+    """A PDF the page attaches: its file name and its bytes in base64."""
+    model_config = ConfigDict(extra="forbid")
+    name: str = Field(min_length=1, max_length=255)
+    data: str = Field(max_length=4 * (MAX_PDF_BYTES // 3 + 1))
+
+
+@router.post("/web/pdf-text")
+async def pdf(request: Request):
+    body = await parse_body(request, PdfBody)
+    try:
+        return await pdf_text(body.name, body.data)
+    except PdfError as error:
+        raise APIError(400, str(error), code="unreadable_pdf") from None
 
 
 def _param(param: Param) -> dict:

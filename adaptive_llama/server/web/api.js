@@ -44,6 +44,11 @@ export class Api {
 
   samplers() { return this.json("/web/samplers.json").then((r) => r.samplers); }
 
+  // {text, pages} of a PDF (its bytes in base64), read by the server.
+  pdfText(name, data) {
+    return this.json("/web/pdf-text", { method: "POST", body: JSON.stringify({ name, data }) });
+  }
+
   // The chunks of a streamed chat completion, as objects; an error (HTTP or in the stream)
   // throws ApiError with the server's one-line message. `signal` aborts it.
   async *chat(body, signal) {

@@ -284,7 +284,7 @@ function renderAttachments() {
 async function attach(files) {
   for (const file of files) {
     try {
-      state.attachments.push(await readAttachment(file));
+      state.attachments.push(await readAttachment(file, (name, data) => api.pdfText(name, data)));
     } catch (error) {
       showError(`Cannot attach ${error.message}`);
     }
