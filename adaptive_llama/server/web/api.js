@@ -60,7 +60,7 @@ export class Api {
     // when the body's end reaches the script before the request's own end, as it mostly does
     // on a busy machine. A copy that the browser itself reads (a blob) holds the request
     // until its end; it costs a copy of the bytes for the reply's duration.
-    response.clone().blob().catch(() => {});  // rejects as the reply does: said below
+    response.clone().blob().catch(() => {});  // a stop or a lost connection: reported below
     for await (const data of events(response.body)) {
       // the stream is read to its end after [DONE], so that the request ends as finished
       if (data === "[DONE]") continue;
