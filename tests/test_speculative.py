@@ -931,6 +931,27 @@ def test_a_round_shares_its_room_and_each_sequence_keeps_to_what_it_has_left():
     assert asked == [[4, 1, 1]]  # a draft model drafts only what the batch verifies
 
 
+def test_a_sequence_the_lookup_has_nothing_for_leaves_the_room_to_the_others(monkeypatch):
+    """Prompt lookup drafts first: the rule is asked only for a sequence that has a draft
+    (most steps of a chat have none), and one without a draft takes none of the step's
+    room."""
+    speculation = Speculation(drafting.NgramDrafter(), draft_max=4)
+    speculation.fixed = 4
+    generations = []
+    for slot, prompt in enumerate([[1, 2, 3, 4], [1, 2, 3, 4, 5, 6, 1, 2]]):
+        speculation.start(slot, prompt)  # the first has no suffix seen before, the second has
+        generations.append(SimpleNamespace(slot=SimpleNamespace(index=slot),
+                                           result=SimpleNamespace(tokens=[])))
+    round_ = speculation.plan(generations, room=4, left=[100, 100])
+    assert [s.draft for s in round_.sequences] == [[], [3, 4, 5, 6]]
+    asked = []
+    monkeypatch.setattr(DraftLength, "next_length",
+                        lambda self, costs: asked.append(self) or self.n_max)
+    speculation.fixed = None
+    speculation.plan(generations, room=4, left=[100, 100])
+    assert asked == [speculation._sequences[1].length]
+
+
 def test_the_step_after_a_prompt_chunk_is_not_counted_in_what_rows_cost(ngram_engine,
                                                                         monkeypatch):
     """Each prompt chunk tells the row costs that the next step builds its graph again: the
