@@ -6,8 +6,10 @@ at temperature 0.7 and at 1.0. Each is decoded without drafts ("none"), with pro
 ("ngram", the length rule of adaptive_llama.runtime.speculation deciding how much to
 draft), and with prompt lookup drafting a fixed number of tokens at every step where it
 has them ("fixed-1" to "fixed-16": what the rule is measured against); with
-``--draft-model``, also with that model drafting (its rule). Rounds interleave the modes,
-each round starting at another; every reply has the same seed in every mode.
+``--draft-model``, also with that model drafting (its rule); and once more without drafts,
+in an engine of its own ("control": how far two engines that do the same work differ on
+this machine, the floor under which no ratio here means anything). Rounds interleave the
+modes, each round starting at another; every reply has the same seed in every mode.
 
 One JSON object on stdout: per task and sampler, the median decode tokens/s of each mode,
 its ratio to "none" (the median of each round's ratio: a slow spell of the machine then
@@ -191,6 +193,7 @@ def main():
                    else None)
     # "none" computes attention as the engines with drafts do, so that texts are comparable
     engines = {"none": Engine(args.model, reference_attention=True, **options),
+               "control": Engine(args.model, reference_attention=True, **options),
                "ngram": Engine(args.model, draft="ngram", draft_max=args.draft_max,
                                **options)}
     fixed = {f"fixed-{n}": int(n) for n in args.fixed.split(",")}
@@ -253,7 +256,9 @@ def main():
                           "vs_best_fixed": min(r["rule"]["vs_best_fixed"] for r in table.values()),
                           "vs_best_fixed_paired": min(r["rule"]["vs_best_fixed_paired"]
                                                       for r in table.values()),
-                          "vs_none": min(r["rule"]["vs_none"] for r in table.values())}}))
+                          "vs_none": min(r["rule"]["vs_none"] for r in table.values())},
+                      "control_range": [min(r["control"]["ratio"] for r in table.values()),
+                                        max(r["control"]["ratio"] for r in table.values())]}))
 
 
 if __name__ == "__main__":
