@@ -104,7 +104,7 @@ def test_every_step_runs_on_the_cpu_and_writes_its_figures(dry_run):
     assert set(rows["after one row"]) == set(rows["one row after"]) == {"2", "4", "8", "16"}
     assert all(ms > 0 for shape in rows.values() for ms in shape.values())
     for row in spec.values():  # on the card: fixed-16 too
-        assert {"none", "ngram", "fixed-4"} == set(row) - {"tokens", "rule"}
+        assert {"none", "control", "ngram", "fixed-4"} == set(row) - {"tokens", "rule"}
         assert all(row[mode]["same_text"] for mode in ("ngram", "fixed-4"))
     # one worker holding the model, against the model alone (on this CPU, the worker's CPU)
     rpc = steps["rpc"]["models"]
