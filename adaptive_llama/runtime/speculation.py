@@ -394,30 +394,28 @@ class Speculation:
         verify: most steps of a chat have none, and the rule costs about as much as the
         lookup and the shadow's bookkeeping together (some 30 us a step)."""
         records = [self._caught_up(generation) for generation in generating]
-        costs = None
-
-        def length(record: _Sequence, limit: int) -> int:
-            nonlocal costs, room
-            if self.fixed is not None:
-                n = self.fixed
-            else:
-                if costs is None:
-                    costs = self.row_cost.extra(len(generating), self.draft_max,
-                                                self.drafter.draft_s)
-                n = record.length.next_length(costs)
-            n = max(0, min(n, limit, room))
-            room -= n
-            return n
-
-        if self.drafter.free:
+        free = self.drafter.free
+        if free:
             drafts = self.drafter.draft([(g.slot.index, r.state, self.draft_max)
                                          for g, r in zip(generating, records)])
             self._shadow(generating, drafts)
-            drafts = [draft[:length(record, min(limit, len(draft)))] if draft else []
-                      for draft, record, limit in zip(drafts, records, left)]
+            left = [min(limit, len(draft)) for draft, limit in zip(drafts, left)]
+        lengths, costs = [], None
+        for record, limit in zip(records, left):
+            if (free and limit <= 0) or self.fixed is not None:
+                n = self.fixed or 0
+            else:
+                costs = costs or self.row_cost.extra(len(generating), self.draft_max,
+                                                     self.drafter.draft_s)
+                n = record.length.next_length(costs)
+            n = max(0, min(n, limit, room))
+            room -= n
+            lengths.append(n)
+        if free:
+            drafts = [draft[:n] for draft, n in zip(drafts, lengths)]
         else:
-            drafts = self.drafter.draft([(g.slot.index, r.state, length(r, limit))
-                                         for g, r, limit in zip(generating, records, left)])
+            drafts = self.drafter.draft([(g.slot.index, r.state, n)
+                                         for g, r, n in zip(generating, records, lengths)])
         return DraftRound.of(generating, drafts)
 
     def _caught_up(self, generation) -> _Sequence:
