@@ -625,7 +625,7 @@ def test_where_rows_are_cheap_the_rule_drafts_what_the_shadow_found(
         smollm2_path, engine, monkeypatch):
     """Rows that cost almost nothing, as on a GPU (the CPU here is made to look like one):
     drafts that the shadow saw kept start at once, and the reply stays the same."""
-    monkeypatch.setattr(RowCost, "observe", lambda self, seconds, rows: None)
+    monkeypatch.setattr(RowCost, "observe", lambda self, seconds, rows, plain_rows: None)
     drafted = Engine(smollm2_path, seed=1, n_ctx=1024, draft="ngram", draft_max=6)
     drafted.decoder.speculation.row_cost.step_s.update({1: 0.01, 7: 0.0105})
     try:
@@ -691,6 +691,22 @@ def test_the_step_back_to_fewer_rows_counts_to_the_drafts_cost():
     assert fresh.step_s[2] == 0.010 and fresh.return_s is None
     fresh.observe(0.015, rows=2)
     assert fresh.step_s[2] == pytest.approx(0.011)
+
+
+def test_only_a_return_to_the_plain_rows_measures_what_the_step_back_costs():
+    """A drafted row count is measured seldom: a step's excess over its noisy average is not
+    what building the graph again costs."""
+    cost = RowCost(prior=0.1)
+    for seconds, rows in [(0.010, 1), (0.030, 5), (0.050, 9)]:
+        cost.observe(seconds, rows, plain_rows=1)
+    cost.observe(0.040, rows=5, plain_rows=1)  # back from 9 rows to 5, 10 ms over 5's average
+    assert cost.return_s is None and cost.step_s[5] == pytest.approx(0.032)
+    cost.observe(0.0115, rows=1, plain_rows=1)
+    assert cost.return_s == pytest.approx(0.0015) and cost.step_s[1] == pytest.approx(0.010)
+    pair = RowCost(prior=0.1)  # two sequences: their plain step is two rows
+    for seconds, rows in [(0.020, 2), (0.030, 4), (0.022, 2)]:
+        pair.observe(seconds, rows, plain_rows=2)
+    assert pair.return_s == pytest.approx(0.002)
 
 
 def test_the_vocabulary_check_names_the_first_token_that_differs(smollm2_path,
@@ -959,7 +975,7 @@ def test_the_step_after_a_prompt_chunk_is_not_counted_in_what_rows_cost(ngram_en
     chunks, steps = [], []
     row_cost = ngram_engine.decoder.speculation.row_cost
     monkeypatch.setattr(row_cost, "reshaped", lambda: chunks.append(len(steps)))
-    monkeypatch.setattr(row_cost, "observe", lambda seconds, rows: steps.append(rows))
+    monkeypatch.setattr(row_cost, "observe", lambda seconds, rows, plain_rows: steps.append(rows))
     ngram_engine.clear_cache()
     reply(ngram_engine, LONG, "greedy", max_tokens=4)
     assert len(chunks) >= 2 and chunks == [0] * len(chunks)  # 266 tokens: several chunks

@@ -235,7 +235,10 @@ class RowCost:
     new number of rows (on CUDA the CUDA graph warms up again), so a step with fewer rows
     than the one before takes longer than its kind (measured on 2 cores with SmolLM2: 1.3 ms
     on an 11.7 ms step, a fifth of what a drafted row adds). That excess is averaged apart
-    (``return_s``), kept out of the plain step's time and added to every draft's cost. The
+    (``return_s``), kept out of the plain step's time and added to every draft's cost. It
+    is measured on the plain steps alone: a drafted row count is measured seldom, and its
+    step's excess over that noisy average (a fifth of the runs of a SmolLM2 code edit put
+    the excess at 5 to 10 ms, where it is 1 to 2) made every draft look a decode dearer. The
     step after a prompt chunk is not counted at all: its graph is built again too, and no
     draft caused it."""
 
@@ -252,10 +255,11 @@ class RowCost:
         """A decode that is not a step (a prompt chunk) ran."""
         self._after_prompt = True
 
-    def observe(self, seconds: float, rows: int) -> None:
+    def observe(self, seconds: float, rows: int, plain_rows: int = 1) -> None:
+        """A step of ``rows`` rows took ``seconds``; ``plain_rows``: the step's sequences."""
         self._steps += 1
         after_prompt, self._after_prompt = self._after_prompt, False
-        returning = rows < self._last_rows and rows in self.step_s
+        returning = plain_rows == rows < self._last_rows and rows in self.step_s
         self._last_rows = rows
         if after_prompt:
             return
@@ -364,6 +368,7 @@ class Speculation:
         self.draft_max = draft_max
         self.row_cost = RowCost()
         self.fixed: int | None = None
+        self._plain_rows = 1  # the last round's sequences
         self._sequences: dict[int, _Sequence] = {}  # by the generation's slot
 
     @property
@@ -381,7 +386,7 @@ class Speculation:
 
     def observe(self, seconds: float, rows: int) -> None:
         """A decode step of ``rows`` rows took ``seconds``."""
-        self.row_cost.observe(seconds, rows)
+        self.row_cost.observe(seconds, rows, self._plain_rows)
 
     def prompt_evaluated(self) -> None:
         """A prompt chunk was decoded between steps."""
@@ -394,6 +399,7 @@ class Speculation:
         verify: most steps of a chat have none, and the rule costs about as much as the
         lookup and the shadow's bookkeeping together (some 30 us a step)."""
         records = [self._caught_up(generation) for generation in generating]
+        self._plain_rows = len(generating)
         free = self.drafter.free
         if free:
             drafts = self.drafter.draft([(g.slot.index, r.state, self.draft_max)
