@@ -223,11 +223,15 @@ class RowCost:
     """What drafted rows add to a decode step, from running averages of the step's time by
     its number of rows, each forgotten when not measured again within ``MAX_AGE`` steps. A
     row count not measured is interpolated between the nearest measured ones, and past the
-    largest extrapolated along a line through the drafted ones (each row at least ``prior``
-    of a sequence's share of the step: on a CPU bound by arithmetic 16 rows cost about 10
-    single-row decodes, on a GPU not much more than one). Drafts grow into what was not
-    measured step by step: at most one more than twice the most drafted rows measured, so
-    that finding out what rows cost never costs a step of 16 rows that pays nothing. Until
+    largest taken to cost ``prior`` of a sequence's share of the step a row: the least a
+    row may cost, so that a length the drafts' rates say could pay is tried and measured
+    (on a GPU 16 rows cost not much more than one; on a CPU bound by arithmetic they cost
+    about 10 single-row decodes, but the first drafted row can cost the most of all: on 2
+    cores with Qwen2.5-Coder-1.5B one decode of 1, 2, 4 and 16 rows took 40, 86, 124 and 439
+    ms, and a line through what was measured kept drafts at one token, where 16 pay 1.27x).
+    Drafts grow into what was not measured step by step: at most one more than twice the
+    most drafted rows measured, so that finding out what rows cost never costs a step of 16
+    rows that pays nothing. Until
     a step of the plain rows was measured, drafts are taken to cost without bound: that
     step comes first.
 
@@ -289,10 +293,10 @@ class RowCost:
 
     def _times(self, sequences: int, n_max: int, share: float) -> list[float]:
         """Step times of ``sequences`` + 1 to + ``n_max`` rows: interpolated between the
-        measured row counts, extrapolated past the largest."""
+        measured row counts, past the largest at ``prior`` of a share a row."""
         measured = sorted(self.step_s)
         seconds = [self.step_s[r] for r in measured]
-        slope = max(self.prior * share, self._slope(measured, seconds, sequences))
+        slope = self.prior * share
         times = []
         for rows in range(sequences + 1, sequences + n_max + 1):
             above = bisect.bisect_right(measured, rows)
@@ -303,23 +307,6 @@ class RowCost:
                 times.append(seconds[above - 1] + (seconds[above] - seconds[above - 1])
                              * (rows - low) / (high - low))
         return times
-
-    @staticmethod
-    def _slope(measured: list[int], seconds: list[float], sequences: int) -> float:
-        """Seconds per row past the largest row count measured: the least-squares line
-        through the drafted row counts measured, or through the two largest counts while
-        fewer than two drafted ones were. Two neighbours alone are at the mercy of noise: on 2
-        cores with Qwen2.5-Coder-1.5B, 9 rows measured 53 ms over 8, where rows cost 37 ms on
-        average, and a draft of 16 looked a fifth dearer than it is."""
-        points = [(r, t) for r, t in zip(measured, seconds) if r > sequences]
-        if len(points) < 2:
-            points = list(zip(measured, seconds))[-2:]
-        if len(points) < 2:
-            return 0.0
-        mean_rows = sum(r for r, _ in points) / len(points)
-        mean_time = sum(t for _, t in points) / len(points)
-        return (sum((r - mean_rows) * (t - mean_time) for r, t in points)
-                / sum((r - mean_rows) ** 2 for r, _ in points))
 
 
 def average(old: float | None, new: float, weight: float = 0.2) -> float:
